@@ -1,0 +1,145 @@
+"""Checkpoints: weights, the :class:`ModelSpec` and a training record, in one file.
+
+Files are read with ``torch.load(weights_only=True)``: tensors, strings and numbers only, so a file that is not
+ours is refused with a clear error and never unpickled into arbitrary objects. The spec and the record are stored
+as JSON text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from service.errors import CheckpointError, ConfigError
+from service.spec import ModelSpec, decode_spec, encode_spec
+
+CHECKPOINT_FORMAT = "visionserve-checkpoint/1"
+
+
+class EpochRecord(msgspec.Struct, frozen=True, kw_only=True):
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    val_accuracy: float | None
+    duration_s: float
+
+
+class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """How a checkpoint was trained."""
+
+    dataset: str
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+    device: str
+    world_size: int
+    train_size: int
+    val_size: int
+    val_accuracy: float | None
+    duration_s: float
+    history: tuple[EpochRecord, ...]
+    versions: dict[str, str]
+    created_at: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    state_dict: dict[str, torch.Tensor]
+    spec: ModelSpec
+    record: TrainRecord | None
+    sha256: str
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_checkpoint(
+    path: str | Path, *, state_dict: dict[str, torch.Tensor], spec: ModelSpec, record: TrainRecord | None
+) -> None:
+    """Write atomically (a temporary file, then a rename), so a crash never leaves half a checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "state_dict": {k: v.detach().cpu() for k, v in state_dict.items()},
+        "spec": encode_spec(spec).decode(),
+        "record": msgspec.json.encode(record).decode() if record is not None else "",
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _safe_load(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Unsupported global" in str(exc) or "GLOBAL" in str(exc):
+            raise CheckpointError(
+                f"{path} is not a visionserve checkpoint: it holds Python objects other than tensors, "
+                "which are refused rather than unpickled"
+            ) from exc
+        raise CheckpointError(f"{path} is corrupt or not a PyTorch file (it cannot be unpickled)") from exc
+    except (RuntimeError, EOFError, ValueError, OSError, AttributeError, KeyError) as exc:
+        reason = str(exc).split(". ")[0]
+        raise CheckpointError(f"{path} is corrupt or not a PyTorch file: {reason}") from exc
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a visionserve checkpoint; anything else raises :class:`CheckpointError`."""
+    path = Path(path)
+    payload = _safe_load(path)
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        hint = ""
+        if isinstance(payload, dict) and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
+            hint = " (it looks like a bare state dict: pass it with --weights and --arch instead)"
+        raise CheckpointError(f"{path} is not a visionserve checkpoint{hint}")
+    try:
+        spec = decode_spec(payload["spec"], source=f"{path} [spec]")
+        record = msgspec.json.decode(payload["record"], type=TrainRecord) if payload.get("record") else None
+        state_dict = payload["state_dict"]
+    except (KeyError, msgspec.DecodeError, ConfigError) as exc:
+        raise CheckpointError(f"{path} is a damaged visionserve checkpoint: {exc}") from exc
+    return Checkpoint(state_dict=state_dict, spec=spec, record=record, sha256=file_sha256(path))
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from a bare ``torch.save(model.state_dict())`` file or from a visionserve checkpoint."""
+    path = Path(path)
+    payload = _safe_load(path)
+    if isinstance(payload, dict) and payload.get("format") == CHECKPOINT_FORMAT:
+        return dict(payload["state_dict"])
+    if isinstance(payload, dict) and payload and all(isinstance(v, torch.Tensor) for v in payload.values()):
+        return dict(payload)
+    raise CheckpointError(f"{path} holds no state dict (expected a dict of tensors)")
+
+
+def apply_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, source: str) -> None:
+    """Load ``state_dict`` strictly; a mismatch names the first missing and unexpected keys."""
+    try:
+        result = model.load_state_dict(state_dict, strict=False)
+    except RuntimeError as exc:  # shape mismatches raise even when strict=False
+        first = str(exc).strip().splitlines()[1:2] or [str(exc)]
+        raise CheckpointError(f"weights in {source} do not fit the architecture: {first[0].strip()}") from exc
+    problems = []
+    if result.missing_keys:
+        problems.append(f"missing {len(result.missing_keys)} keys (first: {result.missing_keys[0]})")
+    if result.unexpected_keys:
+        problems.append(f"unexpected {len(result.unexpected_keys)} keys (first: {result.unexpected_keys[0]})")
+    if problems:
+        raise CheckpointError(f"weights in {source} do not fit the architecture: {'; '.join(problems)}")

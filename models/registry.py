@@ -1,0 +1,62 @@
+"""The architecture registry: a name maps to a keyword-only builder and a default :class:`ModelSpec`.
+
+Builders follow torchvision's pattern: ``builder(*, num_classes=...) -> nn.Module``. The spec carries the
+preprocessing and labels that travel with the weights. Registering a name twice is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from service.errors import UnknownNameError
+from service.spec import ModelSpec
+
+Builder = Callable[..., nn.Module]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One registered architecture: how to build it and what it expects by default."""
+
+    name: str
+    builder: Builder
+    spec: ModelSpec
+    description: str
+
+    def build(self, *, num_classes: int | None = None) -> nn.Module:
+        """A fresh model with initial weights (never downloaded)."""
+        return self.builder(num_classes=num_classes or self.spec.num_classes)
+
+
+_REGISTRY: dict[str, Architecture] = {}
+
+
+def register(name: str, *, spec: ModelSpec, description: str) -> Callable[[Builder], Builder]:
+    """Decorator that registers a builder under ``name``; a duplicate name raises ``ValueError``."""
+
+    def wrap(builder: Builder) -> Builder:
+        if name in _REGISTRY:
+            raise ValueError(f"architecture {name!r} is already registered")
+        if spec.architecture != name:
+            raise ValueError(f"spec.architecture {spec.architecture!r} does not match the name {name!r}")
+        _REGISTRY[name] = Architecture(name=name, builder=builder, spec=spec, description=description)
+        return builder
+
+    return wrap
+
+
+def architecture_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_architecture(name: str) -> Architecture:
+    """The architecture called ``name``; an unknown name lists the valid ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownNameError(
+            f"unknown architecture {name!r}; choose one of: {', '.join(architecture_names())}"
+        ) from None

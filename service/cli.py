@@ -1,0 +1,71 @@
+"""The ``visionserve`` command: one entry point, a subcommand per job.
+
+Each subcommand lives beside the code it drives (``models/commands.py``, ...) as a pair ``add_arguments(parser)``
+and ``run(args) -> int``; heavy imports happen inside ``run`` so ``visionserve --help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from service.errors import ConfigError, VisionServeError
+
+# name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("models.commands", "train a model on digits, a folder of images, or synthetic data"),
+    "models": ("models.commands", "list the architectures (and the repository's models)"),
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help states its default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level",
+    )
+    common.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
+    parser = argparse.ArgumentParser(
+        prog="visionserve",
+        description="Serve image-classification CNNs with dynamic batching on GPU or CPU.",
+        formatter_class=HelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[common], formatter_class=HelpFormatter)
+        getattr(module, f"add_{name}_arguments")(p)
+        p.set_defaults(_run=getattr(module, f"run_{name}"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as exc:
+        print(f"visionserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except VisionServeError as exc:
+        print(f"visionserve {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"visionserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
