@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.progress import TaskID
 
     from models.checkpoint import EpochRecord
@@ -142,5 +143,39 @@ def run_models(args: argparse.Namespace) -> int:
             arch.description,
         )
     width = max(shutil.get_terminal_size((140, 24)).columns, 120)
-    Console(file=sys.stdout, width=width).print(table)
+    console = Console(file=sys.stdout, width=width)
+    console.print(table)
+    _print_repository(console, args.repository)
     return 0
+
+
+def _print_repository(console: Console, root: str) -> None:
+    from pathlib import Path
+
+    from rich.table import Table
+
+    from service.repository import ModelRepository
+
+    if not Path(root).is_dir():
+        print(f"(no model repository at {root})")
+        return
+    index = ModelRepository(root).scan(deep=False)
+    table = Table(title=f"models in {root}")
+    for column in ("model", "versions", "formats (latest)", "input", "classes", "state"):
+        table.add_column(column)
+    for name, entry in index.models.items():
+        latest = entry.latest
+        formats = sorted(latest.files) + [f"{f} fp16" for f in sorted(latest.fp16_files)]
+        spec = latest.spec
+        broken = f"; refused versions: {sorted(entry.version_errors)}" if entry.version_errors else ""
+        table.add_row(
+            name,
+            ", ".join(str(v) for v in sorted(entry.versions)),
+            ", ".join(formats),
+            f"{spec.input.channels}x{spec.input.height}x{spec.input.width}",
+            str(spec.num_classes),
+            "ok" + broken,
+        )
+    for name, error in index.errors.items():
+        table.add_row(name, "-", "-", "-", "-", f"refused: {error}")
+    console.print(table)

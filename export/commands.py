@@ -1,0 +1,167 @@
+"""``visionserve export``. Heavy imports wait until the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from export.exporter import ExportReport
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _size(text: str) -> tuple[int, int]:
+    parts = text.lower().replace("x", ",").split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SIZE or HxW, got {text!r}") from None
+    if len(values) == 1:
+        values *= 2
+    if len(values) != 2 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected SIZE or HxW with positive numbers, got {text!r}")
+    return values[0], values[1]
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Export a model to TorchScript and/or ONNX (uint8 NCHW input, normalisation inside, dynamic batch), "
+        "prove parity against eager PyTorch, and write a model repository entry."
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a visionserve checkpoint (from `visionserve train`)")
+    src.add_argument("--arch", help="a zoo architecture with its initial weights (or --weights)")
+    src.add_argument("--onnx", help="an ONNX model from elsewhere (float input); needs --labels")
+    src.add_argument("--torchscript", help="a TorchScript model from elsewhere (float input); needs --labels")
+    p.add_argument("--name", required=True, help="model name in the repository")
+    p.add_argument("--version", type=int, default=None, help="version to write; default: the next free one")
+    p.add_argument("--formats", default="onnx,torchscript", help="comma-separated: onnx, torchscript")
+    p.add_argument("--fp16", action="store_true", help="also write fp16 variants (parity checked on a GPU)")
+    p.add_argument("--opset", type=int, default=20, help="ONNX opset")
+    p.add_argument("--repository", default="model_repository", help="model repository folder")
+    p.add_argument("--max-batch-size", type=int, default=None, help="largest batch checked; default: config or 32")
+    p.add_argument("--calibration-images", default=None, help="folder of real images for the parity check")
+    p.add_argument("--weights", default=None, help="with --arch: a state dict to load")
+    p.add_argument(
+        "--input-size", type=_size, default=None, help="SIZE or HxW; with --arch: a smaller input for speed runs"
+    )
+    p.add_argument("--labels", default=None, help="outside models: labels file (one per line, or a JSON list)")
+    p.add_argument("--mean", type=_floats, default=None, help="outside models: mean per channel (default: ImageNet)")
+    p.add_argument("--std", type=_floats, default=None, help="outside models: std per channel (default: ImageNet)")
+    p.add_argument("--layout", default="nchw", choices=["nchw", "nhwc"], help="outside models: float input layout")
+    p.add_argument("--resize-size", type=int, default=None, help="outside models: shorter side before the crop")
+    p.add_argument("--device", default="auto", help="device for the latency figures: auto, cpu, cuda, cuda:N")
+    p.add_argument("--no-latency", action="store_true", help="skip the latency figures")
+
+
+def print_report(report: ExportReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, width=max(console_width(), 120))
+    title = f"export {report.name} version {report.version}" + (f", opset {report.opset}" if report.opset else "")
+    table = Table(title=title)
+    for column in ("artifact", "size", "export", "parity", "latency per batch (ms) on " + report.device, "written"):
+        table.add_column(column)
+    for a in report.artifacts:
+        latency = ", ".join(f"{n}: {ms:.2f}" for n, ms in a.latency_ms.items()) or "-"
+        table.add_row(
+            f"{a.file} ({a.format} {a.precision})",
+            f"{a.size_bytes / 1e6:.2f} MB",
+            f"{a.export_s:.1f} s",
+            a.parity.describe().split(":")[0] + (f" {a.parity.max_rel_error:.1e}" if a.parity.checked else ""),
+            latency,
+            "yes" if a.written else "NO",
+        )
+    console.print(table)
+    for a in report.artifacts:
+        console.print(f"parity {a.file}: {a.parity.describe()}", soft_wrap=True)
+    for note in report.notes:
+        console.print(f"note: {note}")
+    if report.spec is not None:
+        console.print(f"wrote {report.path} (spec.json records each artifact's parity)")
+    else:
+        console.print("nothing was written: no artifact passed its parity check")
+
+
+def console_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size((140, 24)).columns
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from export import exporter, outside, sources
+    from service.errors import ConfigError
+
+    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
+    request = exporter.ExportRequest(
+        name=args.name,
+        repository=args.repository,
+        version=args.version,
+        formats=formats,
+        fp16=args.fp16,
+        opset=args.opset,
+        max_batch_size=args.max_batch_size,
+        latency=not args.no_latency,
+        device=args.device,
+    )
+    err = Console(stderr=True)
+
+    def progress(message: str) -> None:
+        if not args.no_progress:
+            err.print(f"[dim]... {message}[/dim]")
+
+    if args.onnx or args.torchscript:
+        if not args.labels:
+            raise ConfigError("--labels is required with --onnx or --torchscript")
+        if args.input_size is None:
+            raise ConfigError("--input-size is required with --onnx or --torchscript (e.g. 224 or 224x224)")
+        report = outside.place_outside_model(
+            onnx_path=args.onnx,
+            torchscript_path=args.torchscript,
+            request=request,
+            labels=outside.read_labels(args.labels),
+            description=outside.InputDescription(
+                height=args.input_size[0],
+                width=args.input_size[1],
+                mean=args.mean or outside.IMAGENET_MEAN,
+                std=args.std or outside.IMAGENET_STD,
+                layout=args.layout,
+                resize_size=args.resize_size,
+            ),
+            calibration=args.calibration_images,
+            progress=progress,
+        )
+    else:
+        if args.checkpoint:
+            source = sources.from_checkpoint(args.checkpoint)
+        else:
+            if args.input_size is not None and args.input_size[0] != args.input_size[1]:
+                raise ConfigError("--input-size with --arch takes one SIZE (square inputs)")
+            size = args.input_size[0] if args.input_size else None
+            source = sources.from_architecture(args.arch, weights=args.weights, input_size=size)
+        images, real_source = source.real_images, source.real_source
+        if args.calibration_images:
+            images = sources.calibration_images(args.calibration_images, source.spec)
+            real_source = f"{len(images)} images from {args.calibration_images} and random uint8 batches"
+        report = exporter.export_model(
+            source.eager,
+            source.spec,
+            request,
+            real_images=images,
+            real_source=real_source,
+            source_sha256=source.sha256,
+            progress=progress,
+        )
+    print_report(report)
+    return 0 if report.ok else 1

@@ -1,0 +1,303 @@
+"""Export: eager model -> artifacts -> parity gate -> model repository entry.
+
+Nothing reaches the repository before its parity is proved: artifacts are written to a hidden staging folder
+beside the version, checked, and only the ones that pass are moved into ``<repository>/<name>/<version>/`` with
+``spec.json`` (which records each artifact's measured error). A failing artifact is not written, and the report
+says by how much it failed.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+from torch import nn
+
+from export.artifacts import DEFAULT_OPSET, example_input, half_model, to_onnx, to_torchscript
+from export.parity import FP16, FP32, ParityResult, compare, eager_outputs, parity_batches
+from service.config import CONFIG_FILE, default_config_text, load_config
+from service.errors import ConfigError
+from service.repository import FP16_FILES, MODEL_FILES, ModelRepository
+from service.runtime import OnnxRuntime, Runtime, TorchScriptRuntime
+from service.spec import SPEC_FILE, ExportRecord, ModelSpec, write_spec
+
+FORMATS = ("onnx", "torchscript")
+Progress = Callable[[str], None]
+
+
+class ExportRequest(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    repository: str = "model_repository"
+    version: int | None = None
+    formats: tuple[str, ...] = FORMATS
+    fp16: bool = False
+    opset: int = DEFAULT_OPSET
+    max_batch_size: int | None = None  # None: the model's config.toml, else 32
+    latency: bool = True
+    device: str = "auto"
+
+
+@dataclass
+class ArtifactReport:
+    format: str
+    precision: str
+    file: str
+    size_bytes: int
+    export_s: float
+    parity: ParityResult
+    latency_ms: dict[int, float] = field(default_factory=dict)
+    written: bool = False
+
+
+@dataclass
+class ExportReport:
+    name: str
+    version: int
+    path: Path
+    opset: int | None
+    device: str
+    artifacts: list[ArtifactReport]
+    spec: ModelSpec | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.artifacts) and all(a.parity.passed for a in self.artifacts)
+
+
+def _check_request(request: ExportRequest) -> None:
+    bad = [f for f in request.formats if f not in FORMATS]
+    if bad or not request.formats:
+        raise ConfigError(f"--formats takes a comma-separated list of {', '.join(FORMATS)}, got {bad or '(none)'}")
+    if not request.name or "/" in request.name or request.name.startswith("."):
+        raise ConfigError(f"--name must be a plain folder name, got {request.name!r}")
+    if request.version is not None and request.version < 1:
+        raise ConfigError(f"--version must be an integer >= 1, got {request.version}")
+    if request.opset < 18:
+        raise ConfigError(f"--opset must be >= 18 (torch's ONNX exporter), got {request.opset}")
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def make_runtime(fmt: str, spec: ModelSpec, path: Path, device: str, max_batch_size: int) -> Runtime:
+    if fmt == "onnx":
+        return OnnxRuntime(spec, path, device=device, name=spec.name)
+    return TorchScriptRuntime(
+        spec, path, device=device, name=spec.name, max_batch_size=max_batch_size, cuda_graphs=False
+    )
+
+
+def measure_latency(runtime: Runtime, spec: ModelSpec, sizes: list[int], repeats: int = 5) -> dict[int, float]:
+    """Median milliseconds per batch for each size (after two warm-up runs)."""
+    rng = np.random.default_rng(1)
+    result: dict[int, float] = {}
+    for n in sizes:
+        batch = rng.integers(0, 256, size=(n, spec.input.channels, spec.input.height, spec.input.width), dtype=np.uint8)
+        for _ in range(2):
+            runtime.run(batch)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            runtime.run(batch)
+            times.append((time.perf_counter() - started) * 1000)
+        result[n] = statistics.median(times)
+    return result
+
+
+def _versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import torchvision
+
+    return {
+        "torch": str(torch.__version__),
+        "torchvision": str(torchvision.__version__),
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "python": platform.python_version(),
+    }
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An artifact to produce in the staging folder, then gate on parity."""
+
+    format: str  # onnx | torchscript
+    precision: str  # fp32 | fp16
+    produce: Callable[[Path], None]
+
+
+def module_candidates(module: nn.Module, spec: ModelSpec, request: ExportRequest) -> list[Candidate]:
+    """Candidates that export ``module`` (and its fp16 copy with ``request.fp16``) in each requested format."""
+    shape = (spec.input.channels, spec.input.height, spec.input.width)
+    variants: list[tuple[str, nn.Module]] = [("fp32", module)]
+    if request.fp16:
+        variants.append(("fp16", half_model(module)))
+    out: list[Candidate] = []
+    for precision, variant in variants:
+        for fmt in request.formats:
+            if fmt == "onnx":
+
+                def produce(path: Path, m: nn.Module = variant) -> None:
+                    to_onnx(m, example_input(*shape), path, opset=request.opset)
+
+            else:
+
+                def produce(path: Path, m: nn.Module = variant) -> None:
+                    to_torchscript(m, example_input(*shape), path)
+
+            out.append(Candidate(fmt, precision, produce))
+    return out
+
+
+def export_model(
+    eager: nn.Module,
+    spec: ModelSpec,
+    request: ExportRequest,
+    *,
+    real_images: np.ndarray | None = None,
+    real_source: str = "random uint8 batches only",
+    source_sha256: str | None = None,
+    artifact_model: nn.Module | None = None,
+    progress: Progress | None = None,
+) -> ExportReport:
+    """Export ``eager`` (a uint8 classifier) in each requested format, gate on parity, write what passes.
+
+    ``artifact_model`` is what gets exported when it differs from the reference (tests use it to prove that a
+    broken wrapper is refused); by default it is ``eager`` itself.
+    """
+    _check_request(request)
+    eager = eager.eval()
+    candidates = module_candidates((artifact_model or eager).eval(), spec, request)
+
+    def reference(batches: list[np.ndarray]) -> list[np.ndarray]:
+        return eager_outputs(eager, batches)
+
+    return publish(
+        spec,
+        request,
+        candidates,
+        reference,
+        real_images=real_images,
+        real_source=real_source,
+        source_sha256=source_sha256,
+        progress=progress,
+    )
+
+
+def publish(
+    spec: ModelSpec,
+    request: ExportRequest,
+    candidates: list[Candidate],
+    reference: Callable[[list[np.ndarray]], list[np.ndarray]],
+    *,
+    real_images: np.ndarray | None = None,
+    real_source: str = "random uint8 batches only",
+    source_sha256: str | None = None,
+    progress: Progress | None = None,
+    notes: list[str] | None = None,
+) -> ExportReport:
+    """Produce each candidate in a staging folder, prove its parity against ``reference``, and move the ones that
+    pass into the repository with ``spec.json``."""
+    _check_request(request)
+    say = progress or (lambda _msg: None)
+    repo = ModelRepository(request.repository)
+    model_dir = Path(request.repository) / request.name
+    version = request.version or repo.next_version(request.name)
+    version_dir = model_dir / str(version)
+    if version_dir.exists():
+        raise ConfigError(f"{version_dir} already exists: pick another --version or leave it out for the next free one")
+    existing_config = load_config(model_dir / CONFIG_FILE)
+    max_batch = request.max_batch_size or existing_config.max_batch_size
+    device = _device(request.device)
+    shape = (spec.input.channels, spec.input.height, spec.input.width)
+    batches = parity_batches(real_images, shape, max_batch)
+    say(f"reference outputs on {sum(len(b) for b in batches)} images")
+    expected = reference(batches)
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=model_dir))
+    reports: list[ArtifactReport] = []
+    records: list[ExportRecord] = []
+    final_spec: ModelSpec | None = None
+    try:
+        for candidate in candidates:
+            fmt, precision = candidate.format, candidate.precision
+            file_name = (FP16_FILES if precision == "fp16" else MODEL_FILES)[fmt]
+            target = staging / file_name
+            say(f"exporting {fmt} {precision}")
+            started = time.perf_counter()
+            candidate.produce(target)
+            export_s = time.perf_counter() - started
+            runtime: Runtime | None = None
+            if precision == "fp16" and not torch.cuda.is_available():
+                parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note="no GPU here")
+            else:
+                say(f"parity {fmt} {precision}")
+                check_device = "cpu" if precision == "fp32" else "cuda"
+                runtime = make_runtime(fmt, spec, target, check_device, max_batch)
+                parity = compare(expected, runtime.run, batches, FP32 if precision == "fp32" else FP16)
+            report = ArtifactReport(fmt, precision, file_name, target.stat().st_size, export_s, parity)
+            reports.append(report)
+            if runtime is not None and parity.passed and request.latency:
+                if runtime.device != device:
+                    runtime.close()
+                    runtime = make_runtime(fmt, spec, target, device, max_batch)
+                say(f"latency {fmt} {precision} on {device}")
+                report.latency_ms = measure_latency(runtime, spec, sorted({1, min(8, max_batch), max_batch}))
+            if runtime is not None:
+                runtime.close()
+            if not parity.passed:
+                target.unlink()
+                continue
+            records.append(
+                ExportRecord(
+                    format="onnx" if fmt == "onnx" else "torchscript",
+                    file=file_name,
+                    precision="fp16" if precision == "fp16" else "fp32",
+                    opset=request.opset if fmt == "onnx" else None,
+                    versions=_versions(),
+                    source_sha256=source_sha256,
+                    parity_max_rel_error=parity.max_rel_error if parity.checked else None,
+                    parity_top1_agreement=parity.top1_agreement if parity.checked else None,
+                    parity_checked_on=f"{real_source}; {parity.images} images" if parity.checked else parity.note,
+                    created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                )
+            )
+        if records:
+            final_spec = msgspec.structs.replace(spec, name=request.name, exports=tuple(records))
+            write_spec(final_spec, staging / SPEC_FILE)
+            staging.rename(version_dir)
+            for report in reports:
+                report.written = report.parity.passed
+            if not (model_dir / CONFIG_FILE).exists():
+                (model_dir / CONFIG_FILE).write_text(default_config_text(max_batch))
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+        if not any(model_dir.iterdir()):
+            model_dir.rmdir()
+    return ExportReport(
+        name=request.name,
+        version=version,
+        path=version_dir,
+        opset=request.opset if "onnx" in request.formats else None,
+        device=device,
+        artifacts=reports,
+        spec=final_spec,
+        notes=list(notes or []),
+    )

@@ -1,0 +1,287 @@
+"""Models from elsewhere: an ONNX or TorchScript file that takes float (normalised) input, placed in the
+repository behind a uint8 front, so it is served like one of ours.
+
+An ONNX graph gets new nodes in front of its input (Cast -> Mul -> Add, and a Transpose for NHWC models) and
+a symbolic batch dimension. If the graph cannot run batches larger than one (a batch size baked into a Reshape,
+say), it is still accepted, and its ``max_batch_size`` is set to 1 in the config written for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+from torch import nn
+
+from export.exporter import FORMATS, Candidate, ExportReport, ExportRequest, Progress, export_model, publish
+from export.sources import calibration_images
+from models.checkpoint import file_sha256
+from models.normalize import Uint8Classifier
+from service.errors import ConfigError
+from service.runtime import load_torchscript
+from service.spec import InputSpec, ModelSpec
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def read_labels(path: str | Path) -> tuple[str, ...]:
+    """One label per line (blank lines skipped), or a JSON list of strings."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read labels file {path}: {exc.strerror or exc}") from exc
+    if text.lstrip().startswith("["):
+        try:
+            labels = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"labels file {path} looks like JSON but does not parse: {exc}") from exc
+        if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+            raise ConfigError(f"labels file {path} must hold a JSON list of strings")
+    else:
+        labels = [line.strip() for line in text.splitlines() if line.strip()]
+    if not labels:
+        raise ConfigError(f"labels file {path} holds no labels")
+    return tuple(labels)
+
+
+@dataclass(frozen=True)
+class InputDescription:
+    height: int
+    width: int
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    layout: str = "nchw"  # the outside model's float input layout: nchw or nhwc
+    resize_size: int | None = None
+
+
+def outside_spec(name: str, kind: str, labels: Sequence[str], desc: InputDescription) -> ModelSpec:
+    if desc.layout not in ("nchw", "nhwc"):
+        raise ConfigError(f"--layout must be nchw or nhwc, got {desc.layout!r}")
+    resize = desc.resize_size or max(desc.height, desc.width, round(max(desc.height, desc.width) / 0.875))
+    try:
+        return ModelSpec(
+            name=name,
+            architecture=f"external-{kind}",
+            input=InputSpec(channels=3, height=desc.height, width=desc.width),
+            resize_size=resize,
+            mean=tuple(desc.mean),
+            std=tuple(desc.std),
+            labels=tuple(labels),
+        )
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"the input description is inconsistent: {exc}") from exc
+
+
+def wrap_onnx(src: Path, dst: Path, spec: ModelSpec, layout: str) -> None:
+    """Write ``dst``: ``src`` behind a uint8 NCHW input that is normalised inside the graph."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    try:
+        model = onnx.load(str(src))
+    except Exception as exc:
+        raise ConfigError(f"{src} is not a readable ONNX model: {exc}") from exc
+    graph = model.graph
+    initializers = {i.name for i in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in initializers]
+    if len(inputs) != 1:
+        raise ConfigError(f"{src} must have exactly one input to be wrapped, has {len(inputs)}")
+    original = inputs[0]
+    elem = original.type.tensor_type.elem_type
+    for value in (original, *graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if dims:
+            dims[0].dim_param = "batch"  # setting dim_param clears a fixed dim_value
+    del graph.value_info[:]  # stale static shapes would contradict the new batch dimension
+    if elem != TensorProto.UINT8:
+        if elem not in (TensorProto.FLOAT, TensorProto.FLOAT16):
+            raise ConfigError(f"{src} input must be float32, float16 or uint8, is {TensorProto.DataType.Name(elem)}")
+        c = spec.input.channels
+        mean = np.asarray(spec.mean, np.float32).reshape(1, c, 1, 1)
+        std = np.asarray(spec.std, np.float32).reshape(1, c, 1, 1)
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(1.0 / (255.0 * std), "vs_scale"),
+                numpy_helper.from_array(-mean / std, "vs_shift"),
+            ]
+        )
+        nodes = [
+            helper.make_node("Cast", ["input"], ["vs_float"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["vs_float", "vs_scale"], ["vs_scaled"]),
+        ]
+        last = "vs_normalised"
+        nodes.append(helper.make_node("Add", ["vs_scaled", "vs_shift"], [last]))
+        if layout == "nhwc":
+            nodes.append(helper.make_node("Transpose", [last], ["vs_nhwc"], perm=[0, 2, 3, 1]))
+            last = "vs_nhwc"
+        if elem == TensorProto.FLOAT16:
+            nodes.append(helper.make_node("Cast", [last], ["vs_half"], to=TensorProto.FLOAT16))
+            last = "vs_half"
+        nodes.append(helper.make_node("Identity", [last], [original.name]))
+        new_input = helper.make_tensor_value_info(
+            "input", TensorProto.UINT8, ["batch", c, spec.input.height, spec.input.width]
+        )
+        graph.input.remove(original)
+        graph.input.insert(0, new_input)
+        for i, node in enumerate(nodes):
+            graph.node.insert(i, node)
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        raise ConfigError(f"the wrapped graph of {src} does not pass onnx.checker: {exc}") from exc
+    onnx.save(model, str(dst))
+
+
+class _Nhwc(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.permute(0, 2, 3, 1))
+
+
+def torchscript_reference(src: Path, layout: str) -> nn.Module:
+    """The outside TorchScript module, taking normalised float NCHW (a permute in front for NHWC models)."""
+    try:
+        module = load_torchscript(src, "cpu").eval()
+    except Exception as exc:
+        raise ConfigError(f"{src} is not a loadable TorchScript file: {exc}") from exc
+    return _Nhwc(module) if layout == "nhwc" else module
+
+
+class OnnxReference:
+    """Runs the outside ONNX model on float input normalised in numpy: the parity reference for its wrapper."""
+
+    def __init__(self, src: Path, spec: ModelSpec, layout: str) -> None:
+        import onnxruntime as ort
+
+        try:
+            self.session = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise ConfigError(f"onnxruntime cannot load {src}: {exc}") from exc
+        meta = self.session.get_inputs()
+        self.name = meta[0].name
+        self.dtype = np.float16 if meta[0].type == "tensor(float16)" else np.float32
+        self.uint8 = meta[0].type == "tensor(uint8)"
+        c = spec.input.channels
+        self.mean = np.asarray(spec.mean, np.float32).reshape(1, c, 1, 1)
+        self.std = np.asarray(spec.std, np.float32).reshape(1, c, 1, 1)
+        self.layout = layout
+        self.one_at_a_time = meta[0].shape[:1] == [1]  # a graph with a fixed batch of one
+
+    def __call__(self, batch: np.ndarray) -> np.ndarray:
+        if self.one_at_a_time and len(batch) > 1:
+            return np.concatenate([self(batch[i : i + 1]) for i in range(len(batch))])
+        if self.uint8:
+            x: np.ndarray = batch
+        else:
+            x = ((batch.astype(np.float32) / 255.0 - self.mean) / self.std).astype(self.dtype)
+            if self.layout == "nhwc":
+                x = x.transpose(0, 2, 3, 1)
+        return np.asarray(self.session.run(None, {self.name: np.ascontiguousarray(x)})[0], dtype=np.float32)
+
+
+def runs_batches(session_run: OnnxReference, spec: ModelSpec) -> bool:
+    """Whether the wrapped model accepts a batch of two (graphs with a baked-in batch of one do not)."""
+    batch = np.zeros((2, spec.input.channels, spec.input.height, spec.input.width), np.uint8)
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return session_run(batch).shape[0] == 2
+    return False
+
+
+def _check_width(out: np.ndarray, labels: Sequence[str], src: Path) -> None:
+    if out.ndim != 2 or out.shape[1] != len(labels):
+        raise ConfigError(
+            f"{src} outputs shape {list(out.shape)} for one image, but the labels file has {len(labels)} labels: "
+            "expected [1, number of labels]"
+        )
+
+
+def place_outside_model(
+    *,
+    onnx_path: str | None,
+    torchscript_path: str | None,
+    request: ExportRequest,
+    labels: Sequence[str],
+    description: InputDescription,
+    calibration: str | None = None,
+    progress: Progress | None = None,
+) -> ExportReport:
+    """Wrap an outside ONNX or TorchScript model for uint8 input, check it runs, prove parity, and publish it."""
+    say = progress or (lambda _msg: None)
+    kind = "onnx" if onnx_path else "torchscript"
+    src = Path(onnx_path or torchscript_path or "")
+    if not src.is_file():
+        raise ConfigError(f"--{kind} {src} does not exist")
+    spec = outside_spec(request.name, kind, labels, description)
+    images = calibration_images(calibration, spec) if calibration else None
+    real_source = (
+        f"{len(images)} images from {calibration} and random uint8 batches"
+        if images is not None
+        else ("random uint8 batches only")
+    )
+    sha = file_sha256(src)
+    if kind == "onnx":
+        if "torchscript" in request.formats and request.formats != FORMATS:
+            raise ConfigError("an ONNX model goes into the repository as ONNX: use --formats onnx")
+        request = msgspec.structs.replace(request, formats=("onnx",), fp16=False)
+        with tempfile.TemporaryDirectory() as tmp:
+            wrapped = Path(tmp) / "model.onnx"
+            wrap_onnx(src, wrapped, spec, description.layout)
+            probe = OnnxReference(wrapped, spec, description.layout)
+            try:
+                first = probe(np.zeros((1, 3, spec.input.height, spec.input.width), np.uint8))
+            except Exception as exc:
+                raise ConfigError(f"{src} does not run on a batch of the described input: {exc}") from exc
+            _check_width(first, labels, src)
+            notes = []
+            if not runs_batches(probe, spec):
+                notes.append(
+                    f"{src.name} has a batch size of 1 fixed inside its graph: it is served with max_batch_size = 1 "
+                    "(re-export it with a dynamic batch dimension to batch)"
+                )
+                say(notes[-1])
+                request = msgspec.structs.replace(request, max_batch_size=1)
+            original = OnnxReference(src, spec, description.layout)
+
+            def produce(path: Path) -> None:
+                shutil.copyfile(wrapped, path)
+
+            candidate = Candidate("onnx", "fp32", produce)
+            return publish(
+                spec,
+                request,
+                [candidate],
+                lambda batches: [original(b) for b in batches],
+                real_images=images,
+                real_source=real_source,
+                source_sha256=sha,
+                progress=progress,
+                notes=notes,
+            )
+    if "onnx" in request.formats and request.formats != FORMATS:
+        raise ConfigError("a TorchScript model goes into the repository as TorchScript: use --formats torchscript")
+    request = msgspec.structs.replace(request, formats=("torchscript",))
+    eager = Uint8Classifier(torchscript_reference(src, description.layout), spec.mean, spec.std).eval()
+    try:
+        with torch.inference_mode():
+            first = eager(torch.zeros((1, 3, spec.input.height, spec.input.width), dtype=torch.uint8)).numpy()
+    except Exception as exc:
+        raise ConfigError(f"{src} does not run on a batch of the described input: {exc}") from exc
+    _check_width(first, labels, src)
+    return export_model(
+        eager, spec, request, real_images=images, real_source=real_source, source_sha256=sha, progress=progress
+    )

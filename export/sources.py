@@ -1,0 +1,91 @@
+"""Where an export starts: a visionserve checkpoint, a zoo architecture, and the real images for parity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+from torch import nn
+
+from models.checkpoint import apply_weights, file_sha256, load_checkpoint, load_weights
+from models.datasets import IMAGE_EXTENSIONS, load_dataset
+from models.normalize import Uint8Classifier
+from models.registry import get_architecture
+from service.errors import BadInputError, ConfigError, DatasetError
+from service.preprocess import preprocess_image
+from service.spec import InputSpec, ModelSpec
+
+MAX_REAL_IMAGES = 512
+
+
+@dataclass(frozen=True)
+class Source:
+    eager: nn.Module
+    spec: ModelSpec
+    sha256: str | None
+    real_images: np.ndarray | None
+    real_source: str
+
+
+def from_checkpoint(path: str | Path) -> Source:
+    """A trained checkpoint; its validation split (when the dataset is at hand) gives the real images."""
+    ckpt = load_checkpoint(path)
+    arch = get_architecture(ckpt.spec.architecture)
+    network = arch.build(num_classes=ckpt.spec.num_classes)
+    apply_weights(network, ckpt.state_dict, source=str(path))
+    eager = Uint8Classifier(network, ckpt.spec.mean, ckpt.spec.std).eval()
+    images: np.ndarray | None = None
+    source = "random uint8 batches only (the training dataset is not at hand)"
+    if ckpt.record is not None:
+        try:
+            data = load_dataset(ckpt.record.dataset, ckpt.spec)
+        except (DatasetError, ConfigError):
+            pass
+        else:
+            images = data.val_images[:MAX_REAL_IMAGES].numpy()
+            source = f"{len(images)} validation images of {ckpt.record.dataset} and random uint8 batches"
+    return Source(eager, ckpt.spec, ckpt.sha256, images, source)
+
+
+def from_architecture(name: str, *, weights: str | None = None, input_size: int | None = None) -> Source:
+    """A zoo architecture with its initial weights (seeded, so repeatable) or ``weights``."""
+    import torch
+
+    arch = get_architecture(name)
+    spec = arch.spec
+    if input_size is not None:
+        if input_size < 8:
+            raise ConfigError(f"--input-size must be >= 8, got {input_size}")
+        ratio = spec.resize_size / max(spec.input.height, spec.input.width)
+        spec = msgspec.structs.replace(
+            spec,
+            input=InputSpec(channels=spec.input.channels, height=input_size, width=input_size),
+            resize_size=max(input_size, round(input_size * ratio)),
+        )
+    torch.manual_seed(0)
+    network = arch.build(num_classes=spec.num_classes)
+    sha = None
+    if weights:
+        apply_weights(network, load_weights(weights), source=weights)
+        sha = file_sha256(weights)
+    eager = Uint8Classifier(network, spec.mean, spec.std).eval()
+    return Source(eager, spec, sha, None, "random uint8 batches only")
+
+
+def calibration_images(folder: str | Path, spec: ModelSpec, limit: int = MAX_REAL_IMAGES) -> np.ndarray:
+    """The user's images (any depth under ``folder``), preprocessed for ``spec``."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ConfigError(f"--calibration-images {root} is not a folder")
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)[:limit]
+    if not files:
+        raise ConfigError(f"--calibration-images {root} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    out = []
+    for path in files:
+        try:
+            out.append(preprocess_image(path.read_bytes(), spec))
+        except BadInputError as exc:
+            raise ConfigError(f"calibration image {path} is unusable: {exc}") from exc
+    return np.stack(out)

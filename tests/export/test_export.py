@@ -1,0 +1,257 @@
+"""Export: artifacts with proven parity, a parity gate that refuses a broken wrapper, the repository entry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export.exporter import ExportRequest, export_model
+from export.sources import calibration_images, from_architecture, from_checkpoint
+from models.normalize import Uint8Classifier
+from service.errors import ConfigError
+from service.repository import ModelRepository, random_batch
+from service.runtime import OnnxRuntime, TorchScriptRuntime
+from service.spec import load_spec
+from tests.conftest import encode_image, random_image
+
+
+def _request(repo: Path, name: str, **kw: object) -> ExportRequest:
+    return ExportRequest(name=name, repository=str(repo), latency=False, **kw)  # type: ignore[arg-type]
+
+
+def _assert_parity_recorded(version_dir: Path, formats: set[str]) -> None:
+    spec = load_spec(version_dir / "spec.json")
+    assert {e.format for e in spec.exports} == formats
+    for record in spec.exports:
+        assert record.parity_max_rel_error is not None and record.parity_max_rel_error <= 1e-4
+        assert record.parity_top1_agreement == 1.0
+        assert record.versions["torch"] == str(torch.__version__)
+        assert (version_dir / record.file).is_file()
+
+
+def test_trained_smallcnn_exports_with_parity_on_real_digits(digits_checkpoint: Path, tmp_path: Path) -> None:
+    source = from_checkpoint(digits_checkpoint)
+    assert source.real_images is not None and len(source.real_images) > 300  # the validation split
+    report = export_model(
+        source.eager,
+        source.spec,
+        _request(tmp_path, "digits"),
+        real_images=source.real_images,
+        real_source=source.real_source,
+        source_sha256=source.sha256,
+    )
+    assert report.ok and report.version == 1
+    version_dir = tmp_path / "digits" / "1"
+    _assert_parity_recorded(version_dir, {"onnx", "torchscript"})
+    assert (tmp_path / "digits" / "config.toml").is_file()
+    spec = load_spec(version_dir / "spec.json")
+    assert spec.exports[0].source_sha256 == source.sha256 and spec.labels == source.spec.labels
+    assert "validation images of digits" in (spec.exports[0].parity_checked_on or "")
+
+    model = onnx.load(str(version_dir / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    assert model.opset_import[0].version == 20
+    entry = ModelRepository(tmp_path).model("digits")
+    assert entry.latest.files.keys() == {"onnx", "torchscript"}
+
+    # Dynamic batch: any size from 1 to 256, the same answers from both formats and eager.
+    for runtime_cls in (OnnxRuntime, TorchScriptRuntime):
+        runtime = runtime_cls(spec, entry.latest.files["onnx" if runtime_cls is OnnxRuntime else "torchscript"])
+        try:
+            for n in (1, 3, 256):
+                batch = random_batch(spec, n, seed=n)
+                with torch.inference_mode():
+                    expected = source.eager(torch.from_numpy(batch)).numpy()
+                np.testing.assert_allclose(runtime.run(batch), expected, rtol=1e-4, atol=1e-4)
+        finally:
+            runtime.close()
+
+    # Without --version the next free version is written.
+    again = export_model(source.eager, source.spec, _request(tmp_path, "digits", formats=("onnx",)))
+    assert again.version == 2 and (tmp_path / "digits" / "2" / "model.onnx").is_file()
+    with pytest.raises(ConfigError, match="already exists"):
+        export_model(source.eager, source.spec, _request(tmp_path, "digits", version=1))
+
+
+def test_resnet18_exports_in_both_formats_with_parity(tmp_path: Path) -> None:
+    source = from_architecture("resnet18")
+    report = export_model(source.eager, source.spec, _request(tmp_path, "resnet18", max_batch_size=8))
+    assert report.ok, [a.parity.describe() for a in report.artifacts]
+    _assert_parity_recorded(tmp_path / "resnet18" / "1", {"onnx", "torchscript"})
+    spec = load_spec(tmp_path / "resnet18" / "1" / "spec.json")
+    assert spec.num_classes == 1000 and spec.input.height == 224
+
+
+def test_a_broken_wrapper_is_refused_by_the_parity_gate(tmp_path: Path) -> None:
+    source = from_architecture("smallcnn")
+    network = source.eager.network  # type: ignore[union-attr]
+    wrong_std = tuple(s * 1.01 for s in source.spec.std)  # a 1% normalisation slip
+    broken = Uint8Classifier(network, source.spec.mean, wrong_std)
+    report = export_model(source.eager, source.spec, _request(tmp_path, "broken"), artifact_model=broken)
+    assert not report.ok
+    for artifact in report.artifacts:
+        assert not artifact.parity.passed and not artifact.written
+        assert artifact.parity.max_rel_error > 1e-3  # the report says by how much
+        assert "FAIL" in artifact.parity.describe()
+    assert not (tmp_path / "broken").exists()  # nothing was written
+
+
+def test_calibration_images_are_used_for_parity(tmp_path: Path) -> None:
+    folder = tmp_path / "calib"
+    folder.mkdir()
+    for i in range(5):
+        (folder / f"{i}.jpg").write_bytes(encode_image(random_image(80, 100, seed=i), "JPEG"))
+    source = from_architecture("smallcnn")
+    images = calibration_images(folder, source.spec)
+    assert images.shape == (5, 3, 32, 32)
+    report = export_model(
+        source.eager, source.spec, _request(tmp_path / "repo", "s", formats=("onnx",)), real_images=images,
+        real_source="5 calibration images",
+    )  # fmt: skip
+    assert report.ok and report.artifacts[0].parity.images == 5 + 1 + 7 + 32
+
+
+def test_fp16_variants_are_written_and_reported_unchecked_without_a_gpu(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the fp16 parity is checked for real (test_gpu)")
+    source = from_architecture("smallcnn")
+    report = export_model(source.eager, source.spec, _request(tmp_path, "s", fp16=True))
+    fp16 = [a for a in report.artifacts if a.precision == "fp16"]
+    assert {a.file for a in fp16} == {"model.fp16.onnx", "model.fp16.pt"}
+    assert all(not a.parity.checked and "no GPU" in a.parity.describe() for a in fp16)
+    spec = load_spec(tmp_path / "s" / "1" / "spec.json")
+    assert {e.file for e in spec.exports if e.precision == "fp16"} == {"model.fp16.onnx", "model.fp16.pt"}
+    assert ModelRepository(tmp_path).model("s").latest.fp16_files.keys() == {"onnx", "torchscript"}
+
+
+ZOO = [
+    "smallcnn",
+    "resnet18",
+    "resnet50",
+    "mobilenet_v3_small",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "convnext_tiny",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ZOO)
+def test_every_zoo_model_exports_to_both_formats(name: str, tmp_path: Path) -> None:
+    source = from_architecture(name, input_size=32 if name == "smallcnn" else 64)  # small inputs keep CI fast
+    report = export_model(source.eager, source.spec, _request(tmp_path, name, max_batch_size=4))
+    assert report.ok, [a.parity.describe() for a in report.artifacts]
+    _assert_parity_recorded(tmp_path / name / "1", {"onnx", "torchscript"})
+
+
+def _visionserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_export_command_prints_a_report_with_sizes_parity_and_latency(tmp_path: Path) -> None:
+    proc = _visionserve(
+        "export", "--arch", "smallcnn", "--name", "tiny", "--repository", str(tmp_path), "--no-progress"
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "model.onnx" in out and "model.pt" in out and "opset 20" in out
+    assert "pass: max relative logit error" in out and "MB" in out
+    assert "1: " in out and "32: " in out  # latency per batch size
+    assert (tmp_path / "tiny" / "1" / "spec.json").is_file()
+
+
+def test_export_command_refuses_bad_arguments_cleanly(tmp_path: Path) -> None:
+    proc = _visionserve(
+        "export", "--arch", "smallcnn", "--name", "t", "--repository", str(tmp_path), "--formats", "tflite"
+    )
+    assert proc.returncode == 2 and "--formats" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _visionserve("export", "--onnx", "x.onnx", "--name", "t", "--repository", str(tmp_path))
+    assert proc.returncode == 2 and "--labels is required" in proc.stderr
+
+
+# ---- models from elsewhere ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outside_resnet18(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """torchvision resnet18 exported outside visionserve by plain torch.onnx.export and torch.jit.trace."""
+    import warnings
+
+    import torchvision
+
+    folder = tmp_path_factory.mktemp("outside")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(folder / "static.onnx"))  # the plainest call: batch fixed at 1
+        torch.onnx.export(
+            model, (x,), str(folder / "dynamic.onnx"), input_names=["x"], dynamic_axes={"x": {0: "n"}}, dynamo=False
+        )
+        torch.jit.trace(model, (x,)).save(str(folder / "traced.pt"))
+    labels = torchvision.models.ResNet18_Weights.DEFAULT.meta["categories"]
+    (folder / "labels.txt").write_text("\n".join(labels))
+    (folder / "short.txt").write_text("a\nb\nc\n")
+    return {
+        "static": folder / "static.onnx",
+        "dynamic": folder / "dynamic.onnx",
+        "traced": folder / "traced.pt",
+        "labels": folder / "labels.txt",
+        "short": folder / "short.txt",
+    }
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_torchvision_onnx_exported_elsewhere_goes_in(outside_resnet18: dict[str, Path], tmp_path: Path, kind: str):
+    proc = _visionserve(
+        "export", "--onnx", str(outside_resnet18[kind]), "--labels", str(outside_resnet18["labels"]),
+        "--input-size", "224", "--name", "r18", "--repository", str(tmp_path), "--no-latency", "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry = ModelRepository(tmp_path).model("r18")
+    spec = entry.latest.spec
+    assert spec.architecture == "external-onnx" and spec.num_classes == 1000 and spec.labels[0] == "tench"
+    assert entry.config.max_batch_size == (32 if kind == "dynamic" else 1)
+    if kind == "static":
+        assert "batch size of 1 fixed" in proc.stdout
+    runtime = OnnxRuntime(spec, entry.latest.files["onnx"])
+    try:
+        n = entry.config.max_batch_size
+        assert runtime.run(random_batch(spec, n)).shape == (n, 1000)  # it runs on a uint8 batch
+    finally:
+        runtime.close()
+
+
+def test_a_torchscript_model_from_elsewhere_goes_in(outside_resnet18: dict[str, Path], tmp_path: Path) -> None:
+    proc = _visionserve(
+        "export", "--torchscript", str(outside_resnet18["traced"]), "--labels", str(outside_resnet18["labels"]),
+        "--input-size", "224", "--name", "r18ts", "--repository", str(tmp_path), "--no-latency", "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ModelRepository(tmp_path).model("r18ts").latest.files.keys() == {"torchscript"}
+
+
+def test_outside_model_with_the_wrong_label_count_is_refused(outside_resnet18: dict[str, Path], tmp_path: Path):
+    proc = _visionserve(
+        "export", "--onnx", str(outside_resnet18["dynamic"]), "--labels", str(outside_resnet18["short"]),
+        "--input-size", "224", "--name", "bad", "--repository", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "3 labels" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_spec_round_trips_through_json(tmp_path: Path) -> None:
+    spec = from_architecture("resnet18").spec
+    from service.spec import decode_spec, encode_spec
+
+    assert decode_spec(encode_spec(spec)) == spec
+    assert msgspec.json.decode(encode_spec(spec))["input"]["dtype"] == "uint8"
