@@ -11,6 +11,7 @@ Every refusal is a :class:`~service.errors.BadInputError` for that one image, wi
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from typing import Final
 
@@ -69,7 +70,11 @@ def open_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image
         allowed = ", ".join(limits.formats)
         raise BadInputError(f"not a recognised image: the data is none of {allowed}") from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise PayloadTooLargeError(f"image refused as a decompression bomb: {exc}") from exc
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{found.group(1)} pixels" if found else "too many pixels"
+        raise PayloadTooLargeError(
+            f"image has {size}, over the limit of {limits.max_pixels} (refused as a possible decompression bomb)"
+        ) from exc
     except (OSError, SyntaxError, ValueError) as exc:
         raise BadInputError(f"corrupt image header: {exc}") from exc
     if img.format not in limits.formats:
@@ -80,7 +85,8 @@ def open_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image
         raise BadInputError(f"image has no pixels ({width}x{height})")
     if width * height > limits.max_pixels:
         raise PayloadTooLargeError(
-            f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels}"
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} "
+            "(refused as a possible decompression bomb)"
         )
     return img
 

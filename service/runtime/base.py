@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,19 @@ from service.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class RuntimeLike(Protocol):
+    """What the batcher needs of a runtime instance."""
+
+    spec: ModelSpec
+    device: str
+    kind: str
+
+    def run(self, batch: np.ndarray) -> np.ndarray: ...
+    def submit(self, batch: np.ndarray) -> Future[np.ndarray]: ...
+    def close(self) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
 
 
 class Runtime:

@@ -1,0 +1,82 @@
+"""Runtimes for tests and the batcher's own benchmark: a fake that does no model work, and a wrapper that
+injects faults into a real runtime (the CPU stand-in for a failing GPU).
+
+The fake's logits for an image are its first ``num_classes`` pixel values, so a test can tell whose answer
+reached whom.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from service.runtime.base import Runtime, RuntimeLike
+from service.spec import ModelSpec
+
+Fault = Callable[[np.ndarray], Exception | None]
+
+
+class FakeRuntime(Runtime):
+    """No model: logits are pixel values. ``delay_s`` simulates compute; ``fault`` may raise per batch."""
+
+    kind = "fake"
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        device: str = "cpu",
+        name: str = "fake",
+        delay_s: float = 0.0,
+        fault: Fault | None = None,
+    ) -> None:
+        self.delay_s = delay_s
+        self.fault = fault
+        self.batch_sizes: list[int] = []
+        super().__init__(spec, device=device, name=name)
+
+    def _load(self) -> None:
+        return None
+
+    def _forward(self, batch: np.ndarray) -> np.ndarray:
+        self.batch_sizes.append(int(batch.shape[0]))
+        if self.fault is not None:
+            error = self.fault(batch)
+            if error is not None:
+                raise error
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        flat = batch.reshape(batch.shape[0], -1)
+        return flat[:, : self.spec.num_classes].astype(np.float32)
+
+
+class FaultInjectingRuntime:
+    """Wraps a real runtime; ``fault(batch)`` may return an exception to raise instead of running the batch."""
+
+    def __init__(self, inner: RuntimeLike, fault: Fault, *, device: str | None = None) -> None:
+        self.inner = inner
+        self.fault = fault
+        self.spec = inner.spec
+        self.device = device or inner.device
+        self.kind = inner.kind
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        return self.submit(batch).result()
+
+    def submit(self, batch: np.ndarray) -> Future[np.ndarray]:
+        error = self.fault(batch)
+        if error is not None:
+            failed: Future[np.ndarray] = Future()
+            failed.set_exception(error)
+            return failed
+        return self.inner.submit(batch)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.inner.describe(), "device": self.device, "fault_injection": True}

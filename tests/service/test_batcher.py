@@ -1,0 +1,374 @@
+"""The dynamic batcher: semantics by example, and its invariants by property-based testing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.batching import Batcher, BatcherConfig, InferRequest, decode_request, encode_request
+from service.errors import CancelledError, DeadlineExceededError, OverloadedError, RuntimeFailure
+from service.runtime import FakeRuntime
+from service.spec import InputSpec, ModelSpec
+
+SPEC = ModelSpec(
+    name="fake",
+    architecture="fake",
+    input=InputSpec(height=4, width=4),
+    resize_size=4,
+    mean=(0.0, 0.0, 0.0),
+    std=(1.0, 1.0, 1.0),
+    labels=tuple("abcdefghij"),
+)
+
+
+def images(ids: list[int], priority: int = 0, poison: set[int] | None = None) -> np.ndarray:
+    """Images whose pixels name them: [id low, id high, priority, poison flag, ...]."""
+    out = np.zeros((len(ids), 3, 4, 4), dtype=np.uint8)
+    flat = out.reshape(len(ids), -1)
+    for row, ident in enumerate(ids):
+        flat[row, 0], flat[row, 1], flat[row, 2] = ident % 256, ident // 256, priority
+        flat[row, 3] = 1 if poison and ident in poison else 0
+        flat[row, 4:] = np.arange(4, 48) % 251
+    return out
+
+
+def ident(row: np.ndarray) -> int:
+    return int(row[0]) + 256 * int(row[1])
+
+
+def poison_fault(batch: np.ndarray) -> Exception | None:
+    if (batch.reshape(len(batch), -1)[:, 3] == 1).any():
+        return RuntimeFailure("poison image")
+    return None
+
+
+class LoggingFake(FakeRuntime):
+    """Records the ids of each batch it runs, and when."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.log: list[list[int]] = []
+        self.spans: list[tuple[float, float]] = []
+        super().__init__(SPEC, **kw)
+
+    def _forward(self, batch: np.ndarray) -> np.ndarray:
+        started = time.monotonic()
+        self.log.append([ident(r) for r in batch.reshape(len(batch), -1)])
+        try:
+            return super()._forward(batch)
+        finally:
+            self.spans.append((started, time.monotonic()))
+
+
+def request(ids: list[int], **kw: Any) -> InferRequest:
+    priority = kw.pop("priority", 0)
+    return InferRequest(
+        request_id=str(ids[0]), model="fake", images=images(ids, priority, kw.pop("poison", None)), priority=priority,
+        **kw,
+    )  # fmt: skip
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_request_larger_than_the_maximum_is_split_and_reassembled_in_order() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake()
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=8, max_queue_delay_ms=0))
+        ids = list(range(100, 120))
+        result = await batcher.submit(request(ids))
+        assert [len(b) for b in rt.log] == [8, 8, 4]
+        assert [ident(row.astype(np.uint8)) for row in result.logits] == ids
+        assert result.errors == [None] * 20
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_the_delay_counts_from_the_oldest_item() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake()
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=8, max_queue_delay_ms=300))
+        first = asyncio.create_task(batcher.submit(request([1])))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(batcher.submit(request([2])))
+        started = time.monotonic()
+        await asyncio.gather(first, second)
+        # One batch of both, dispatched when the first item's delay ran out (not 300 ms after the second).
+        assert rt.log == [[1, 2]]
+        assert time.monotonic() - started < 0.3
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_a_preferred_size_dispatches_at_once() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake()
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=8, max_queue_delay_ms=5000, preferred_batch_sizes=(4,)))
+        started = time.monotonic()
+        await asyncio.gather(*(batcher.submit(request([i])) for i in range(4)))
+        assert rt.log == [[0, 1, 2, 3]] and time.monotonic() - started < 2.5  # not the 5 s delay
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_priority_levels_are_served_first_and_fifo_within_a_level() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake(delay_s=0.1)
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=2, max_queue_delay_ms=0))
+        busy = asyncio.create_task(batcher.submit(request([0])))  # occupies the only instance
+        await asyncio.sleep(0.02)
+        tasks = [asyncio.create_task(batcher.submit(request([i], priority=p))) for i, p in
+                 [(1, 5), (2, 5), (3, 1), (4, 5), (5, 1)]]  # fmt: skip
+        await asyncio.gather(busy, *tasks)
+        assert rt.log == [[0], [3, 5], [1, 2], [4]]
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_a_full_queue_refuses_at_once() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake(delay_s=0.2)
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=3))
+        running = asyncio.create_task(batcher.submit(request([0])))
+        await asyncio.sleep(0.02)
+        queued = asyncio.create_task(batcher.submit(request([1, 2, 3])))
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        with pytest.raises(OverloadedError, match="queue full"):
+            await batcher.submit(request([4]))
+        assert time.monotonic() - started < 0.05
+        await asyncio.gather(running, queued)
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_an_expired_request_fails_with_a_deadline_error_and_is_never_computed() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake(delay_s=0.3)
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
+        busy = asyncio.create_task(batcher.submit(request([0])))
+        await asyncio.sleep(0.02)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError):
+            await batcher.submit(request([7], timeout_ms=50))
+        assert time.monotonic() - started < 0.25  # answered at its deadline, not after the busy batch
+        await busy
+        await batcher.close()
+        assert all(7 not in b for b in rt.log)
+
+    run(scenario())
+
+
+def test_a_caller_that_goes_away_is_not_computed() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake(delay_s=0.2)
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
+        busy = asyncio.create_task(batcher.submit(request([0])))
+        await asyncio.sleep(0.02)
+        gone = asyncio.create_task(batcher.submit(request([9])))
+        await asyncio.sleep(0.02)
+        gone.cancel()
+        after = asyncio.create_task(batcher.submit(request([10])))
+        await asyncio.gather(busy, after)
+        await batcher.close()
+        assert gone.cancelled()
+        assert all(9 not in b for b in rt.log) and any(10 in b for b in rt.log)
+
+    run(scenario())
+
+
+def test_one_poison_image_fails_alone() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake(fault=poison_fault)
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=4, max_queue_delay_ms=50))
+        results = await asyncio.gather(
+            batcher.submit(request([1, 2])), batcher.submit(request([3], poison={3})), batcher.submit(request([4]))
+        )
+        assert rt.log[0] == [1, 2, 3, 4]  # the batch, then each image on its own
+        assert sorted(rt.log[1:]) == [[1], [2], [3], [4]]
+        assert results[0].errors == [None, None] and results[2].errors == [None]
+        assert isinstance(results[1].errors[0], RuntimeFailure)
+        assert ident(results[2].logits[0].astype(np.uint8)) == 4
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_instances_overlap() -> None:
+    async def scenario() -> None:
+        rts = [LoggingFake(delay_s=0.15), LoggingFake(delay_s=0.15)]
+        batcher = Batcher(rts, BatcherConfig(max_batch_size=2, max_queue_delay_ms=0))
+        await asyncio.gather(*(batcher.submit(request([i])) for i in range(4)))
+        spans = sorted(s for rt in rts for s in rt.spans)
+        assert all(len(rt.log) >= 1 for rt in rts)
+        assert spans[1][0] < spans[0][1]  # the second batch started before the first ended
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_close_drains_what_is_queued_then_refuses() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake(delay_s=0.01)
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=4, max_queue_delay_ms=1))
+        tasks = [asyncio.create_task(batcher.submit(request([i]))) for i in range(20)]
+        await asyncio.sleep(0)
+        await batcher.close(timeout_s=10)
+        results = await asyncio.gather(*tasks)
+        assert all(r.errors == [None] for r in results)
+        with pytest.raises(OverloadedError, match="shutting down"):
+            await batcher.submit(request([99]))
+        assert batcher.queue_depth == 0 and batcher.inflight_batches == 0
+
+    run(scenario())
+
+
+def test_close_fails_what_cannot_drain_in_time() -> None:
+    async def scenario() -> None:
+        rt = LoggingFake(delay_s=0.3)
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
+        tasks = [asyncio.create_task(batcher.submit(request([i]))) for i in range(5)]
+        await asyncio.sleep(0.01)
+        await batcher.close(timeout_s=0.1)
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert any(isinstance(o, OverloadedError) for o in outcomes)  # resolved, not left hanging
+
+    run(scenario())
+
+
+def test_the_request_record_is_serialisable() -> None:
+    original = request([5, 6], priority=2, timeout_ms=10.0)
+    copy = decode_request(encode_request(original))
+    assert copy.request_id == original.request_id and copy.priority == 2 and copy.timeout_ms == 10.0
+    assert copy.images.dtype == np.uint8 and np.array_equal(copy.images, original.images)
+
+
+# ---- properties ----------------------------------------------------------------------------------------------
+
+REQUESTS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "size": st.integers(1, 10),
+            "priority": st.integers(0, 2),
+            "gap_ms": st.sampled_from([0.0, 0.0, 0.2, 1.0]),
+            "timeout_ms": st.one_of(st.none(), st.floats(1.0, 15.0)),
+            "cancel_ms": st.one_of(st.none(), st.none(), st.floats(0.0, 5.0)),
+            "poison": st.booleans(),
+        }
+    ),
+    min_size=1,
+    max_size=20,
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    max_batch=st.integers(1, 8),
+    delay_ms=st.sampled_from([0.0, 0.5, 3.0]),
+    preferred=st.lists(st.integers(1, 8), max_size=2, unique=True),
+    instances=st.integers(1, 3),
+    queue_size=st.integers(4, 80),
+    work_s=st.sampled_from([0.0, 0.0005, 0.002]),
+    requests=REQUESTS,
+)
+def test_batcher_invariants(
+    max_batch: int,
+    delay_ms: float,
+    preferred: list[int],
+    instances: int,
+    queue_size: int,
+    work_s: float,
+    requests: list[dict[str, Any]],
+) -> None:
+    """No request lost or answered twice; no batch over the maximum; every answer is the caller's own, in order;
+    one poison image fails alone; FIFO within a priority level."""
+    loop_errors: list[Any] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
+        rts = [LoggingFake(delay_s=work_s, fault=poison_fault) for _ in range(instances)]
+        config = BatcherConfig(
+            max_batch_size=max_batch,
+            max_queue_delay_ms=delay_ms,
+            preferred_batch_sizes=tuple(p for p in preferred if p <= max_batch),
+            max_queue_size=queue_size,
+        )
+        batcher = Batcher(rts, config)
+        next_id = 0
+        tasks: list[tuple[dict[str, Any], list[int], asyncio.Task[Any]]] = []
+        resolutions: dict[int, int] = {}
+        for spec in requests:
+            ids = list(range(next_id, next_id + spec["size"]))
+            next_id += spec["size"]
+            poison = {ids[len(ids) // 2]} if spec["poison"] else set()
+            req = request(ids, priority=spec["priority"], timeout_ms=spec["timeout_ms"], poison=poison)
+            task = asyncio.create_task(batcher.submit(req))
+            key = ids[0]
+            task.add_done_callback(lambda _t, k=key: resolutions.__setitem__(k, resolutions.get(k, 0) + 1))
+            tasks.append(({**spec, "poison_ids": poison}, ids, task))
+            if spec["cancel_ms"] is not None:
+                asyncio.get_running_loop().call_later(spec["cancel_ms"] / 1000, task.cancel)
+            if spec["gap_ms"]:
+                await asyncio.sleep(spec["gap_ms"] / 1000)
+        outcomes = await asyncio.wait_for(asyncio.gather(*(t for _, _, t in tasks), return_exceptions=True), 30)
+        await batcher.close(timeout_s=5)
+
+        for (spec, ids, _task), outcome in zip(tasks, outcomes, strict=True):
+            assert resolutions[ids[0]] == 1  # resolved exactly once
+            if isinstance(outcome, BaseException):
+                allowed = (OverloadedError, DeadlineExceededError, CancelledError, asyncio.CancelledError)
+                assert isinstance(outcome, allowed), repr(outcome)
+                if isinstance(outcome, DeadlineExceededError):
+                    assert spec["timeout_ms"] is not None
+                if isinstance(outcome, asyncio.CancelledError):
+                    assert spec["cancel_ms"] is not None
+                continue
+            for row, image_id in enumerate(ids):
+                if image_id in spec["poison_ids"]:
+                    assert isinstance(outcome.errors[row], RuntimeFailure)
+                else:
+                    assert outcome.errors[row] is None
+                    assert ident(outcome.logits[row].astype(np.uint8)) == image_id  # the caller's own, in order
+        sizes = [len(b) for rt in rts for b in rt.log]
+        assert max(sizes, default=0) <= max_batch
+        if instances == 1:  # execution order is formation order: FIFO within each priority level
+            first_seen: list[int] = []
+            for b in rts[0].log:
+                first_seen += [i for i in b if i not in first_seen]
+            priority_of = {i: spec["priority"] for spec, ids, _ in tasks for i in ids}
+            for level in {0, 1, 2}:
+                seq = [i for i in first_seen if priority_of[i] == level]
+                assert seq == sorted(seq)
+        assert batcher.queue_depth == 0 and batcher.inflight_batches == 0
+
+    asyncio.run(scenario())
+    assert not loop_errors, loop_errors
+
+
+def test_runtime_calls_stay_on_one_worker_thread() -> None:
+    threads: set[int] = set()
+
+    class ThreadFake(FakeRuntime):
+        def _forward(self, batch: np.ndarray) -> np.ndarray:
+            threads.add(threading.get_ident())
+            return super()._forward(batch)
+
+    async def scenario() -> None:
+        batcher = Batcher([ThreadFake(SPEC)], BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
+        await asyncio.gather(*(batcher.submit(request([i])) for i in range(30)))
+        await batcher.close()
+
+    run(scenario())
+    assert len(threads) == 1 and threading.get_ident() not in threads
