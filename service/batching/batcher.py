@@ -197,7 +197,7 @@ class Batcher:
     def instances(self) -> list[RuntimeLike]:
         return list(self._instances)
 
-    async def close(self, timeout_s: float = 30.0) -> None:
+    async def close(self, timeout_s: float = 30.0, *, close_runtimes: bool = True) -> None:
         """Stop intake, drain what is queued within ``timeout_s``, fail the rest, close the runtimes."""
         self._closing = True
         if self._started:
@@ -213,6 +213,8 @@ class Batcher:
                 await self._dispatcher
             for task in list(self._tasks):
                 task.cancel()
+        if not close_runtimes:
+            return
         for instance in self._instances:
             try:
                 instance.close()
@@ -320,8 +322,9 @@ class Batcher:
 
     # ---- running batches ------------------------------------------------------------------------------------
     async def _run(self, instance: RuntimeLike, items: list[_Item]) -> np.ndarray:
-        stacked = items[0].image[np.newaxis] if len(items) == 1 else np.stack([item.image for item in items])
-        return await asyncio.wrap_future(instance.submit(stacked))
+        # The runtime stacks the images into its own reused buffer on its worker thread: the copy (about 0.6 ms
+        # for 32 images at 224x224) then overlaps the event loop's work instead of adding to it.
+        return await asyncio.wrap_future(instance.submit([item.image for item in items]))
 
     async def _execute(self, instance: RuntimeLike, items: list[_Item]) -> None:
         started = time.monotonic()

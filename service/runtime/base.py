@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -22,6 +22,7 @@ from service.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Batch = np.ndarray | Sequence[np.ndarray]  # a uint8 [N, C, H, W] array, or N uint8 [C, H, W] images to stack
 
 
 class RuntimeLike(Protocol):
@@ -31,8 +32,8 @@ class RuntimeLike(Protocol):
     device: str
     kind: str
 
-    def run(self, batch: np.ndarray) -> np.ndarray: ...
-    def submit(self, batch: np.ndarray) -> Future[np.ndarray]: ...
+    def run(self, batch: Batch) -> np.ndarray: ...
+    def submit(self, batch: Batch) -> Future[np.ndarray]: ...
     def close(self) -> None: ...
     def describe(self) -> dict[str, Any]: ...
 
@@ -52,15 +53,22 @@ class Runtime:
         self._call(self._load_on_worker)
 
     # ---- the seam -------------------------------------------------------------------------------------------
-    def run(self, batch: np.ndarray) -> np.ndarray:
+    def run(self, batch: Batch) -> np.ndarray:
         """Logits ``[N, num_classes]`` (float32) for a uint8 batch ``[N, C, H, W]``; blocks until done."""
         return self.submit(batch).result()
 
-    def submit(self, batch: np.ndarray) -> Future[np.ndarray]:
-        """Queue ``batch`` on the worker thread; the future holds the logits or a :class:`VisionServeError`."""
+    def submit(self, batch: Batch) -> Future[np.ndarray]:
+        """Queue ``batch`` on the worker thread; the future holds the logits or a :class:`VisionServeError`.
+
+        A list of images is stacked on the worker thread into a buffer this instance reuses (it runs one batch at
+        a time), so the copy costs no allocation and stays off the caller's thread.
+        """
         if self._closed:
             raise RuntimeFailure(f"runtime for {self.name} on {self.device} is closed")
-        self._check_batch(batch)
+        if isinstance(batch, np.ndarray):
+            self._check_batch(batch)
+        else:
+            self._check_images(batch)
         return self._executor.submit(self._run_on_worker, batch)
 
     def close(self) -> None:
@@ -81,7 +89,17 @@ class Runtime:
         self._thread_id = threading.get_ident()
         self._load()
 
-    def _run_on_worker(self, batch: np.ndarray) -> np.ndarray:
+    def _staging(self, n: int) -> np.ndarray:
+        """A reused uint8 buffer of at least ``n`` images (subclasses may stage straight into pinned memory)."""
+        buffer = getattr(self, "_stage", None)
+        if buffer is None or len(buffer) < n:
+            s = self.spec.input
+            buffer = self._stage = np.empty((n, s.channels, s.height, s.width), dtype=np.uint8)
+        return buffer[:n]
+
+    def _run_on_worker(self, batch: Batch) -> np.ndarray:
+        if not isinstance(batch, np.ndarray):
+            batch = np.stack(batch, out=self._staging(len(batch)))
         try:
             out = self._forward(batch)
         except VisionServeError:
@@ -103,6 +121,17 @@ class Runtime:
                 f"batch must be uint8 [N, {s.channels}, {s.height}, {s.width}] with N >= 1, "
                 f"got {batch.dtype} {list(batch.shape)}"
             )
+
+    def _check_images(self, images: Sequence[np.ndarray]) -> None:
+        s = self.spec.input
+        expected = (s.channels, s.height, s.width)
+        if not images:
+            raise BadInputError("a batch needs at least one image")
+        for image in images:
+            if image.dtype != np.uint8 or image.shape != expected:
+                raise BadInputError(
+                    f"images must be uint8 [{s.channels}, {s.height}, {s.width}], got {image.dtype} {list(image.shape)}"
+                )
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return RuntimeFailure(f"{self.kind} runtime failed on {self.device}: {type(exc).__name__}: {exc}")

@@ -78,6 +78,7 @@ class TorchScriptRuntime(Runtime):
             self.stream = torch.cuda.Stream(self.tdevice)
             self.host_in = torch.empty((self.max_batch_size, c, h, w), dtype=torch.uint8).pin_memory()
             self.host_out = torch.empty((self.max_batch_size, self.spec.num_classes), dtype=torch.float32).pin_memory()
+            self.host_np = self.host_in.numpy()
             if self.use_cuda_graphs:
                 for size in bucket_sizes(self.max_batch_size):
                     self._capture(size)
@@ -102,6 +103,11 @@ class TorchScriptRuntime(Runtime):
                 return size
         return None
 
+    def _staging(self, n: int) -> np.ndarray:
+        if getattr(self, "cuda", False) and n <= self.max_batch_size:
+            return self.host_np[:n]  # images are stacked straight into pinned memory: the one copy in
+        return super()._staging(n)
+
     def _forward(self, batch: np.ndarray) -> np.ndarray:
         torch = self.torch
         n = batch.shape[0]
@@ -112,7 +118,8 @@ class TorchScriptRuntime(Runtime):
             if n > self.max_batch_size:
                 raise RuntimeFailure(f"batch of {n} is over this runtime's max_batch_size {self.max_batch_size}")
             host_in = self.host_in[:n]
-            host_in.numpy()[...] = batch  # stage into pinned memory: the copy below is then truly asynchronous
+            if batch.ctypes.data != self.host_np.ctypes.data:  # not already staged there by submit()
+                self.host_np[:n] = batch  # pinned memory makes the copy below truly asynchronous
             with torch.cuda.stream(self.stream):
                 bucket = self._bucket(n)
                 if bucket is not None:

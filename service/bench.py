@@ -1,0 +1,253 @@
+"""``visionserve bench``: the engine's limits in-process, with no HTTP. The yardstick served throughput is held
+against.
+
+Four figures, on the same model, device and images:
+
+- ``engine_images_per_s[B]``: the runtime alone on ready uint8 batches of size B (no preprocessing).
+- ``pipeline_images_per_s``: decode and preprocess real JPEG files in the decoding pool, stack, run; at the
+  largest batch size, with no batcher: the best a server could do without dynamic batching's costs.
+- ``batcher_images_per_s``: many concurrent submitters of one JPEG each, through the decoding pool and the
+  batcher: what the server's engine does. ``batcher_efficiency`` is its ratio to the pipeline figure.
+- ``fake_items_per_s``: the batcher alone, with a runtime that does no work: its own overhead ceiling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import platform
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from PIL import Image
+
+from service.batching.batcher import Batcher, InferRequest
+from service.batching.engine import batcher_config, choose_backend, cuda_devices, make_runtime, plan_devices, warm_up
+from service.config import ModelConfig
+from service.decoding import GpuJpegDecoder, Preprocessor
+from service.errors import ConfigError
+from service.repository import ModelRepository, random_batch
+from service.runtime import FakeRuntime, RuntimeLike
+from service.spec import ModelSpec
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str
+    repository: str = "model_repository"
+    device: str = "auto"
+    backend: str | None = None
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    seconds: float = 5.0
+    concurrency: int | None = None  # default: 2 x the largest batch size
+    images: str | None = None  # a folder of JPEG/PNG files; default: generated photo-like JPEGs
+    gpu_decode: bool = True
+
+
+def photo_like_jpegs(count: int = 64, size: tuple[int, int] = (500, 375), seed: int = 0) -> list[bytes]:
+    """Generated JPEGs the size of a typical ImageNet photo: smooth shapes, edges and noise (quality 90)."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    out = []
+    for _ in range(count):
+        img = np.zeros((height, width, 3), np.float32)
+        for c in range(3):
+            fx, fy, phase = rng.uniform(0.005, 0.05), rng.uniform(0.005, 0.05), rng.uniform(0, 6.3)
+            img[..., c] = 128 + 90 * np.sin(xx * fx + phase) * np.cos(yy * fy)
+        for _ in range(6):  # a few solid shapes give JPEG real edges to code
+            x0, y0 = rng.integers(0, width - 60), rng.integers(0, height - 60)
+            img[y0 : y0 + rng.integers(20, 120), x0 : x0 + rng.integers(20, 160)] = rng.uniform(0, 255, 3)
+        img += rng.normal(0, 8, img.shape)
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def load_images(folder: str) -> list[bytes]:
+    files = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))
+    if not files:
+        raise ConfigError(f"--images {folder} holds no JPEG, PNG or WebP files")
+    return [p.read_bytes() for p in files]
+
+
+def _timed(seconds: float, step: Callable[[], int], min_rounds: int = 3) -> float:
+    """Items per second of ``step`` (which returns how many items it did) over ``seconds`` (one warm-up round)."""
+    step()
+    done = rounds = 0
+    started = time.perf_counter()
+    while rounds < min_rounds or time.perf_counter() - started < seconds:
+        done += step()
+        rounds += 1
+    return done / (time.perf_counter() - started)
+
+
+async def _drive(
+    batcher: Batcher, make: Callable[[int], Any], concurrency: int, seconds: float, warmup_s: float
+) -> float:
+    """Images per second through ``batcher`` from ``concurrency`` submitters; ``make(i)`` gives one request."""
+    counting = False
+    done = 0
+    stop_at = time.perf_counter() + warmup_s + seconds
+
+    async def submitter(k: int) -> None:
+        nonlocal done
+        i = k
+        while time.perf_counter() < stop_at:
+            request = await make(i)
+            await batcher.submit(request)
+            if counting:
+                done += 1
+            i += concurrency
+
+    tasks = [asyncio.create_task(submitter(k)) for k in range(concurrency)]
+    await asyncio.sleep(warmup_s)
+    counting, started = True, time.perf_counter()
+    await asyncio.gather(*tasks)
+    return done / (time.perf_counter() - started)
+
+
+def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
+    """Measure and return the figures (see the module docstring) as a JSON-ready dict."""
+    say = say or (lambda _m: None)
+    entry = ModelRepository(options.repository).model(options.model)
+    version = entry.latest
+    config = entry.config
+    overrides: dict[str, Any] = {"max_batch_size": max(options.batch_sizes), "warmup": True}
+    if options.device != "auto":
+        overrides["device"] = options.device
+    if options.backend:
+        overrides["backend"] = options.backend
+    config = msgspec.structs.replace(config, **overrides)
+    devices, _degraded, note = plan_devices(config, cuda_devices())
+    device = devices[0]
+    backend = choose_backend(version, config)
+    spec: ModelSpec = version.spec
+    largest = max(options.batch_sizes)
+    concurrency = options.concurrency or 2 * largest
+    jpegs = load_images(options.images) if options.images else photo_like_jpegs()
+    say(f"loading {options.model} v{version.version} ({backend}) on {device}")
+    runtime = make_runtime(version, config, backend, device)
+    warm_up(runtime, largest)
+    pool = Preprocessor(spec)
+    result: dict[str, Any] = {
+        "model": options.model,
+        "version": version.version,
+        "device": device,
+        "runtime": backend,
+        "precision": config.precision if device.startswith("cuda") else "fp32",
+        "input": [spec.input.channels, spec.input.height, spec.input.width],
+        "batch_sizes": list(options.batch_sizes),
+        "images": options.images or f"{len(jpegs)} generated 500x375 JPEGs",
+        "decode_workers": pool.workers,
+        "concurrency": concurrency,
+        "max_queue_delay_ms": config.max_queue_delay_ms,
+        "seconds_per_figure": options.seconds,
+        "python": platform.python_version(),
+    }
+    if note:
+        result["note"] = note
+    try:
+        engine: dict[str, float] = {}
+        for size in options.batch_sizes:
+            say(f"engine: batch {size}")
+            batch = random_batch(spec, size)
+
+            def engine_step(b: np.ndarray = batch) -> int:
+                return len(runtime.run(b))
+
+            engine[str(size)] = _timed(options.seconds, engine_step)
+        result["engine_images_per_s"] = engine
+
+        say(f"pipeline: decode + preprocess + run, batch {largest}")
+        result["pipeline_images_per_s"] = _timed(options.seconds, _Pipeline(jpegs, largest, runtime, pool.decode_many))
+
+        if device.startswith("cuda") and options.gpu_decode:
+            say("pipeline with GPU JPEG decoding")
+            gpu = GpuJpegDecoder(spec, device)
+            step = _Pipeline(jpegs, largest, runtime, lambda chunk: gpu.decode_many(chunk, pool))
+            result["pipeline_gpu_decode_images_per_s"] = _timed(options.seconds, step)
+
+        say(f"batcher: {concurrency} concurrent submitters of one JPEG each")
+        result["batcher_images_per_s"], result["batcher_mean_batch_size"] = asyncio.run(
+            _batcher_figure(runtime, pool, jpegs, config, concurrency, options)
+        )
+        result["batcher_efficiency"] = result["batcher_images_per_s"] / result["pipeline_images_per_s"]
+
+        say("batcher alone, with a runtime that does no work")
+        result["fake_items_per_s"], result["fake_mean_batch_size"] = asyncio.run(
+            _fake_figure(spec, config, concurrency, options)
+        )
+    finally:
+        pool.close()
+        runtime.close()
+    return result
+
+
+class _Pipeline:
+    """The in-process limit without a batcher: decoding the next batch overlaps running the current one."""
+
+    def __init__(
+        self, jpegs: list[bytes], size: int, runtime: RuntimeLike, decode: Callable[[list[bytes]], list[Any]]
+    ) -> None:
+        self.jpegs, self.size, self.runtime, self.decode = jpegs, size, runtime, decode
+        self.cursor = 0
+        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-decode")
+        self._next = self._decoder.submit(self._decode_next)
+
+    def _decode_next(self) -> np.ndarray:
+        chunk = [self.jpegs[(self.cursor + i) % len(self.jpegs)] for i in range(self.size)]
+        self.cursor += self.size
+        return np.stack([a for a in self.decode(chunk) if isinstance(a, np.ndarray)])
+
+    def __call__(self) -> int:
+        batch = self._next.result()
+        self._next = self._decoder.submit(self._decode_next)
+        return len(self.runtime.run(batch))
+
+
+async def _batcher_figure(
+    runtime: RuntimeLike,
+    pool: Preprocessor,
+    jpegs: list[bytes],
+    config: ModelConfig,
+    concurrency: int,
+    options: BenchOptions,
+) -> tuple[float, float]:
+    batcher = Batcher([runtime], batcher_config(config), name=options.model)
+
+    async def make(i: int) -> InferRequest:
+        array = await asyncio.wrap_future(pool.submit(jpegs[i % len(jpegs)]))
+        return InferRequest(request_id=str(i), model=options.model, images=array[np.newaxis])
+
+    try:
+        rate = await _drive(batcher, make, concurrency, options.seconds, warmup_s=1.0)
+        return rate, batcher.images / max(batcher.batches, 1)
+    finally:
+        await batcher.close(timeout_s=5, close_runtimes=False)  # run_bench closes the runtime
+
+
+async def _fake_figure(
+    spec: ModelSpec, config: ModelConfig, concurrency: int, options: BenchOptions
+) -> tuple[float, float]:
+    fake = FakeRuntime(spec, name="fake")
+    batcher = Batcher([fake], batcher_config(config), name="fake")
+    images = random_batch(spec, 1)
+
+    async def make(i: int) -> InferRequest:
+        return InferRequest(request_id="", model="fake", images=images)
+
+    try:
+        rate = await _drive(batcher, make, concurrency, options.seconds, warmup_s=0.5)
+        return rate, batcher.images / max(batcher.batches, 1)
+    finally:
+        await batcher.close(timeout_s=5)
