@@ -18,6 +18,7 @@ from service.errors import ConfigError, VisionServeError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("models.commands", "train a model on digits, a folder of images, or synthetic data"),
     "models": ("models.commands", "list the architectures (and the repository's models)"),
+    "serve": ("service.commands", "serve the repository's models over HTTP"),
     "bench": ("service.commands", "measure the engine in-process: runtime, decode pipeline, batcher"),
     "export": ("export.commands", "export a model to TorchScript/ONNX with proven parity into a model repository"),
 }

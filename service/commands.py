@@ -1,4 +1,4 @@
-"""``visionserve bench`` (and, later, ``serve``). Heavy imports wait until a command runs."""
+"""``visionserve serve`` and ``visionserve bench``. Heavy imports wait until a command runs."""
 
 from __future__ import annotations
 
@@ -69,4 +69,37 @@ def run_bench(args: argparse.Namespace) -> int:
         f"mean batch {result['batcher_mean_batch_size']:.1f}"
     )
     out.print(f"  batcher alone (no-op runtime): {result['fake_items_per_s']:.0f} items/s")
+    return 0
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Serve every model in the repository over HTTP (image API, Open Inference Protocol v2, /metrics)."
+    p.add_argument("--repository", default="model_repository", help="model repository folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    p.add_argument("--workers", type=int, default=1, help="server processes, each with its own engines")
+    p.add_argument("--admin-token", default=None, help="enables /v2/repository/* for 'Authorization: Bearer TOKEN'")
+    p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (MiB)")
+    p.add_argument("--max-images", type=int, default=64, help="most images in one request")
+    p.add_argument("--max-pixels", type=int, default=40_000_000, help="most pixels in one image")
+    p.add_argument("--drain-timeout-s", type=float, default=10.0, help="how long SIGTERM waits for queued work")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from service.server import serve
+    from service.settings import ServerSettings
+
+    settings = ServerSettings(
+        repository=args.repository,
+        host=args.host,
+        port=args.port,
+        admin_token=args.admin_token,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        max_images_per_request=args.max_images,
+        max_pixels=args.max_pixels,
+        drain_timeout_s=args.drain_timeout_s,
+        log_format=args.log_format,
+    )
+    serve(settings, workers=args.workers, log_level=args.log_level)
     return 0

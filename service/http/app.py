@@ -1,0 +1,71 @@
+"""``create_app(settings)``: the litestar application. The lifespan owns the repository and the engines."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.exceptions import HTTPException
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+
+from service.errors import VisionServeError
+from service.http.errors import handle_http, handle_ours, handle_unexpected
+from service.http.image_api import classify
+from service.http.page import docs, index, list_models
+from service.http.state import ServerState
+from service.http.timing import ServerTimingMiddleware
+from service.http.v2 import ROUTES, SERVER_VERSION
+from service.settings import ServerSettings
+
+log = logging.getLogger("visionserve.server")
+SETTINGS_ENV = "VISIONSERVE_SETTINGS"
+
+
+def create_app(settings: ServerSettings | None = None) -> Litestar:
+    settings = settings or ServerSettings()
+    server = ServerState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.server = server
+        await server.start()
+        try:
+            yield
+        finally:
+            log.info("shutting down: draining queued requests (up to %.1f s)", settings.drain_timeout_s)
+            await server.close()
+
+    app = Litestar(
+        route_handlers=[classify, index, docs, list_models, *ROUTES],
+        lifespan=[lifespan],
+        exception_handlers={
+            VisionServeError: handle_ours,
+            HTTPException: handle_http,
+            Exception: handle_unexpected,
+        },
+        middleware=[DefineMiddleware(ServerTimingMiddleware)],  # type: ignore[arg-type]
+        openapi_config=OpenAPIConfig(
+            title="visionserve",
+            version=SERVER_VERSION,
+            path="/schema",
+            render_plugins=[SwaggerRenderPlugin(path="/")],
+        ),
+        request_max_body_size=settings.max_body_bytes,
+        debug=False,
+    )
+    app.state.server = server
+    return app
+
+
+def app_from_env() -> Litestar:
+    """For ``uvicorn --factory`` with several workers: settings travel as JSON in an environment variable."""
+    raw = os.environ.get(SETTINGS_ENV, "{}")
+    import msgspec
+
+    return create_app(msgspec.convert(json.loads(raw), ServerSettings))
