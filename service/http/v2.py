@@ -120,13 +120,7 @@ async def model_config(request: Request[Any, Any, Any], model: str, version: str
         "name": slot.name,
         "platform": _platform(slot),
         "max_batch_size": config.max_batch_size,
-        "input": [
-            {
-                "name": "INPUT",
-                "data_type": "TYPE_UINT8",
-                "dims": [spec.input.channels, spec.input.height, spec.input.width],
-            }
-        ],  # fmt: skip
+        "input": [{"name": "INPUT", "data_type": "TYPE_UINT8", "dims": dims}],
         "output": [{"name": "LOGITS", "data_type": "TYPE_FP32", "dims": [spec.num_classes]}],
         "dynamic_batching": {
             "preferred_batch_size": list(config.preferred_batch_sizes),
@@ -139,7 +133,7 @@ async def model_config(request: Request[Any, Any, Any], model: str, version: str
         "instance_group": [
             {"count": config.instances, "kind": "KIND_GPU" if d.startswith("cuda") else "KIND_CPU", "device": d}
             for d in slot.engine.state().devices
-        ],  # fmt: skip
+        ],
         "visionserve": msgspec.to_builtins(config),
     }
 
