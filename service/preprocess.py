@@ -76,7 +76,7 @@ def open_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image
             f"image has {size}, over the limit of {limits.max_pixels} (refused as a possible decompression bomb)"
         ) from exc
     except (OSError, SyntaxError, ValueError) as exc:
-        raise BadInputError(f"corrupt image header: {exc}") from exc
+        raise BadInputError(f"truncated or corrupt image header: {exc}") from exc
     if img.format not in limits.formats:
         allowed = ", ".join(limits.formats)
         raise UnsupportedMediaError(f"unsupported image format {img.format}: this server takes {allowed}")

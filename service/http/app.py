@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from litestar import Litestar
 from litestar.exceptions import HTTPException
@@ -25,6 +27,12 @@ from service.settings import ServerSettings
 
 log = logging.getLogger("visionserve.server")
 SETTINGS_ENV = "VISIONSERVE_SETTINGS"
+
+
+def operation_id(handler: Any, method: Any, components: list[Any]) -> str:
+    """Unique per path: one handler serves several paths (with and without /versions/{version})."""
+    parts = [getattr(c, "name", c) for c in components]
+    return "_".join([handler.handler_name, str(method).lower(), *(re.sub(r"\W+", "_", str(p)) for p in parts)])
 
 
 def create_app(settings: ServerSettings | None = None) -> Litestar:
@@ -55,6 +63,7 @@ def create_app(settings: ServerSettings | None = None) -> Litestar:
             version=SERVER_VERSION,
             path="/schema",
             render_plugins=[SwaggerRenderPlugin(path="/")],
+            operation_id_creator=operation_id,
         ),
         request_max_body_size=settings.max_body_bytes,
         debug=False,
