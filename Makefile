@@ -4,8 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+REPOSITORY ?= model_repository
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: install lint test test-fast clean
+.PHONY: install lint test test-fast serve clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +27,14 @@ test: lint
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+# The embedded default model: trained offline (scikit-learn's bundled digits) and exported, only when missing.
+$(REPOSITORY)/digits:
+	$(BIN)/visionserve train --out checkpoints/digits.pt
+	$(BIN)/visionserve export --checkpoint checkpoints/digits.pt --name digits --repository $(REPOSITORY)
+
+serve: $(STAMP) $(REPOSITORY)/digits
+	$(BIN)/visionserve serve --repository $(REPOSITORY) --host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "models": ("models.commands", "list the architectures (and the repository's models)"),
     "serve": ("service.commands", "serve the repository's models over HTTP"),
     "bench": ("service.commands", "measure the engine in-process: runtime, decode pipeline, batcher"),
+    "loadtest": ("loadtest.commands", "load a server over HTTP and report throughput and latency"),
     "export": ("export.commands", "export a model to TorchScript/ONNX with proven parity into a model repository"),
 }
 

@@ -22,7 +22,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Serving settings of one model (all versions)."""
 
-    backend: Literal["auto", "onnxruntime", "torchscript"] = "auto"
+    backend: Literal["auto", "onnxruntime", "torchscript", "noop"] = "auto"
     device: str = "auto"
     fallback: Literal["cpu", "none"] = "cpu"
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
@@ -47,7 +47,7 @@ _RULES: dict[str, tuple[Any, str]] = {
 }
 
 _ALLOWED_TEXT = {
-    "backend": "auto, onnxruntime or torchscript",
+    "backend": "auto, onnxruntime, torchscript or noop",
     "fallback": "cpu or none",
     "precision": "fp32, fp16 or bf16",
     "queue_full_status": "503 or 429",
@@ -108,6 +108,7 @@ def load_config(path: str | Path) -> ModelConfig:
 DEFAULT_CONFIG_TOML = """\
 # Serving settings for this model (all optional; these are the defaults).
 backend = "auto"              # auto (onnxruntime if model.onnx exists, else torchscript) | onnxruntime | torchscript
+                              # | noop (no model work, nonsense answers: measures the server's own capacity)
 device = "auto"               # auto (cuda when a usable GPU exists, else cpu) | cpu | cuda | cuda:N
 fallback = "cpu"              # cpu: keep serving from CPU when the GPU fails | none: fail instead
 precision = "fp32"            # fp32 | fp16 | bf16 (GPU only)

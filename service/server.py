@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -34,6 +35,9 @@ class _Server(uvicorn.Server):
             state.draining = True  # readiness false, new inference refused; in-flight requests finish
             log.warning("signal %s: draining (up to %.1f s), then exiting", sig, state.settings.drain_timeout_s)
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and sig in self._captured_signals:
+            # uvicorn re-raises the signal once it has shut down; a clean drain on SIGTERM exits 0 instead.
+            self._captured_signals.remove(sig)
 
 
 def uvicorn_options(settings: ServerSettings, log_level: str) -> dict[str, Any]:

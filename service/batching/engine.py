@@ -24,7 +24,7 @@ from service.batching.batcher import Batcher, BatcherConfig, BatchRecord, InferR
 from service.config import ModelConfig
 from service.errors import ConfigError, DeviceFailure
 from service.repository import ModelVersion
-from service.runtime import OnnxRuntime, RuntimeLike, TorchScriptRuntime, bucket_sizes
+from service.runtime import FakeRuntime, OnnxRuntime, RuntimeLike, TorchScriptRuntime, bucket_sizes
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ def cuda_devices() -> list[str]:
 
 
 def choose_backend(version: ModelVersion, config: ModelConfig) -> str:
+    if config.backend == "noop":
+        return "noop"
     files = version.files if config.precision == "fp32" else {**version.files, **version.fp16_files}
     if config.backend == "auto":
         return "onnxruntime" if "onnx" in files else "torchscript"
@@ -88,6 +90,8 @@ def make_runtime(version: ModelVersion, config: ModelConfig, backend: str, devic
     on_gpu = device.startswith("cuda")
     precision = config.precision if on_gpu else "fp32"
     name = f"{version.model}-v{version.version}"
+    if backend == "noop":
+        return FakeRuntime(version.spec, device=device, name=name)
     if backend == "onnxruntime":
         path = version.fp16_files.get("onnx") if precision == "fp16" else None
         return OnnxRuntime(version.spec, path or version.files["onnx"], device=device, name=name)

@@ -114,7 +114,7 @@ def test_unknown_config_key_is_refused(repo: Path) -> None:
     [
         ("max_batch_size = 0", "max_batch_size must be an integer >= 1, got 0"),
         ('max_batch_size = "big"', "max_batch_size must be an integer >= 1, got 'big'"),
-        ('backend = "tensorrt"', "backend must be auto, onnxruntime or torchscript, got 'tensorrt'"),
+        ('backend = "tensorrt"', "backend must be auto, onnxruntime, torchscript or noop, got 'tensorrt'"),
         ("queue_full_status = 500", "queue_full_status must be 503 or 429, got 500"),
         ('device = "gpu0"', "device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
         ("max_queue_delay_ms = -1", "max_queue_delay_ms must be a number >= 0, got -1"),
