@@ -23,6 +23,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
+	scripts/install-browser.sh
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

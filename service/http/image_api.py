@@ -11,8 +11,9 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
-from litestar import Request, Response, post
+from litestar import Request, post
 from litestar.datastructures import UploadFile
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
 
 from service.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
@@ -40,6 +41,27 @@ class ClassifyResponse(msgspec.Struct):
     model: str
     version: int
     results: list[ImageResult]
+
+
+class ErrorBody(msgspec.Struct):
+    """Every error: a message for a person; never a stack trace."""
+
+    error: str
+
+
+ERROR_RESPONSES = {
+    code: ResponseSpec(data_container=ErrorBody, description=text)
+    for code, text in {
+        400: "bad request, bad tensor or undecodable image",
+        404: "unknown model or version",
+        413: "body, image count or pixel count over the limits",
+        415: "unsupported media type",
+        429: "overloaded (queue_full_status = 429), with Retry-After",
+        500: "a failure of ours",
+        503: "overloaded or shutting down, with Retry-After",
+        504: "the deadline passed in the queue",
+    }.items()
+}
 
 
 def server_of(request: Request[Any, Any, Any]) -> ServerState:
@@ -78,6 +100,7 @@ async def _read_images(request: Request[Any, Any, Any], limit: int) -> tuple[lis
     "One result per image, in order; a bad file in a multipart request gets its own error.",
     status_code=200,
     tags=["image API"],
+    responses=ERROR_RESPONSES,
 )
 async def classify(
     request: Request[Any, Any, Any],
@@ -110,7 +133,3 @@ async def classify(
             else:
                 results[i].predictions = [Prediction(**p) for p in preds[row]]  # type: ignore[arg-type]
     return ClassifyResponse(model=slot.name, version=slot.version.version, results=results)
-
-
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response[bytes]:
-    return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json", headers=headers)

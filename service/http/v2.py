@@ -19,7 +19,7 @@ import numpy as np
 from litestar import Request, Response, get, post
 
 from service.errors import BadInputError, NotFoundError, PayloadTooLargeError, VisionServeError
-from service.http.image_api import json_response, server_of, timing_of
+from service.http.image_api import ERROR_RESPONSES, server_of, timing_of
 from service.http.results import classification_strings
 from service.http.state import ModelSlot, ServerState
 
@@ -51,22 +51,42 @@ class V2Request(msgspec.Struct):
 _decoder = msgspec.json.Decoder(V2Request)
 
 
+class Readiness(msgspec.Struct, omit_defaults=True):
+    ready: bool
+    name: str | None = None
+    state: str | None = None
+
+
+class V2Response(msgspec.Struct, omit_defaults=True):
+    """The JSON part of an inference answer (binary outputs follow it, per Inference-Header-Content-Length)."""
+
+    model_name: str
+    model_version: str
+    outputs: list[dict[str, Any]]
+    id: str | None = None
+
+
 # ---- health and metadata -------------------------------------------------------------------------------------
 
 
-@get("/v2/health/live", summary="Liveness", tags=["v2"])
+@get("/v2/health/live", summary="Liveness", tags=["v2"], responses=ERROR_RESPONSES)
 async def live() -> dict[str, bool]:
     return {"live": True}
 
 
-@get("/v2/health/ready", summary="Readiness (false while loading and while draining)", tags=["v2"])
-async def ready(request: Request[Any, Any, Any]) -> Response[bytes]:
+@get(
+    "/v2/health/ready",
+    summary="Readiness (false while loading and while draining)",
+    tags=["v2"],
+    responses=ERROR_RESPONSES,
+)
+async def ready(request: Request[Any, Any, Any]) -> Response[Readiness]:
     server = server_of(request)
     ok = server.ready and not server.draining
-    return json_response({"ready": ok}, 200 if ok else 503)
+    return Response(Readiness(ready=ok), status_code=200 if ok else 503)
 
 
-@get("/v2", summary="Server metadata", tags=["v2"])
+@get("/v2", summary="Server metadata", tags=["v2"], responses=ERROR_RESPONSES)
 async def server_metadata() -> dict[str, Any]:
     return {"name": "visionserve", "version": SERVER_VERSION, "extensions": EXTENSIONS}
 
@@ -95,22 +115,27 @@ MODEL = "/v2/models/{model:str}"
 VERSION = "/v2/models/{model:str}/versions/{version:str}"
 
 
-@get([MODEL, VERSION], summary="Model metadata, with its device and fallback state", tags=["v2"])
+@get(
+    [MODEL, VERSION],
+    summary="Model metadata, with its device and fallback state",
+    tags=["v2"],
+    responses=ERROR_RESPONSES,
+)
 async def model_metadata(request: Request[Any, Any, Any], model: str, version: str | None = None) -> dict[str, Any]:
     server = server_of(request)
     return _metadata(server, server.slot(model, version))
 
 
-@get([MODEL + "/ready", VERSION + "/ready"], summary="Model readiness", tags=["v2"])
-async def model_ready(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[bytes]:
+@get([MODEL + "/ready", VERSION + "/ready"], summary="Model readiness", tags=["v2"], responses=ERROR_RESPONSES)
+async def model_ready(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[Readiness]:
     server = server_of(request)
     slot = server.slot(model, version)
     state = slot.engine.state()
     ok = state.state != "FAILED" and not server.draining
-    return json_response({"name": slot.name, "ready": ok, "state": state.state}, 200 if ok else 503)
+    return Response(Readiness(ready=ok, name=slot.name, state=state.state), status_code=200 if ok else 503)
 
 
-@get([MODEL + "/config", VERSION + "/config"], summary="Model configuration", tags=["v2"])
+@get([MODEL + "/config", VERSION + "/config"], summary="Model configuration", tags=["v2"], responses=ERROR_RESPONSES)
 async def model_config(request: Request[Any, Any, Any], model: str, version: str | None = None) -> dict[str, Any]:
     slot = server_of(request).slot(model, version)
     config = slot.config
@@ -162,7 +187,12 @@ def _stats(slot: ModelSlot) -> dict[str, Any]:
     }
 
 
-@get(["/v2/models/stats", MODEL + "/stats", VERSION + "/stats"], summary="Statistics", tags=["v2"])
+@get(
+    ["/v2/models/stats", MODEL + "/stats", VERSION + "/stats"],
+    summary="Statistics",
+    tags=["v2"],
+    responses=ERROR_RESPONSES,
+)
 async def model_stats(
     request: Request[Any, Any, Any], model: str | None = None, version: str | None = None
 ) -> dict[str, Any]:
@@ -269,7 +299,7 @@ def _bytes_tensor(elements: list[str]) -> bytes:
     return b"".join(struct.pack("<I", len(e.encode())) + e.encode() for e in elements)
 
 
-async def _infer(request: Request[Any, Any, Any], model: str, version: str | None) -> Response[bytes]:
+async def _infer(request: Request[Any, Any, Any], model: str, version: str | None) -> Response[Any]:
     server = server_of(request)
     slot = server.slot(model, version)
     timing = timing_of(request)
@@ -309,7 +339,7 @@ async def _infer(request: Request[Any, Any, Any], model: str, version: str | Non
     return _encode_outputs(req, slot, result.logits)
 
 
-def _encode_outputs(req: V2Request, slot: ModelSlot, logits: np.ndarray) -> Response[bytes]:
+def _encode_outputs(req: V2Request, slot: ModelSlot, logits: np.ndarray) -> Response[Any]:
     wanted = req.outputs or [V2Output(name="LOGITS")]
     all_binary = bool((req.parameters or {}).get("binary_data_output", False))
     outputs: list[dict[str, Any]] = []
@@ -356,8 +386,8 @@ def _encode_outputs(req: V2Request, slot: ModelSlot, logits: np.ndarray) -> Resp
 
 
 @post([MODEL + "/infer", VERSION + "/infer"], summary="Inference (JSON or binary tensor data)", status_code=200,
-      tags=["v2"])  # fmt: skip
-async def infer(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[bytes]:
+      tags=["v2"], responses=ERROR_RESPONSES)  # fmt: skip
+async def infer(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[V2Response]:
     return await _infer(request, model, version)
 
 
@@ -379,7 +409,13 @@ class _Forbidden(VisionServeError):
     status = 403
 
 
-@post("/v2/repository/index", summary="Repository index (admin)", status_code=200, tags=["v2 repository"])
+@post(
+    "/v2/repository/index",
+    summary="Repository index (admin)",
+    status_code=200,
+    tags=["v2 repository"],
+    responses=ERROR_RESPONSES,
+)
 async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
     server = _require_admin(request)
     rows: list[dict[str, Any]] = []
@@ -392,7 +428,7 @@ async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, An
 
 
 @post("/v2/repository/models/{model:str}/load", summary="Load or reload a model (admin)", status_code=200,
-      tags=["v2 repository"])  # fmt: skip
+      tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
 async def repository_load(request: Request[Any, Any, Any], model: str) -> dict[str, str]:
     server = _require_admin(request)
     await server.load_model(model)
@@ -400,7 +436,7 @@ async def repository_load(request: Request[Any, Any, Any], model: str) -> dict[s
 
 
 @post("/v2/repository/models/{model:str}/unload", summary="Unload a model (admin)", status_code=200,
-      tags=["v2 repository"])  # fmt: skip
+      tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
 async def repository_unload(request: Request[Any, Any, Any], model: str) -> dict[str, str]:
     server = _require_admin(request)
     await server.unload_model(model)
