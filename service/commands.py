@@ -83,7 +83,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-images", type=int, default=64, help="most images in one request")
     p.add_argument("--max-pixels", type=int, default=40_000_000, help="most pixels in one image")
     p.add_argument("--drain-timeout-s", type=float, default=10.0, help="how long SIGTERM waits for queued work")
-    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
+    p.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="json: one access-log line per request"
+    )
+    p.add_argument("--no-metrics", action="store_true", help="turn /metrics and its recording off")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -100,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels,
         drain_timeout_s=args.drain_timeout_s,
         log_format=args.log_format,
+        metrics=not args.no_metrics,
     )
     serve(settings, workers=args.workers, log_level=args.log_level)
     return 0

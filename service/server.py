@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -53,7 +54,19 @@ def uvicorn_options(settings: ServerSettings, log_level: str) -> dict[str, Any]:
     }
 
 
+def _json_access_log() -> None:
+    """One JSON line per request on stdout, whatever the log level of everything else."""
+    access = logging.getLogger("visionserve.access")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.handlers[:] = [handler]
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
 def serve(settings: ServerSettings, *, workers: int = 1, log_level: str = "info") -> None:
+    if settings.log_format == "json":
+        _json_access_log()
     options = uvicorn_options(settings, log_level)
     if workers > 1:
         os.environ[SETTINGS_ENV] = json.dumps(msgspec.to_builtins(settings))

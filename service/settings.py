@@ -20,6 +20,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 10.0
     log_format: Literal["text", "json"] = "text"
     decode_workers: int | None = None
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_images_per_request", "max_pixels"):

@@ -171,6 +171,7 @@ class Batcher:
         self.batches = 0
         self.images = 0
         self.size_counts: dict[int, int] = {}
+        self.size_compute_ns: dict[int, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -343,6 +344,7 @@ class Batcher:
             self.batches += 1
             self.images += len(items)
             self.size_counts[len(items)] = self.size_counts.get(len(items), 0) + 1
+            self.size_compute_ns[len(items)] = self.size_compute_ns.get(len(items), 0) + int(compute_s * 1e9)
             if self.observer is not None:
                 self.observer(BatchRecord(len(items), [started - i.enqueued for i in items], compute_s,
                                           instance.device, failed))  # fmt: skip

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from litestar import Litestar
+from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
@@ -23,6 +23,7 @@ from service.http.page import docs, index, list_models
 from service.http.state import ServerState
 from service.http.timing import ServerTimingMiddleware
 from service.http.v2 import ROUTES, SERVER_VERSION
+from service.metrics import CONTENT_TYPE
 from service.settings import ServerSettings
 
 log = logging.getLogger("visionserve.server")
@@ -33,6 +34,13 @@ def operation_id(handler: Any, method: Any, components: list[Any]) -> str:
     """Unique per path: one handler serves several paths (with and without /versions/{version})."""
     parts = [getattr(c, "name", c) for c in components]
     return "_".join([handler.handler_name, str(method).lower(), *(re.sub(r"\W+", "_", str(p)) for p in parts)])
+
+
+@get("/metrics", summary="Prometheus metrics", include_in_schema=False, media_type=CONTENT_TYPE)
+async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    server: ServerState = request.app.state.server
+    assert server.metrics is not None  # the route exists only when metrics are on
+    return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
 
 def create_app(settings: ServerSettings | None = None) -> Litestar:
@@ -50,14 +58,16 @@ def create_app(settings: ServerSettings | None = None) -> Litestar:
             await server.close()
 
     app = Litestar(
-        route_handlers=[classify, index, docs, list_models, *ROUTES],
+        route_handlers=[classify, index, docs, list_models, *ROUTES, *([metrics] if settings.metrics else [])],
         lifespan=[lifespan],
         exception_handlers={
             VisionServeError: handle_ours,
             HTTPException: handle_http,
             Exception: handle_unexpected,
         },
-        middleware=[DefineMiddleware(ServerTimingMiddleware)],  # type: ignore[arg-type]
+        middleware=[
+            DefineMiddleware(ServerTimingMiddleware, json_log=settings.log_format == "json")  # type: ignore[arg-type]
+        ],
         openapi_config=OpenAPIConfig(
             title="visionserve",
             version=SERVER_VERSION,

@@ -7,6 +7,7 @@ multipart request each bad file fails alone.
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import msgspec
@@ -18,7 +19,7 @@ from litestar.params import Parameter
 
 from service.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
 from service.http.results import predictions, softmax
-from service.http.state import ServerState, Timing
+from service.http.state import ModelSlot, ServerState, Timing
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp")
 
@@ -113,6 +114,19 @@ async def classify(
     server = server_of(request)
     slot = server.slot(model, version)
     timing = timing_of(request)
+    with slot.observe(timing):
+        return await _classify(request, server, slot, timing, top_k, priority, timeout_ms)
+
+
+async def _classify(
+    request: Request[Any, Any, Any],
+    server: ServerState,
+    slot: ModelSlot,
+    timing: Timing,
+    top_k: int,
+    priority: int,
+    timeout_ms: float | None,
+) -> ClassifyResponse:
     images, names, single = await _read_images(request, server.settings.max_images_per_request)
     decoded = await slot.decode(images, timing)
     if single and isinstance(decoded[0], VisionServeError):
@@ -125,6 +139,7 @@ async def classify(
     if good:
         batch = np.stack([decoded[i] for i in good])  # type: ignore[misc]
         result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms)
+        started = time.perf_counter()
         preds = predictions(softmax(result.logits), slot.spec.labels, top_k)
         for row, i in enumerate(good):
             error = result.errors[row]
@@ -132,4 +147,5 @@ async def classify(
                 results[i].error = str(error)
             else:
                 results[i].predictions = [Prediction(**p) for p in preds[row]]  # type: ignore[arg-type]
+        timing.postprocess_s += time.perf_counter() - started
     return ClassifyResponse(model=slot.name, version=slot.version.version, results=results)

@@ -7,9 +7,11 @@ Owned by the app's lifespan: models load (off the event loop) before the server 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +20,16 @@ from service.batching import InferRequest, InferResult
 from service.batching.engine import ModelEngine
 from service.config import ModelConfig
 from service.decoding import Decoded, Preprocessor
-from service.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError
+from service.errors import (
+    BadInputError,
+    CancelledError,
+    ConfigError,
+    DeadlineExceededError,
+    NotFoundError,
+    OverloadedError,
+    VisionServeError,
+)
+from service.metrics import Metrics
 from service.preprocess import ImageLimits
 from service.repository import ModelEntry, ModelRepository, ModelVersion
 from service.settings import ServerSettings
@@ -34,12 +45,14 @@ class Timing:
     preprocess_s: float = 0.0
     queue_s: float = 0.0
     compute_s: float = 0.0
+    postprocess_s: float = 0.0
 
     def header(self, total_s: float | None = None) -> str:
         parts = [
             f"queue;dur={self.queue_s * 1000:.3f}",
             f"preprocess;dur={self.preprocess_s * 1000:.3f}",
             f"compute;dur={self.compute_s * 1000:.3f}",
+            f"postprocess;dur={self.postprocess_s * 1000:.3f}",
         ]
         if total_s is not None:
             parts.append(f"total;dur={total_s * 1000:.3f}")
@@ -60,15 +73,57 @@ class ModelStats:
     batch_counts: dict[int, int] = field(default_factory=dict)
 
 
+def outcome_of(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError | CancelledError):
+        return "cancelled"
+    if isinstance(exc, OverloadedError):
+        return "rejected"
+    if isinstance(exc, DeadlineExceededError):
+        return "timeout"
+    if isinstance(exc, BadInputError):
+        return "bad_input"
+    return "error"
+
+
 class ModelSlot:
     """One served model version."""
 
-    def __init__(self, entry: ModelEntry, version: ModelVersion, engine: ModelEngine, pool: Preprocessor) -> None:
+    def __init__(
+        self,
+        entry: ModelEntry,
+        version: ModelVersion,
+        engine: ModelEngine,
+        pool: Preprocessor,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.entry = entry
         self.version = version
         self.engine = engine
         self.pool = pool
         self.stats = ModelStats()
+        self.metrics = metrics
+        self._labels = (version.model, str(version.version), ",".join(engine.state().devices))
+
+    @contextlib.contextmanager
+    def observe(self, timing: Timing) -> Iterator[None]:
+        """Record one request's outcome and stage durations, once, however it ends."""
+        started = time.perf_counter()
+        outcome = "success"
+        try:
+            yield
+        except BaseException as exc:
+            outcome = outcome_of(exc)
+            raise
+        finally:
+            if self.metrics is not None:
+                m, labels = self.metrics, self._labels
+                m.requests.labels(*labels, outcome).inc()
+                m.request_seconds.labels(*labels).observe(time.perf_counter() - started)
+                if timing.preprocess_s:
+                    m.preprocess_seconds.labels(*labels).observe(timing.preprocess_s)
+                if outcome == "success":
+                    m.queue_seconds.labels(*labels).observe(timing.queue_s)
+                    m.postprocess_seconds.labels(*labels).observe(timing.postprocess_s)
 
     @property
     def name(self) -> str:
@@ -141,6 +196,15 @@ class ServerState:
         self.started_at = time.time()
         self.limits = ImageLimits(max_pixels=settings.max_pixels)
         self._lock = asyncio.Lock()
+        self.metrics = Metrics() if settings.metrics else None
+        if self.metrics is not None:
+            self.metrics.watch(self._live)
+
+    def _live(self) -> Iterable[tuple[tuple[str, str, str], int, int]]:
+        for versions in list(self.slots.values()):
+            for slot in versions.values():
+                batcher = slot.engine.batcher
+                yield slot._labels, batcher.queue_depth, batcher.inflight_batches
 
     async def start(self) -> None:
         index = await asyncio.to_thread(self.repository.scan)
@@ -153,14 +217,20 @@ class ServerState:
     async def _load(self, entry: ModelEntry) -> None:
         loaded: dict[int, ModelSlot] = {}
         for number, version in sorted(entry.versions.items()):
+            observer = on_fallback = None
+            if self.metrics is not None:
+                observer = self.metrics.batch_observer(entry.name, number)
+                on_fallback = self.metrics.fallback_hook(entry.name, number, lambda: "cpu")
             try:
-                engine = await asyncio.to_thread(ModelEngine, version, entry.config)
+                engine = await asyncio.to_thread(
+                    ModelEngine, version, entry.config, observer=observer, on_fallback=on_fallback
+                )
             except (ConfigError, VisionServeError) as exc:
                 log.error("model %s version %s failed to load: %s", entry.name, number, exc)
                 self.errors[f"{entry.name}/{number}"] = str(exc)
                 continue
             pool = Preprocessor(version.spec, self.limits, workers=self.settings.decode_workers)
-            loaded[number] = ModelSlot(entry, version, engine, pool)
+            loaded[number] = ModelSlot(entry, version, engine, pool, self.metrics)
             state = engine.state()
             log.info("loaded %s v%s: %s on %s%s", entry.name, number, state.backend, ",".join(state.devices),
                      f" ({state.note})" if state.note else "")  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -21,7 +22,7 @@ from litestar import Request, Response, get, post
 from service.errors import BadInputError, NotFoundError, PayloadTooLargeError, VisionServeError
 from service.http.image_api import ERROR_RESPONSES, server_of, timing_of
 from service.http.results import classification_strings
-from service.http.state import ModelSlot, ServerState
+from service.http.state import ModelSlot, ServerState, Timing
 
 SERVER_VERSION = "0.1.0"
 EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "statistics", "parameters"]
@@ -181,7 +182,7 @@ def _stats(slot: ModelSlot) -> dict[str, Any]:
             "compute_output": {"count": s.success, "ns": 0},
         },
         "batch_stats": [
-            {"batch_size": size, "compute_infer": {"count": count, "ns": 0}}
+            {"batch_size": size, "compute_infer": {"count": count, "ns": batcher.size_compute_ns.get(size, 0)}}
             for size, count in sorted(batcher.size_counts.items())
         ],
     }
@@ -303,6 +304,13 @@ async def _infer(request: Request[Any, Any, Any], model: str, version: str | Non
     server = server_of(request)
     slot = server.slot(model, version)
     timing = timing_of(request)
+    with slot.observe(timing):
+        return await _infer_on(request, server, slot, timing)
+
+
+async def _infer_on(
+    request: Request[Any, Any, Any], server: ServerState, slot: ModelSlot, timing: Timing
+) -> Response[Any]:
     req, binary = _split_body(request, await request.body())
     if len(req.inputs) != 1:
         raise BadInputError(f"send exactly one input, IMAGE or INPUT; got {[i.name for i in req.inputs]}")
@@ -336,7 +344,10 @@ async def _infer(request: Request[Any, Any, Any], model: str, version: str | Non
     for i, error in enumerate(result.errors):
         if error is not None:
             raise type(error)(f"image {i}: {error}")
-    return _encode_outputs(req, slot, result.logits)
+    started = time.perf_counter()
+    response = _encode_outputs(req, slot, result.logits)
+    timing.postprocess_s += time.perf_counter() - started
+    return response
 
 
 def _encode_outputs(req: V2Request, slot: ModelSlot, logits: np.ndarray) -> Response[Any]:

@@ -1,0 +1,165 @@
+"""Metrics: after a known mix of good, bad, rejected and timed-out requests against a real server, every counter
+and histogram count equals what was sent; the dashboard queries only metrics the server exports."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.metrics import GPU_METRIC_NAMES
+from tests.conftest import encode_image, random_image
+from tests.http.conftest import RunningServer, start_server, stop_server
+from tests.http.test_image_api import digit_png
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+@pytest.fixture(scope="module")
+def fresh(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A server of its own, so the counters start from zero."""
+    root = tmp_path_factory.mktemp("metrics-repo")
+    for name in ("digits", "slow"):
+        shutil.copytree(served_repo / name, root / name)
+    (root / "slow" / "config.toml").write_text("max_batch_size = 1\nmax_queue_size = 2\nmax_queue_delay_ms = 0\n")
+    running = start_server(root, tmp_path_factory.mktemp("logs") / "metrics.log")
+    yield running
+    stop_server(running)
+
+
+def test_counters_and_histograms_equal_what_was_sent(fresh: RunningServer) -> None:
+    good, _ = digit_png(0)
+    pixels = np.random.default_rng(0).integers(0, 256, (2, 3, 32, 32), dtype=np.uint8)
+    with fresh.client() as c:
+        for _ in range(5):
+            assert (
+                c.post("/v1/models/digits/classify", content=good, headers={"content-type": "image/png"}).status_code
+                == 200
+            )
+        for _ in range(3):
+            assert (
+                c.post("/v1/models/digits/classify", content=b"junk", headers={"content-type": "image/png"}).status_code
+                == 400
+            )
+        for _ in range(2):
+            body = {"inputs": [{"name": "INPUT", "datatype": "UINT8", "shape": [2, 3, 32, 32],
+                                "data": pixels.ravel().tolist()}]}  # fmt: skip
+            assert c.post("/v2/models/digits/infer", json=body).status_code == 200
+
+    image = encode_image(random_image(224, 224), "JPEG")
+
+    def slow(_: int) -> int:
+        with fresh.client() as c:
+            return c.post("/v1/models/slow/classify", content=image, headers={"content-type": "image/jpeg"}).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        flood = list(pool.map(slow, range(10)))
+    ok, rejected = flood.count(200), flood.count(503)
+    assert ok + rejected == 10 and rejected > 0
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(slow, 0)
+        tensor = {"name": "INPUT", "datatype": "UINT8", "shape": [1, 3, 224, 224],
+                  "parameters": {"binary_data_size": 3 * 224 * 224}}  # fmt: skip
+        head = json.dumps({"parameters": {"timeout": 1}, "inputs": [tensor]}).encode()
+        with fresh.client() as c:
+            late = c.post("/v2/models/slow/infer", content=head + bytes(3 * 224 * 224),
+                          headers={"Inference-Header-Content-Length": str(len(head))})  # fmt: skip
+        assert busy.result() == 200
+    assert late.status_code == 504
+
+    m = scrape(fresh)
+    digits = {"model": "digits", "version": "1"}
+    slow_labels = {"model": "slow", "version": "1"}
+    assert value(m, "visionserve_requests_total", outcome="success", **digits) == 7
+    assert value(m, "visionserve_requests_total", outcome="bad_input", **digits) == 3
+    assert value(m, "visionserve_requests_total", outcome="success", **slow_labels) == ok + 1
+    assert value(m, "visionserve_requests_total", outcome="rejected", **slow_labels) == rejected
+    assert value(m, "visionserve_requests_total", outcome="timeout", **slow_labels) == 1
+    assert value(m, "visionserve_request_duration_seconds_count", **digits) == 10
+    assert value(m, "visionserve_request_duration_seconds_count", **slow_labels) == 10 + 2
+    assert value(m, "visionserve_preprocess_duration_seconds_count", **digits) == 5 + 3  # the raw images decoded
+    assert value(m, "visionserve_queue_duration_seconds_count", **digits) == 7
+    assert value(m, "visionserve_images_total", **digits) == 5 + 2 * 2
+    assert value(m, "visionserve_images_total", **slow_labels) == ok + 1
+    # The batch-size histogram agrees with the batch and image counters, and with the batcher's own record.
+    batches = value(m, "visionserve_batches_total", **digits)
+    assert value(m, "visionserve_batch_size_count", **digits) == batches
+    assert value(m, "visionserve_batch_size_sum", **digits) == 9
+    assert value(m, "visionserve_compute_duration_seconds_count", **digits) == batches
+    stats = httpx.get(fresh.url + "/v2/models/digits/stats").json()["model_stats"][0]
+    record = {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
+    assert stats["execution_count"] == batches and sum(record.values()) == batches
+    assert sum(size * n for size, n in record.items()) / batches == pytest.approx(9 / batches)
+    assert stats["inference_stats"]["success"]["count"] == 7 and stats["inference_count"] == 9
+    assert (
+        value(m, "visionserve_queue_depth", **digits) == 0 and value(m, "visionserve_inflight_batches", **digits) == 0
+    )
+
+
+def test_the_dashboard_queries_only_exported_metrics(fresh: RunningServer) -> None:
+    dashboard = json.loads((ROOT / "docs" / "grafana" / "visionserve.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    queried = {re.sub(r"_(bucket|count|sum)$", "", name) for q in queries for name in re.findall(r"visionserve_\w+", q)}
+    httpx.post(fresh.url + "/v1/models/digits/classify", content=digit_png(0)[0], headers={"content-type": "image/png"})
+    families = list(text_string_to_metric_families(httpx.get(fresh.url + "/metrics").text))
+    exported = {f.name + ("_total" if f.type == "counter" else "") for f in families}  # samples or not yet
+    missing = {q for q in queried if q not in exported and q not in GPU_METRIC_NAMES}
+    assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
+    assert len(queried) >= 12
+
+
+def test_every_response_has_a_request_id_and_the_json_access_log_has_the_split(
+    served_repo: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "repo"
+    shutil.copytree(served_repo / "digits", root / "digits")
+    log = tmp_path / "server.log"
+    server = start_server(root, log, "--log-format", "json")
+    try:
+        r = httpx.post(server.url + "/v1/models/digits/classify", content=digit_png(0)[0],
+                       headers={"content-type": "image/png", "X-Request-Id": "req-42"})  # fmt: skip
+        assert r.headers["x-request-id"] == "req-42"
+        assert len(httpx.get(server.url + "/v2/health/live").headers["x-request-id"]) == 32
+    finally:
+        stop_server(server)
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    mine = next(line for line in lines if line["request_id"] == "req-42")
+    assert mine["status"] == 200 and mine["path"] == "/v1/models/digits/classify"
+    assert mine["compute_ms"] > 0 and mine["preprocess_ms"] > 0 and mine["duration_ms"] >= mine["compute_ms"]
+
+
+def test_metrics_can_be_turned_off(served_repo: Path, tmp_path: Path) -> None:
+    root = tmp_path / "repo"
+    shutil.copytree(served_repo / "digits", root / "digits")
+    server = start_server(root, tmp_path / "server.log", "--no-metrics")
+    try:
+        assert httpx.get(server.url + "/metrics").status_code == 404
+        ok = httpx.post(server.url + "/v1/models/digits/classify", content=digit_png(0)[0],
+                        headers={"content-type": "image/png"})  # fmt: skip
+        assert ok.status_code == 200
+    finally:
+        stop_server(server)
