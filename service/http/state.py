@@ -29,7 +29,7 @@ from service.errors import (
     OverloadedError,
     VisionServeError,
 )
-from service.metrics import Metrics
+from service.metrics import OUTCOMES, Metrics
 from service.preprocess import ImageLimits
 from service.repository import ModelEntry, ModelRepository, ModelVersion
 from service.settings import ServerSettings
@@ -103,6 +103,13 @@ class ModelSlot:
         self.stats = ModelStats()
         self.metrics = metrics
         self._labels = (version.model, str(version.version), ",".join(engine.state().devices))
+        if metrics is not None:  # label lookups once, here, not on every request
+            labels = self._labels
+            self._outcomes = {o: metrics.requests.labels(*labels, o) for o in OUTCOMES}
+            self._request_h = metrics.request_seconds.labels(*labels)
+            self._preprocess_h = metrics.preprocess_seconds.labels(*labels)
+            self._queue_h = metrics.queue_seconds.labels(*labels)
+            self._postprocess_h = metrics.postprocess_seconds.labels(*labels)
 
     @contextlib.contextmanager
     def observe(self, timing: Timing) -> Iterator[None]:
@@ -116,14 +123,13 @@ class ModelSlot:
             raise
         finally:
             if self.metrics is not None:
-                m, labels = self.metrics, self._labels
-                m.requests.labels(*labels, outcome).inc()
-                m.request_seconds.labels(*labels).observe(time.perf_counter() - started)
+                self._outcomes[outcome].inc()
+                self._request_h.observe(time.perf_counter() - started)
                 if timing.preprocess_s:
-                    m.preprocess_seconds.labels(*labels).observe(timing.preprocess_s)
+                    self._preprocess_h.observe(timing.preprocess_s)
                 if outcome == "success":
-                    m.queue_seconds.labels(*labels).observe(timing.queue_s)
-                    m.postprocess_seconds.labels(*labels).observe(timing.postprocess_s)
+                    self._queue_h.observe(timing.queue_s)
+                    self._postprocess_h.observe(timing.postprocess_s)
 
     @property
     def name(self) -> str:
