@@ -7,7 +7,6 @@ full load tester (open loop, SLO search, plots) builds on.
 from __future__ import annotations
 
 import asyncio
-import io
 import statistics
 import time
 from collections import Counter
@@ -17,26 +16,13 @@ from typing import Any
 
 import httpx
 import numpy as np
-from PIL import Image
+
+from service.samples import photo_like_jpegs
 
 
-def generated_jpegs(count: int = 32, size: tuple[int, int] = (500, 375), seed: int = 0) -> list[bytes]:
-    """Photo-like JPEGs (smooth fields, edges and noise), quality 90."""
-    rng = np.random.default_rng(seed)
-    width, height = size
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    out = []
-    for _ in range(count):
-        img = np.stack([128 + 90 * np.sin(xx * rng.uniform(0.005, 0.05) + c) * np.cos(yy * rng.uniform(0.005, 0.05))
-                        for c in range(3)], axis=-1)  # fmt: skip
-        for _ in range(6):
-            x0, y0 = rng.integers(0, width - 60), rng.integers(0, height - 60)
-            img[y0 : y0 + rng.integers(20, 120), x0 : x0 + rng.integers(20, 160)] = rng.uniform(0, 255, 3)
-        img += rng.normal(0, 8, img.shape)
-        buf = io.BytesIO()
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
+def generated_jpegs(count: int = 32) -> list[bytes]:
+    """Photo-like 500x375 JPEGs (the same generator the in-process bench uses)."""
+    return photo_like_jpegs(count)
 
 
 def read_images(folder: str | Path) -> list[bytes]:

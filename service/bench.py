@@ -14,7 +14,6 @@ Four figures, on the same model, device and images:
 from __future__ import annotations
 
 import asyncio
-import io
 import platform
 import time
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from PIL import Image
 
 from service.batching.batcher import Batcher, InferRequest
 from service.batching.engine import batcher_config, choose_backend, cuda_devices, make_runtime, plan_devices, warm_up
@@ -34,6 +32,7 @@ from service.decoding import GpuJpegDecoder, Preprocessor
 from service.errors import ConfigError
 from service.repository import ModelRepository, random_batch
 from service.runtime import FakeRuntime, RuntimeLike
+from service.samples import photo_like_jpegs
 from service.spec import ModelSpec
 
 Say = Callable[[str], None]
@@ -50,27 +49,6 @@ class BenchOptions:
     concurrency: int | None = None  # default: 2 x the largest batch size
     images: str | None = None  # a folder of JPEG/PNG files; default: generated photo-like JPEGs
     gpu_decode: bool = True
-
-
-def photo_like_jpegs(count: int = 64, size: tuple[int, int] = (500, 375), seed: int = 0) -> list[bytes]:
-    """Generated JPEGs the size of a typical ImageNet photo: smooth shapes, edges and noise (quality 90)."""
-    rng = np.random.default_rng(seed)
-    width, height = size
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    out = []
-    for _ in range(count):
-        img = np.zeros((height, width, 3), np.float32)
-        for c in range(3):
-            fx, fy, phase = rng.uniform(0.005, 0.05), rng.uniform(0.005, 0.05), rng.uniform(0, 6.3)
-            img[..., c] = 128 + 90 * np.sin(xx * fx + phase) * np.cos(yy * fy)
-        for _ in range(6):  # a few solid shapes give JPEG real edges to code
-            x0, y0 = rng.integers(0, width - 60), rng.integers(0, height - 60)
-            img[y0 : y0 + rng.integers(20, 120), x0 : x0 + rng.integers(20, 160)] = rng.uniform(0, 255, 3)
-        img += rng.normal(0, 8, img.shape)
-        buf = io.BytesIO()
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
-        out.append(buf.getvalue())
-    return out
 
 
 def load_images(folder: str) -> list[bytes]:
