@@ -5,15 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
-    return values
+from service.cli import comma_ints
 
 
 def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +13,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
     p.add_argument("--model", required=True, help="model to classify with")
     p.add_argument("--mode", default="closed", choices=["closed"], help="closed: each client sends, waits, sends again")
-    p.add_argument("--concurrency", type=_ints, default=[1, 4, 16], help="clients per step, comma-separated")
+    p.add_argument("--concurrency", type=comma_ints, default=(1, 4, 16), help="clients per step, comma-separated")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per step")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds per step before measuring")
     p.add_argument("--max-requests", type=int, default=1_000_000, help="most requests per step")

@@ -25,6 +25,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def comma_ints(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers, each >= 1 (batch sizes, concurrency steps)."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every flag's help states its default."""
 

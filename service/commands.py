@@ -6,15 +6,7 @@ import argparse
 import json
 import sys
 
-
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
-    return sizes
+from service.cli import comma_ints
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +18,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repository", default="model_repository", help="model repository folder")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--backend", default=None, choices=["onnxruntime", "torchscript"], help="default: config.toml")
-    p.add_argument("--batch-sizes", type=_sizes, default=(1, 8, 32), help="batch sizes; the largest is the maximum")
+    p.add_argument("--batch-sizes", type=comma_ints, default=(1, 8, 32), help="batch sizes; the largest is the maximum")
     p.add_argument("--seconds", type=float, default=5.0, help="measuring time per figure")
     p.add_argument("--concurrency", type=int, default=None, help="batcher submitters; default: 2 x largest batch")
     p.add_argument("--images", default=None, help="folder of images to decode; default: generated 500x375 JPEGs")

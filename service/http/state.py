@@ -268,7 +268,8 @@ class ServerState:
                 for slot in old.values():
                     await slot.close(self.settings.drain_timeout_s)
             if name not in self.slots:
-                raise ConfigError(f"model {name!r} failed to load: {self.errors.get(f'{name}/1', 'see the log')}")
+                reasons = [e for key, e in self.errors.items() if key.startswith(f"{name}/")]
+                raise ConfigError(f"model {name!r} failed to load: {'; '.join(reasons) or 'see the log'}")
 
     async def unload_model(self, name: str) -> None:
         async with self._lock:
