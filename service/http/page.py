@@ -16,7 +16,7 @@ PAGE = """<!doctype html>
  body { font: 15px/1.4 system-ui, sans-serif; max-width: 44rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
  #drop { border: 2px dashed #888; border-radius: 8px; padding: 2rem; text-align: center; cursor: pointer; }
  #drop.over { background: #eef; }
- img { max-width: 12rem; max-height: 12rem; margin-top: 1rem; }
+ img { max-width: 12rem; max-height: 12rem; min-width: 6rem; margin-top: 1rem; image-rendering: pixelated; }
  table { border-collapse: collapse; margin-top: 1rem; width: 100%; }
  td, th { padding: .25rem .5rem; border-bottom: 1px solid #ddd; text-align: left; }
  .bar { background: #4a7; height: .6rem; display: inline-block; }
