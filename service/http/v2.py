@@ -318,6 +318,8 @@ async def _infer_on(
     payload, _ = _input_data(tensor, binary, 0)
     if tensor.name == "IMAGE":
         files = _images_from(tensor, payload)
+        if not files:
+            raise BadInputError("input IMAGE holds no images")
         if len(files) > server.settings.max_images_per_request:
             raise PayloadTooLargeError(
                 f"{len(files)} images in one request, over the limit of {server.settings.max_images_per_request}"

@@ -124,6 +124,8 @@ def test_infer_json_images_are_base64(server: RunningServer) -> None:
         ),
         ({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["!!not base64!!"]}]}, "base64"),
         ({"inputs": []}, "exactly one input"),
+        ({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [0], "data": []}]}, "holds no images"),
+        ({"inputs": [{"name": "INPUT", "datatype": "UINT8", "shape": [0, 3, 32, 32], "data": []}]}, "no images"),
         ({"nonsense": 1}, "v2 protocol"),
     ],
 )
