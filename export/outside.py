@@ -27,6 +27,7 @@ from export.sources import calibration_images
 from models.checkpoint import file_sha256
 from models.normalize import Uint8Classifier
 from service.errors import ConfigError
+from service.repository import onnx_single_input
 from service.runtime import load_torchscript
 from service.spec import InputSpec, ModelSpec
 
@@ -93,11 +94,7 @@ def wrap_onnx(src: Path, dst: Path, spec: ModelSpec, layout: str) -> None:
     except Exception as exc:
         raise ConfigError(f"{src} is not a readable ONNX model: {exc}") from exc
     graph = model.graph
-    initializers = {i.name for i in graph.initializer}
-    inputs = [i for i in graph.input if i.name not in initializers]
-    if len(inputs) != 1:
-        raise ConfigError(f"{src} must have exactly one input to be wrapped, has {len(inputs)}")
-    original = inputs[0]
+    original = onnx_single_input(graph, src)
     elem = original.type.tensor_type.elem_type
     for value in (original, *graph.output):
         dims = value.type.tensor_type.shape.dim

@@ -5,17 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import numpy as np
 from torch import nn
 
 from models.checkpoint import apply_weights, file_sha256, load_checkpoint, load_weights
 from models.datasets import IMAGE_EXTENSIONS, load_dataset
 from models.normalize import Uint8Classifier
-from models.registry import get_architecture
+from models.registry import get_architecture, with_input_size
 from service.errors import BadInputError, ConfigError, DatasetError
 from service.preprocess import preprocess_image
-from service.spec import InputSpec, ModelSpec
+from service.spec import ModelSpec
 
 MAX_REAL_IMAGES = 512
 
@@ -56,14 +55,7 @@ def from_architecture(name: str, *, weights: str | None = None, input_size: int 
     arch = get_architecture(name)
     spec = arch.spec
     if input_size is not None:
-        if input_size < 8:
-            raise ConfigError(f"--input-size must be >= 8, got {input_size}")
-        ratio = spec.resize_size / max(spec.input.height, spec.input.width)
-        spec = msgspec.structs.replace(
-            spec,
-            input=InputSpec(channels=spec.input.channels, height=input_size, width=input_size),
-            resize_size=max(input_size, round(input_size * ratio)),
-        )
+        spec = with_input_size(spec, input_size)
     torch.manual_seed(0)
     network = arch.build(num_classes=spec.num_classes)
     sha = None

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 from torch import nn
 
-from service.errors import UnknownNameError
-from service.spec import ModelSpec
+from service.errors import ConfigError, UnknownNameError
+from service.spec import InputSpec, ModelSpec
 
 Builder = Callable[..., nn.Module]
 
@@ -29,6 +30,18 @@ class Architecture:
     def build(self, *, num_classes: int | None = None) -> nn.Module:
         """A fresh model with initial weights (never downloaded)."""
         return self.builder(num_classes=num_classes or self.spec.num_classes)
+
+
+def with_input_size(spec: ModelSpec, size: int) -> ModelSpec:
+    """``spec`` at a square input of ``size``, its resize size scaled in the same proportion to the crop."""
+    if size < 8:
+        raise ConfigError(f"--input-size must be >= 8, got {size}")
+    ratio = spec.resize_size / max(spec.input.height, spec.input.width)
+    return msgspec.structs.replace(
+        spec,
+        input=InputSpec(channels=spec.input.channels, height=size, width=size),
+        resize_size=max(size, round(size * ratio)),
+    )
 
 
 _REGISTRY: dict[str, Architecture] = {}

@@ -28,9 +28,9 @@ from torch import nn
 from models.checkpoint import EpochRecord, TrainRecord, apply_weights, load_weights, save_checkpoint
 from models.datasets import Dataset, load_dataset
 from models.normalize import Uint8Classifier
-from models.registry import get_architecture
+from models.registry import get_architecture, with_input_size
 from service.errors import ConfigError
-from service.spec import InputSpec, ModelSpec
+from service.spec import ModelSpec
 
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,17 +84,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _spec_for(config: TrainConfig, dataset_labels: tuple[str, ...] | None = None) -> ModelSpec:
-    base = get_architecture(config.arch).spec
-    spec = base
+    spec = get_architecture(config.arch).spec
     if config.input_size is not None:
-        if config.input_size < 8:
-            raise ConfigError(f"--input-size must be >= 8, got {config.input_size}")
-        ratio = base.resize_size / max(base.input.height, base.input.width)
-        spec = msgspec.structs.replace(
-            spec,
-            input=InputSpec(channels=base.input.channels, height=config.input_size, width=config.input_size),
-            resize_size=max(config.input_size, round(config.input_size * ratio)),
-        )
+        spec = with_input_size(spec, config.input_size)
     if dataset_labels is not None:
         spec = msgspec.structs.replace(spec, labels=dataset_labels)
     return spec

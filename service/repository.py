@@ -21,6 +21,7 @@ import logging
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,15 @@ class RepositoryIndex:
     errors: dict[str, str]  # model name -> why it was refused
 
 
+def onnx_single_input(graph: Any, path: Path) -> Any:
+    """The graph's one real input (initializers listed as inputs do not count)."""
+    initializers = {i.name for i in graph.initializer}
+    inputs = [i for i in graph.input if i.name not in initializers]
+    if len(inputs) != 1:
+        raise ConfigError(f"{path} must have exactly one input, has {len(inputs)}")
+    return inputs[0]
+
+
 def _check_onnx(path: Path, spec: ModelSpec) -> None:
     import onnx
 
@@ -85,14 +95,11 @@ def _check_onnx(path: Path, spec: ModelSpec) -> None:
     except Exception as exc:
         raise ConfigError(f"{path} is truncated or not an ONNX model: {exc}") from exc
     graph = model.graph
-    initializers = {i.name for i in graph.initializer}
-    inputs = [i for i in graph.input if i.name not in initializers]
-    if len(inputs) != 1:
-        raise ConfigError(f"{path} must have exactly one input, has {len(inputs)}")
-    tensor = inputs[0].type.tensor_type
+    first = onnx_single_input(graph, path)
+    tensor = first.type.tensor_type
     if tensor.elem_type != onnx.TensorProto.UINT8:
         raise ConfigError(
-            f"{path} input {inputs[0].name!r} must be uint8 (export wraps models for uint8 input), "
+            f"{path} input {first.name!r} must be uint8 (export wraps models for uint8 input), "
             f"got {onnx.TensorProto.DataType.Name(tensor.elem_type)}"
         )
     dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]

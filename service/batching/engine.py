@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -25,6 +25,7 @@ from service.config import ModelConfig
 from service.errors import ConfigError, DeviceFailure
 from service.repository import ModelVersion
 from service.runtime import FakeRuntime, OnnxRuntime, RuntimeLike, TorchScriptRuntime, bucket_sizes
+from service.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class ModelEngine:
         )
 
     @property
-    def spec(self) -> Any:
+    def spec(self) -> ModelSpec:
         return self.version.spec
 
     def state(self) -> EngineState:
@@ -186,9 +187,8 @@ class ModelEngine:
         self._note = f"instance on {instance.device} taken out of service: {error}"
         if self._on_fallback is not None:
             self._on_fallback("device_failed")
-        if any(i.device != "cpu" for i in remaining) or self.config.fallback == "none" or instance.device == "cpu":
-            return []
-        if any(i.device == "cpu" for i in remaining):
+        # Other instances (another GPU, or CPU ones) keep serving; a lost CPU instance has nothing to fall back to.
+        if remaining or self.config.fallback == "none" or instance.device == "cpu":
             return []
         self._fallbacks += 1
         self._note += "; serving on CPU (fallback)"
