@@ -74,6 +74,10 @@ def serve(settings: ServerSettings, *, workers: int = 1, log_level: str = "info"
         return
     app = create_app(settings)
     server = _Server(uvicorn.Config(app, **options), app)
+    # uvicorn restores the handler it found once it has shut down. Outside its run (before start-up, or after the
+    # drain while threads and the loop wind down) a SIGTERM, e.g. a supervisor repeating itself, means "exit now",
+    # and nothing accepted is left: exit 0 rather than die by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     started = time.perf_counter()
     server.run()
     log.info("stopped after %.1f s", time.perf_counter() - started)

@@ -73,5 +73,16 @@ def test_readiness_reports_false_while_draining(slow_repo: Path, tmp_path: Path)
             time.sleep(0.05)
         for w in work:
             w.result()
-    assert stop_server(server) == 0
+    assert stop_server(server) == 0  # a second SIGTERM while it winds down still ends in a clean exit
     assert 200 not in seen  # never ready again after SIGTERM (503, or no longer accepting at all)
+
+
+def test_sigterm_repeated_through_the_shutdown_still_exits_zero(slow_repo: Path, tmp_path: Path) -> None:
+    """A supervisor that repeats SIGTERM must not turn a clean drain into death by signal (-15)."""
+    server = start_server(slow_repo, tmp_path / "server.log", "--drain-timeout-s", "5")
+    deadline = time.monotonic() + 30
+    while server.process.poll() is None and time.monotonic() < deadline:
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+    assert server.process.wait(5) == 0
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
