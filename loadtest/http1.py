@@ -1,0 +1,113 @@
+"""A lean HTTP/1.1 client for the load generator: keep-alive connections over asyncio streams, one request each at a
+time, a new connection whenever none is idle.
+
+Why not httpx here: its connection pool does work per request that grows with the number of open connections. In an
+open loop a stall leaves dozens of connections open, and measured on the 2-core development machine the generator
+then fell behind its own schedule by 10-50 ms per request for the rest of the step, which is exactly the client-made
+latency a load tester must not add. This client does only what sending a POST and reading the answer needs
+(Content-Length or chunked bodies, ``Connection: close``), so its cost per request stays flat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class ConnectionFailed(Exception):
+    """The connection was refused, reset or closed before a whole answer came back."""
+
+
+class _Connection:
+    __slots__ = ("reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Http1Client:
+    """``await post(path, body, headers)`` returns the status code; raises ``TimeoutError`` or ``ConnectionFailed``."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"expected an http:// or https:// address, got {url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.host_header = parts.netloc
+        self.timeout_s = timeout_s
+        self.idle: list[_Connection] = []
+        self.open = 0
+
+    async def _connect(self) -> _Connection:
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=MAX_HEAD_BYTES)
+        self.open += 1
+        return _Connection(reader, writer)
+
+    def head(self, path: str, headers: dict[str, str], length: int) -> bytes:
+        lines = [f"POST {path} HTTP/1.1", f"Host: {self.host_header}", f"Content-Length: {length}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
+        conn: _Connection | None = None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                conn = self.idle.pop() if self.idle else await self._connect()
+                conn.writer.write(self.head(path, headers, len(body)) + body)
+                status, keep_alive = await _read_response(conn.reader)
+        except TimeoutError:
+            self._drop(conn)
+            raise
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            self._drop(conn)
+            raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
+        except BaseException:  # cancelled mid-answer: the connection's state is unknown, so it goes
+            self._drop(conn)
+            raise
+        if keep_alive:
+            self.idle.append(conn)
+        else:
+            self._drop(conn)
+        return status
+
+    def _drop(self, conn: _Connection | None) -> None:
+        if conn is not None:
+            conn.close()
+            self.open -= 1
+
+    async def aclose(self) -> None:
+        while self.idle:
+            self._drop(self.idle.pop())
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    version, code, *_ = lines[0].split(" ", 2)
+    status = int(code)
+    fields = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            fields[name.strip().lower()] = value.strip().lower()
+    keep_alive = fields.get("connection") != "close" and version == "HTTP/1.1"
+    if "content-length" in fields:
+        await reader.readexactly(int(fields["content-length"]))
+    elif fields.get("transfer-encoding") == "chunked":
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)  # the chunk and its CRLF (the last: no data, then the CRLF)
+            if size == 0:
+                break
+    elif status >= 200 and status not in (204, 304):
+        await reader.read()  # the body runs to the end of the connection
+        keep_alive = False
+    return status, keep_alive
