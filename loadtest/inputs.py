@@ -1,0 +1,88 @@
+"""What the load tester sends: a corpus of images (the user's files or generated JPEGs) turned, before any clock
+starts, into ready request bodies for the image API or for v2 infer with the binary tensor extension."""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.samples import photo_like_jpegs
+
+SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+MEDIA = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp"}
+PROTOCOLS = ("image", "v2")
+
+
+def media_type(data: bytes) -> str:
+    return MEDIA.get(data[:2], "application/octet-stream")
+
+
+def generated_jpegs(count: int = 32, size: tuple[int, int] = (500, 375)) -> list[bytes]:
+    """Photo-like JPEGs of ``size`` (width, height); the same generator the in-process bench uses."""
+    return photo_like_jpegs(count, size)
+
+
+def read_images(folder: str | Path) -> list[bytes]:
+    files = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in SUFFIXES)
+    if not files:
+        raise ValueError(f"{folder} holds no images (looked for {', '.join(SUFFIXES)})")
+    return [p.read_bytes() for p in files]
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One ready request: path, headers and body, and how many images it carries."""
+
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    images: int
+
+
+def _multipart(images: list[bytes]) -> tuple[str, bytes]:
+    boundary = uuid.uuid4().hex
+    parts = []
+    for i, data in enumerate(images):
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="image{i}"\r\n'
+            f"Content-Type: {media_type(data)}\r\n\r\n".encode()
+            + data
+            + b"\r\n"
+        )
+    return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
+
+
+def image_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
+    path = f"/v1/models/{model}/classify?top_k={top_k}"
+    if len(images) == 1:
+        return Payload(path, {"content-type": media_type(images[0])}, images[0], 1)
+    ctype, body = _multipart(images)
+    return Payload(path, {"content-type": ctype}, body, len(images))
+
+
+def v2_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
+    """v2 infer: the ``IMAGE`` BYTES input in the binary extension, the classification extension on the output."""
+    blob = b"".join(struct.pack("<I", len(d)) + d for d in images)
+    header = json.dumps({
+        "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [len(images)],
+                    "parameters": {"binary_data_size": len(blob)}}],
+        "outputs": [{"name": "LOGITS", "parameters": {"classification": top_k, "binary_data": False}}],
+    }).encode()  # fmt: skip
+    headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(len(header))}
+    return Payload(f"/v2/models/{model}/infer", headers, header + blob, len(images))
+
+
+def payloads(model: str, images: list[bytes], *, protocol: str = "image", per_request: int = 1) -> list[Payload]:
+    """One payload per group of ``per_request`` images, cycling through the corpus so each image is used."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if per_request < 1:
+        raise ValueError(f"images per request must be >= 1, got {per_request}")
+    build = image_payload if protocol == "image" else v2_payload
+    count = max(1, len(images) // per_request)
+    return [
+        build(model, [images[(j * per_request + i) % len(images)] for i in range(per_request)]) for j in range(count)
+    ]

@@ -1,0 +1,87 @@
+"""The server's own view of a step, read from its ``/metrics`` at the window's start and end.
+
+The difference of two scrapes gives, for one model, the requests the server counted, the mean time per stage
+(queue, preprocess, compute per batch, the whole request), the server-side request p99 from the histogram's buckets
+(as Prometheus's ``histogram_quantile`` reads it), and the mean batch size. A server without ``/metrics`` (another
+product, or ``--no-metrics``) gives no split, and the report says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+STAGES = ("request", "queue", "preprocess", "compute", "postprocess")
+Sample = dict[str, float]  # "<sample name>|<le>" -> value, summed over the model's versions and devices
+
+
+def scrape(url: str, model: str, timeout_s: float = 5.0) -> Sample | None:
+    try:
+        r = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return parse(r.text, model)
+
+
+def parse(text: str, model: str) -> Sample:
+    out: defaultdict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("visionserve_"):
+            continue
+        for s in family.samples:
+            if s.labels.get("model") != model:
+                continue
+            key = s.name
+            if "le" in s.labels:
+                key += "|" + s.labels["le"]
+            elif "outcome" in s.labels:
+                key += "|" + s.labels["outcome"]
+            out[key] += s.value
+    return dict(out)
+
+
+def _bucket_quantile(delta: Sample, name: str, q: float) -> float:
+    buckets = sorted(
+        ((float(k.split("|")[1]), v) for k, v in delta.items() if k.startswith(name + "_bucket|")),
+        key=lambda b: b[0],
+    )
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            span = count - lower_count
+            return lower_bound + (bound - lower_bound) * ((rank - lower_count) / span if span else 1.0)
+        lower_bound, lower_count = bound, count
+    return math.nan
+
+
+def server_split(before: Sample | None, after: Sample | None) -> dict[str, Any] | None:
+    """Per-stage means (ms), request p99 (ms), mean batch size and counts between two scrapes."""
+    if before is None or after is None:
+        return None
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+    def mean_ms(stage: str) -> float:
+        name = f"visionserve_{stage}_duration_seconds"
+        n = delta.get(name + "_count", 0.0)
+        return 1000 * delta.get(name + "_sum", 0.0) / n if n else math.nan
+
+    batches = delta.get("visionserve_batch_size_count", 0.0)
+    return {
+        "requests": {k.split("|")[1]: int(v) for k, v in delta.items() if k.startswith("visionserve_requests_total|")},
+        "images": int(delta.get("visionserve_images_total", 0.0)),
+        "batches": int(batches),
+        "mean_batch_size": delta.get("visionserve_batch_size_sum", 0.0) / batches if batches else math.nan,
+        "mean_ms": {stage: mean_ms(stage) for stage in STAGES},
+        "request_p99_ms": 1000 * _bucket_quantile(delta, "visionserve_request_duration_seconds", 0.99),
+    }
