@@ -1,15 +1,16 @@
-"""Metrics on versus off, measured as the server process's CPU time per request (user + system, from /proc),
-which a noisy shared machine disturbs far less than throughput. Two servers on the same repository, one with
-``--no-metrics``; the same fixed number of closed-loop requests to each, alternating, several rounds.
+"""Metrics on versus off, served: two servers on the same repository, one with ``--no-metrics``, loaded in turn
+by the same closed-loop step, round after round. Each round gives one on/off throughput ratio (the two runs sit
+next to each other in time, so slow drifts of a shared machine cancel), and the median ratio comes with a
+bootstrap 95% interval, which says whether the runs can tell a 2% difference apart at all.
 
-    .venv/bin/python scripts/metrics_ab.py --repository /tmp/srepo --model noop --requests 3000 --rounds 3
+    .venv/bin/python scripts/metrics_ab.py --repository model_repository --model digits --rounds 12
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.closed import closed_loop, read_images
+from loadtest.inputs import generated_jpegs, payloads
+from loadtest.pool import WorkerPool
+from loadtest.step import StepBounds, StepSpec, run_step
 
 
 def cpu_seconds(pid: int) -> float:
@@ -27,9 +30,10 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start(repository: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", repository, "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", repository, "--host", "127.0.0.1",
+           "--port", str(port), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
+    for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1).status_code == 200:
                 return proc
@@ -38,40 +42,68 @@ def start(repository: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
     raise RuntimeError("server did not start")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--repository", required=True)
-    p.add_argument("--model", default="noop")
-    p.add_argument("--images", default="examples")
-    p.add_argument("--requests", type=int, default=3000)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=16)
-    args = p.parse_args()
-    images = read_images(args.images)
-    servers = {"on": start(args.repository, 8411), "off": start(args.repository, 8412, "--no-metrics")}
-    ports = {"on": 8411, "off": 8412}
-    cpu: dict[str, list[float]] = {"on": [], "off": []}
+def bootstrap_median(values: list[float], rounds: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repository", required=True, help="model repository both servers load")
+    p.add_argument("--model", default="digits", help="model to load (default digits)")
+    p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients (default 8)")
+    p.add_argument("--duration", type=float, default=6.0, help="measured seconds per run (default 6)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring (default 1)")
+    p.add_argument("--rounds", type=int, default=12, help="on/off pairs (default 12)")
+    p.add_argument("--ports", default="8411,8412", help="ports of the on and off servers (default 8411,8412)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    port_on, port_off = (int(x) for x in args.ports.split(","))
+    servers = {"on": start(args.repository, port_on), "off": start(args.repository, port_off, "--no-metrics")}
+    ports = {"on": port_on, "off": port_off}
+    bodies = payloads(args.model, generated_jpegs(32))
     rate: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     try:
-        for _ in range(args.rounds):
-            for name in ("on", "off"):
-                pid = servers[name].pid
-                before = cpu_seconds(pid)
-                step = asyncio.run(closed_loop(f"http://127.0.0.1:{ports[name]}", args.model, images,
-                                               concurrency=args.concurrency, duration_s=600, warmup_s=0,
-                                               max_requests=args.requests))  # fmt: skip
-                used = cpu_seconds(pid) - before
-                cpu[name].append(used / max(step.requests, 1) * 1000)
-                rate[name].append(step.requests_per_s)
-                print(f"metrics {name:>3}: {step.requests} requests, server CPU {cpu[name][-1]:.3f} ms/request, "
-                      f"{step.requests_per_s:.1f} req/s, errors {step.errors or 0}", flush=True)  # fmt: skip
+        with WorkerPool(1, bodies) as pool:
+            for k in range(args.rounds):
+                order = ("on", "off") if k % 2 == 0 else ("off", "on")  # neither always goes first
+                for name in order:
+                    bounds = StepBounds(
+                        url=f"http://127.0.0.1:{ports[name]}",
+                        warmup_s=args.warmup,
+                        duration_s=args.duration,
+                        drain_s=10,
+                        timeout_s=30,
+                        max_requests=10**7,
+                    )
+                    before, answered = cpu_seconds(servers[name].pid), pool.completed()
+                    step = run_step(pool, StepSpec("closed", concurrency=args.concurrency), bounds, args.model)
+                    used = cpu_seconds(servers[name].pid) - before
+                    if step.error_count:
+                        raise RuntimeError(f"errors in round {k} ({name}): {step.errors}")
+                    rate[name].append(step.requests_per_s)
+                    cpu[name].append(1000 * used / max(1, pool.completed() - answered))
+                print(f"round {k + 1:>2}: on {rate['on'][-1]:7.1f} req/s, off {rate['off'][-1]:7.1f} req/s, "
+                      f"on/off {rate['on'][-1] / rate['off'][-1]:.4f}", flush=True)  # fmt: skip
     finally:
         for proc in servers.values():
             proc.terminate()
             proc.wait(30)
-    on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
-    print(f"median server CPU per request: on {on:.3f} ms, off {off:.3f} ms, on/off {on / off:.4f}")
+    ratios = [a / b for a, b in zip(rate["on"], rate["off"], strict=True)]
+    low, high = bootstrap_median(ratios)
     print(f"median req/s: on {statistics.median(rate['on']):.1f}, off {statistics.median(rate['off']):.1f}")
+    print(f"median on/off throughput ratio over {len(ratios)} paired rounds: {statistics.median(ratios):.4f} "
+          f"(bootstrap 95% interval {low:.4f} .. {high:.4f})")  # fmt: skip
+    cpu_ratio = statistics.median(a / b for a, b in zip(cpu["on"], cpu["off"], strict=True))
+    print(
+        f"server CPU ms/request (rough: the warm-up's requests are in the CPU, not the count): on "
+        f"{statistics.median(cpu['on']):.3f}, off {statistics.median(cpu['off']):.3f}, on/off {cpu_ratio:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""PNG plots of a load test: latency percentiles against throughput across steps, latency over time, and the
+latency distribution (a percentile spectrum, as HdrHistogram draws it, so the tail is not squeezed into a corner)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from loadtest.step import PERCENTILES, StepResult
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a server
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _log_ms_axis(ax) -> None:  # type: ignore[no-untyped-def]
+    """A log-scale latency axis labelled with plain numbers (5, 10, 20 ms), not powers of ten."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_ylabel("latency (ms, log scale)")
+
+
+def latency_vs_throughput(steps: list[StepResult], path: Path, title: str, slo_ms: float | None = None) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ordered = sorted(steps, key=lambda s: s.requests_per_s)
+    x = [s.requests_per_s for s in ordered]
+    for q in PERCENTILES:
+        ax.plot(x, [s.latency_ms(q) for s in ordered], marker="o", label=f"p{q:g}")
+    for s in ordered:
+        note = s.spec.label + (" (client-limited)" if s.client_limited else "")
+        ax.annotate(note, (s.requests_per_s, s.latency_ms(99)), textcoords="offset points", xytext=(4, 6), fontsize=7)
+    if slo_ms is not None:
+        ax.axhline(slo_ms, color="red", linestyle="--", linewidth=1, label=f"p99 target {slo_ms:g} ms")
+    _log_ms_axis(ax)
+    ax.set_xlabel("throughput (requests/s)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def latency_over_time(steps: list[StepResult], path: Path, title: str) -> Path:
+    """Every measured request (dots, by send time) and the p99 of each second, the steps laid end to end."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    offset = 0.0
+    for s in steps:
+        if s.timeline:
+            t = np.array([r[0] for r in s.timeline]) + offset
+            lat = np.array([r[1] for r in s.timeline]) * 1000
+            ok = np.array([r[2] for r in s.timeline])
+            ax.scatter(t[ok], lat[ok], s=2, alpha=0.3)
+            if (~ok).any():
+                ax.scatter(t[~ok], lat[~ok], s=6, marker="x", color="red")
+            seconds = np.floor(t - offset).astype(int)
+            marks = [(offset + k + 0.5, np.percentile(lat[seconds == k], 99)) for k in np.unique(seconds)]
+            ax.plot(*zip(*marks, strict=True), color="black", linewidth=1)
+        ax.axvline(offset, color="grey", linewidth=0.5)
+        ax.text(offset, 1.0, " " + s.spec.label, transform=ax.get_xaxis_transform(), fontsize=7, va="top")
+        offset += s.duration_s
+    _log_ms_axis(ax)
+    ax.set_xlabel("time (s, measured windows end to end); line: p99 per second; x: errors")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def latency_distribution(steps: list[StepResult], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    from matplotlib.ticker import NullLocator
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for s in steps:
+        if not s.latency.count:
+            continue
+        values, counts = s.latency.points()
+        q = np.cumsum(counts) / s.latency.count
+        q = np.minimum(q, 1 - 0.5 / s.latency.count)  # the last point on a finite axis
+        ax.step(1 / (1 - q), values * 1000, where="post", label=s.spec.label)
+    ticks = [0.0, 0.5, 0.9, 0.99, 0.999, 0.9999]
+    ax.set_xscale("log")
+    ax.set_xticks([1 / (1 - t) for t in ticks], [f"{100 * t:g}%" for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    _log_ms_axis(ax)
+    ax.set_xlabel("percentile")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_all(steps: list[StepResult], out: Path, title: str, slo_ms: float | None = None) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        latency_vs_throughput(steps, out / "latency_vs_throughput.png", title, slo_ms),
+        latency_over_time(steps, out / "latency_over_time.png", title),
+        latency_distribution(steps, out / "latency_distribution.png", title),
+    ]

@@ -1,0 +1,136 @@
+"""The load test's results: the table at the end, the JSON and CSV files, and the comparison with a baseline."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from loadtest.step import PERCENTILES
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.1f}"
+
+
+def table(steps: list[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    for name in ("step", "req/s", "img/s", *(f"p{q:g}" for q in PERCENTILES), "max", "errors", "server q/pre/comp",
+                 "batch", "client"):  # fmt: skip
+        t.add_column(name, justify="left" if name in ("step", "errors", "client") else "right")
+    for s in steps:
+        lat, srv = s["latency_ms"], s["server"]
+        split = "-"
+        if srv:
+            m = srv["mean_ms"]
+            split = f"{_ms(m['queue'])}/{_ms(m['preprocess'])}/{_ms(m['compute'])}"
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "0"
+        client = "LIMITED: " + "; ".join(s["client_limited"]) if s["client_limited"] else "ok"
+        if s["send_lag_ms"] and not s["client_limited"]:
+            client += f" (lag p99 {_ms(s['send_lag_ms']['p99'])} ms)"
+        t.add_row(
+            s["step"], f"{s['requests_per_s']:.1f}", f"{s['images_per_s']:.1f}",
+            *(_ms(lat[f"p{q:g}"]) for q in PERCENTILES), _ms(lat["max"]), errors, split,
+            _ms(srv["mean_batch_size"]) if srv else "-", client,
+        )  # fmt: skip
+    t.caption = "latencies in ms; server q/pre/comp: mean queue, preprocess and per-batch compute ms from /metrics"
+    return t
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    title = f"{report['model']} at {report['url']} ({report['mode']} loop, {report['protocol']} protocol)"
+    console.print(table(report["steps"], title))
+    slo = report.get("slo")
+    if slo:
+        if slo["best_rate"] is None:
+            console.print(f"[bold]No rate tried met p99 <= {slo['target_p99_ms']:g} ms with no errors.[/bold]")
+        else:
+            console.print(f"[bold]Highest rate meeting p99 <= {slo['target_p99_ms']:g} ms: {slo['best_rate']:g} req/s"
+                          f"[/bold] (p99 {_ms(slo['passed']['latency_ms']['p99'])} ms)")  # fmt: skip
+        if not slo["failed"]:
+            console.print(
+                f"  no rate tried failed within the {len(slo['tried'])} steps allowed: the edge lies higher "
+                "(raise --slo-max-steps or start higher with --rate)"
+            )
+        else:
+            f = slo["failed"]
+            console.print(f"  bounded above by {f['rate']:g} req/s: p99 {_ms(f['latency_ms']['p99'])} ms, "
+                          f"errors {sum(f['errors'].values())}"
+                          + (" (client-limited: the generator may have set this bound)" if slo["client_limited"]
+                             else ""))  # fmt: skip
+
+
+CSV_COLUMNS = ("step", "mode", "concurrency", "rate", "arrival", "duration_s", "requests", "images", "errors",
+               "requests_per_s", "images_per_s", *(f"p{q:g}_ms" for q in PERCENTILES), "max_ms", "mean_ms",
+               "send_lag_p99_ms", "client_cpu", "client_limited", "server_queue_ms", "server_preprocess_ms",
+               "server_compute_ms", "server_request_p99_ms", "mean_batch_size")  # fmt: skip
+
+
+def csv_row(s: dict[str, Any]) -> dict[str, Any]:
+    lat, srv = s["latency_ms"], s["server"] or {}
+    row = {k: s[k] for k in ("step", "mode", "concurrency", "rate", "arrival", "duration_s", "requests", "images",
+                             "requests_per_s", "images_per_s", "client_cpu")}  # fmt: skip
+    row |= {f"p{q:g}_ms": lat[f"p{q:g}"] for q in PERCENTILES} | {"max_ms": lat["max"], "mean_ms": lat["mean"]}
+    row["errors"] = sum(s["errors"].values())
+    row["send_lag_p99_ms"] = s["send_lag_ms"]["p99"] if s["send_lag_ms"] else ""
+    row["client_limited"] = "; ".join(s["client_limited"])
+    means = srv.get("mean_ms", {})
+    row |= {f"server_{k}_ms": means.get(k, "") for k in ("queue", "preprocess", "compute")}
+    row["server_request_p99_ms"] = srv.get("request_p99_ms", "")
+    row["mean_batch_size"] = srv.get("mean_batch_size", "")
+    return row
+
+
+def write_files(report: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    with (out / "steps.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for s in report["steps"]:
+            w.writerow(csv_row(s))
+    return [out / "results.json", out / "steps.csv"]
+
+
+def compare(report: dict[str, Any], baseline: dict[str, Any], tolerance: float) -> tuple[list[dict[str, Any]], bool]:
+    """Each step matched by its key: throughput and p99 changes; a regression is a throughput fall or a p99 rise
+    beyond ``tolerance`` (a fraction), or a step that had no errors and now has some."""
+    base = {s["key"]: s for s in baseline.get("steps", [])}
+    rows, regressed = [], False
+    for s in report["steps"]:
+        b = base.get(s["key"])
+        if b is None:
+            continue
+        tput = s["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else math.nan
+        p99 = s["latency_ms"]["p99"] / b["latency_ms"]["p99"] if b["latency_ms"]["p99"] else math.nan
+        new_errors = sum(s["errors"].values()) > 0 and sum(b["errors"].values()) == 0
+        bad = tput < 1 - tolerance or p99 > 1 + tolerance or new_errors or math.isnan(tput) or math.isnan(p99)
+        regressed |= bad
+        rows.append({"step": s["step"], "throughput_ratio": tput, "p99_ratio": p99, "new_errors": new_errors,
+                     "regression": bad})  # fmt: skip
+    slo, base_slo = report.get("slo"), baseline.get("slo")
+    if slo and base_slo and base_slo.get("best_rate"):
+        ratio = (slo["best_rate"] or 0.0) / base_slo["best_rate"]
+        bad = ratio < 1 - tolerance
+        regressed |= bad
+        rows.append({"step": f"rate at p99 <= {slo['target_p99_ms']:g} ms", "throughput_ratio": ratio,
+                     "p99_ratio": math.nan, "new_errors": False, "regression": bad})  # fmt: skip
+    return rows, regressed
+
+
+def print_comparison(rows: list[dict[str, Any]], tolerance: float, console: Console) -> None:
+    t = Table(title=f"against the baseline (tolerance {100 * tolerance:g}%)")
+    for name in ("step", "throughput", "p99", "verdict"):
+        t.add_column(name, justify="left" if name in ("step", "verdict") else "right")
+    for r in rows:
+        pct = lambda x: "-" if math.isnan(x) else f"{100 * (x - 1):+.1f}%"  # noqa: E731
+        verdict = "REGRESSION" + (" (new errors)" if r["new_errors"] else "") if r["regression"] else "ok"
+        t.add_row(r["step"], pct(r["throughput_ratio"]), pct(r["p99_ratio"]), verdict)
+    if not rows:
+        t.caption = "no step of this run matches a step of the baseline"
+    console.print(t)

@@ -1,0 +1,98 @@
+"""``visionserve loadtest`` end to end against a real server process: both loops, both protocols, the files it
+writes, the server-side split, the p99-target search and the regression check's exit codes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.http.conftest import RunningServer, served_repo, start_server, stop_server  # noqa: F401 - fixture
+
+SHORT = ["--duration", "1.5", "--warmup", "0.5", "--drain", "5", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def server(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:  # noqa: F811
+    running = start_server(served_repo, tmp_path_factory.mktemp("loadtest") / "server.log")
+    yield running
+    stop_server(running)
+
+
+def loadtest(server: RunningServer, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "service.cli", "loadtest", "--url", server.url, "--model", "digits", *SHORT, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def test_closed_loop_writes_json_csv_and_plots_with_the_server_split(server: RunningServer, tmp_path: Path) -> None:
+    run = loadtest(server, "--mode", "closed", "--concurrency", "1,4", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert "c=4" in run.stdout and "p99.9" in run.stdout  # the table
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [s["step"] for s in report["steps"]] == ["c=1", "c=4"]
+    for s in report["steps"]:
+        assert s["requests"] > 0 and s["errors"] == {} and s["images"] == s["requests"]
+        assert s["latency_ms"]["p50"] <= s["latency_ms"]["p99"] <= s["latency_ms"]["max"]
+        srv = s["server"]
+        assert srv is not None and srv["mean_batch_size"] >= 1
+        assert srv["mean_ms"]["compute"] > 0 and srv["mean_ms"]["queue"] >= 0
+        # The server counted about what the client measured (the scrapes and the window differ by requests in flight).
+        assert abs(srv["requests"]["success"] - s["requests"]) <= max(2 * s["concurrency"] + 2, 0.1 * s["requests"])
+    rows = list(csv.DictReader((tmp_path / "steps.csv").open()))
+    assert [r["step"] for r in rows] == ["c=1", "c=4"] and float(rows[1]["p99_ms"]) > 0
+    for name in ("latency_vs_throughput.png", "latency_over_time.png", "latency_distribution.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_open_loop_over_v2_with_several_images_per_request_and_processes(server: RunningServer) -> None:
+    run = loadtest(server, "--mode", "open", "--rate", "20", "--arrival", "constant", "--protocol", "v2",
+                   "--images-per-request", "2", "--processes", "2", "--json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (step,) = json.loads(run.stdout)["steps"]
+    assert step["measured"] == 30  # 20/s for 1.5 s, the constant schedule shared exactly over two processes
+    assert step["requests"] == 30 and step["images"] == 60 and step["errors"] == {}
+    assert step["send_lag_ms"]["p99"] >= 0 and step["processes"] == 2
+    assert step["server"]["images"] >= 50
+
+
+def test_compare_exits_one_on_a_regression_and_zero_within_tolerance(server: RunningServer, tmp_path: Path) -> None:
+    first = loadtest(server, "--concurrency", "2", "--out", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    report = json.loads((tmp_path / "results.json").read_text())
+    faster = json.loads(json.dumps(report))
+    faster["steps"][0]["requests_per_s"] *= 3  # a baseline three times faster: this run regressed
+    (tmp_path / "faster.json").write_text(json.dumps(faster))
+    slower = json.loads(json.dumps(report))
+    slower["steps"][0]["requests_per_s"] /= 3
+    slower["steps"][0]["latency_ms"]["p99"] *= 10
+    (tmp_path / "slower.json").write_text(json.dumps(slower))
+    regressed = loadtest(server, "--concurrency", "2", "--compare", str(tmp_path / "faster.json"))
+    assert regressed.returncode == 1 and "REGRESSION" in regressed.stdout
+    improved = loadtest(server, "--concurrency", "2", "--compare", str(tmp_path / "slower.json"))
+    assert improved.returncode == 0, improved.stdout
+    unmatched = loadtest(server, "--concurrency", "3", "--compare", str(tmp_path / "slower.json"))
+    assert unmatched.returncode == 2 and "no step" in unmatched.stdout
+
+
+def test_the_p99_target_search_reports_the_rate_and_its_bounding_steps(server: RunningServer) -> None:
+    run = loadtest(server, "--slo-p99-ms", "2000", "--rate", "10", "--slo-max-steps", "2", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["mode"] == "open"
+    assert [s["rate"] for s in report["steps"]] == [10, 20]
+    assert report["slo"]["best_rate"] == 20 and report["slo"]["passed"]["rate"] == 20
+    assert report["slo"]["failed"] is None  # the step bound ran out before any rate failed: the report says so
+
+
+def test_a_wrong_model_or_address_stops_before_any_load_with_the_reason(server: RunningServer) -> None:
+    wrong = subprocess.run([sys.executable, "-m", "service.cli", "loadtest", "--url", server.url, "--model", "nope"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert wrong.returncode == 2 and "404" in wrong.stderr and "nope" in wrong.stderr
+    gone = subprocess.run([sys.executable, "-m", "service.cli", "loadtest", "--url", "http://127.0.0.1:9",
+                           "--model", "digits"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert gone.returncode == 2 and "cannot reach" in gone.stderr
