@@ -56,32 +56,60 @@ class Http1Client:
         lines += [f"{k}: {v}" for k, v in headers.items()]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
+    def _reusable(self) -> _Connection | None:
+        """An idle connection the server has not closed (servers close idle keep-alives: uvicorn after 5 s)."""
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.reader.at_eof() and not conn.writer.is_closing():
+                return conn
+            self._drop(conn)
+        return None
+
+    async def _exchange(self, data: bytes, held: list[_Connection]) -> tuple[int, bool]:
+        """Send and read one answer; ``held`` names the connection in use, for the caller to drop on failure."""
+        conn = self._reusable()
+        if conn is not None:
+            held.append(conn)
+            try:
+                conn.writer.write(data)
+                return await _read_response(conn.reader)
+            except asyncio.IncompleteReadError as exc:
+                if exc.partial:
+                    raise
+                # Closed by the server before a byte of the answer: the keep-alive race every HTTP/1.1 client meets
+                # (the close crossed our request). Nothing was processed, so it is sent again on a new connection.
+                self._drop(held.pop())
+        held.append(await self._connect())
+        held[-1].writer.write(data)
+        return await _read_response(held[-1].reader)
+
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
-        conn: _Connection | None = None
+        held: list[_Connection] = []
         try:
             async with asyncio.timeout(self.timeout_s):
-                conn = self.idle.pop() if self.idle else await self._connect()
-                conn.writer.write(self.head(path, headers, len(body)) + body)
-                status, keep_alive = await _read_response(conn.reader)
+                status, keep_alive = await self._exchange(self.head(path, headers, len(body)) + body, held)
         except TimeoutError:
-            self._drop(conn)
+            self._drop_held(held)
             raise
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            self._drop(conn)
+            self._drop_held(held)
             raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
         except BaseException:  # cancelled mid-answer: the connection's state is unknown, so it goes
-            self._drop(conn)
+            self._drop_held(held)
             raise
         if keep_alive:
-            self.idle.append(conn)
+            self.idle.append(held[-1])
         else:
-            self._drop(conn)
+            self._drop_held(held)
         return status
 
-    def _drop(self, conn: _Connection | None) -> None:
-        if conn is not None:
-            conn.close()
-            self.open -= 1
+    def _drop_held(self, held: list[_Connection]) -> None:
+        while held:
+            self._drop(held.pop())
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.close()
+        self.open -= 1
 
     async def aclose(self) -> None:
         while self.idle:
