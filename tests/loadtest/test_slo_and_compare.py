@@ -63,3 +63,20 @@ def test_compare_flags_throughput_falls_and_p99_rises_beyond_the_tolerance() -> 
     assert compare(fewer, base, 0.10)[1] and not compare(fewer, base, 0.25)[1]
     erring = report_of(step_at(100, 20.0, errors=3))
     assert compare(erring, base, 0.5)[0][0]["new_errors"]
+
+
+def test_a_failure_the_generator_caused_is_tried_again_before_it_bounds_the_answer() -> None:
+    calls: list[float] = []
+
+    def run(rate: float) -> StepResult:
+        calls.append(rate)
+        if rate == 40 and calls.count(40) == 1:  # a client stall the first time only
+            s = step_at(rate, 300.0)
+            s.client_limited = ["send lag p99 42.6 ms > 10 ms"]
+            return s
+        return step_at(rate, 10.0 if rate <= 160 else 500.0)
+
+    result = search(run, 100.0, start_rate=10, max_steps=20)
+    assert calls[:5] == [10, 20, 40, 40, 80]
+    assert result.best_rate is not None and 155 <= result.best_rate <= 160
+    assert result.failed is not None and not result.failed.client_limited
