@@ -21,19 +21,25 @@ def _pyplot():  # type: ignore[no-untyped-def]
 
 def _log_ms_axis(ax) -> None:  # type: ignore[no-untyped-def]
     """A log-scale latency axis labelled with plain numbers (5, 10, 20 ms), not powers of ten."""
+    import math
+
     from matplotlib.ticker import FuncFormatter
 
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+
+    def minor(v: float, _: object) -> str:  # 2 and 5 of each decade only, so the labels do not collide
+        lead = round(v / 10 ** math.floor(math.log10(v)), 6)
+        return f"{v:g}" if lead in (2, 5) else ""
+
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
     ax.set_ylabel("latency (ms, log scale)")
 
 
 def latency_vs_throughput(steps: list[StepResult], path: Path, title: str, slo_ms: float | None = None) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    ordered = sorted(steps, key=lambda s: s.requests_per_s)
+    ordered = steps  # in the order the load grew, so a throughput that falls back at saturation shows as such
     x = [s.requests_per_s for s in ordered]
     for q in PERCENTILES:
         ax.plot(x, [s.latency_ms(q) for s in ordered], marker="o", label=f"p{q:g}")
