@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
+IDLE_REUSE_S = 4.0  # under uvicorn's 5 s keep-alive timeout: older idle connections are closed, not reused
 
 
 class ConnectionFailed(Exception):
@@ -22,10 +24,11 @@ class ConnectionFailed(Exception):
 
 
 class _Connection:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("idle_since", "reader", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.idle_since = 0.0
 
     def close(self) -> None:
         self.writer.close()
@@ -58,9 +61,10 @@ class Http1Client:
 
     def _reusable(self) -> _Connection | None:
         """An idle connection the server has not closed (servers close idle keep-alives: uvicorn after 5 s)."""
+        now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()
-            if not conn.reader.at_eof() and not conn.writer.is_closing():
+            if now - conn.idle_since < IDLE_REUSE_S and not conn.reader.at_eof() and not conn.writer.is_closing():
                 return conn
             self._drop(conn)
         return None
@@ -73,11 +77,11 @@ class Http1Client:
             try:
                 conn.writer.write(data)
                 return await _read_response(conn.reader)
-            except asyncio.IncompleteReadError as exc:
-                if exc.partial:
+            except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
+                if isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
                     raise
-                # Closed by the server before a byte of the answer: the keep-alive race every HTTP/1.1 client meets
-                # (the close crossed our request). Nothing was processed, so it is sent again on a new connection.
+                # Closed or reset by the server before a byte of the answer: the keep-alive race every HTTP/1.1
+                # client meets (the close crossed our request), sent again once on a new connection.
                 self._drop(held.pop())
         held.append(await self._connect())
         held[-1].writer.write(data)
@@ -98,6 +102,7 @@ class Http1Client:
             self._drop_held(held)
             raise
         if keep_alive:
+            held[-1].idle_since = time.monotonic()
             self.idle.append(held[-1])
         else:
             self._drop_held(held)
