@@ -29,8 +29,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def start(repository: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", repository, "--host", "127.0.0.1",
+def start(repository: str, port: int, *extra: str, pin: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [*pin, sys.executable, "-m", "service.cli", "serve", "--repository", repository, "--host", "127.0.0.1",
            "--port", str(port), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
@@ -57,13 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring (default 1)")
     p.add_argument("--rounds", type=int, default=12, help="on/off pairs (default 12)")
     p.add_argument("--ports", default="8411,8412", help="ports of the on and off servers (default 8411,8412)")
+    p.add_argument(
+        "--pin", action="store_true", help="servers on the last CPU, the load generator on the others (default off)"
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     port_on, port_off = (int(x) for x in args.ports.split(","))
-    servers = {"on": start(args.repository, port_on), "off": start(args.repository, port_off, "--no-metrics")}
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["taskset", "-c", str(cpus[-1])] if args.pin else []  # every server thread inherits it
+    servers = {"on": start(args.repository, port_on, pin=pin),
+               "off": start(args.repository, port_off, "--no-metrics", pin=pin)}  # fmt: skip
+    if args.pin:  # the client and the servers stop taking turns on the same core
+        os.sched_setaffinity(0, set(cpus[:-1]) or {cpus[-1]})
     ports = {"on": port_on, "off": port_off}
     bodies = payloads(args.model, generated_jpegs(32))
     rate: dict[str, list[float]] = {"on": [], "off": []}
@@ -99,11 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"median req/s: on {statistics.median(rate['on']):.1f}, off {statistics.median(rate['off']):.1f}")
     print(f"median on/off throughput ratio over {len(ratios)} paired rounds: {statistics.median(ratios):.4f} "
           f"(bootstrap 95% interval {low:.4f} .. {high:.4f})")  # fmt: skip
-    cpu_ratio = statistics.median(a / b for a, b in zip(cpu["on"], cpu["off"], strict=True))
-    print(
-        f"server CPU ms/request (rough: the warm-up's requests are in the CPU, not the count): on "
-        f"{statistics.median(cpu['on']):.3f}, off {statistics.median(cpu['off']):.3f}, on/off {cpu_ratio:.4f}"
-    )
+    cpu_ratios = [a / b for a, b in zip(cpu["on"], cpu["off"], strict=True)]
+    low, high = bootstrap_median(cpu_ratios)
+    print(f"server CPU ms/request (warm-up included): on {statistics.median(cpu['on']):.3f}, "
+          f"off {statistics.median(cpu['off']):.3f}; median on/off {statistics.median(cpu_ratios):.4f} "
+          f"(bootstrap 95% interval {low:.4f} .. {high:.4f})")  # fmt: skip
 
 
 if __name__ == "__main__":
