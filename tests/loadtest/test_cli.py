@@ -96,3 +96,20 @@ def test_a_wrong_model_or_address_stops_before_any_load_with_the_reason(server: 
     gone = subprocess.run([sys.executable, "-m", "service.cli", "loadtest", "--url", "http://127.0.0.1:9",
                            "--model", "digits"], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert gone.returncode == 2 and "cannot reach" in gone.stderr
+
+
+def test_a_folder_of_images_several_to_a_multipart_request(server: RunningServer, tmp_path: Path) -> None:
+    from tests.conftest import encode_image, random_image
+
+    for i in range(3):
+        (tmp_path / f"img{i}.png").write_bytes(encode_image(random_image(40, 30, seed=i), "PNG"))
+    (tmp_path / "notes.txt").write_text("not an image: skipped")
+    run = loadtest(server, "--images", str(tmp_path), "--images-per-request", "3", "--concurrency", "2", "--json")
+    assert run.returncode == 0, run.stderr
+    (step,) = json.loads(run.stdout)["steps"]
+    assert step["requests"] > 0 and step["errors"] == {}
+    assert step["images"] == 3 * step["requests"]
+    # The server computed them all (its scrapes and the client's window differ by the requests in flight).
+    assert step["server"]["images"] >= 0.9 * step["images"]
+    empty = loadtest(server, "--images", str(tmp_path / "none"))
+    assert empty.returncode == 2 and "--images" in empty.stderr

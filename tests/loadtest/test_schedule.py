@@ -33,3 +33,18 @@ def test_poisson_arrivals_have_the_rate_and_exponential_gaps() -> None:
 def test_closed_clients_are_shared_out_without_losing_any() -> None:
     plans = plans_for(StepSpec("closed", concurrency=7), BOUNDS, 3, 0.0)
     assert [p.concurrency for p in plans] == [3, 2, 2]
+
+
+def test_a_step_whose_generator_fell_behind_is_flagged_and_says_why() -> None:
+    from loadtest.runner import PartResult
+    from loadtest.step import merge
+
+    spec = StepSpec("open", rate=100)
+    on_time, late = PartResult(wall_s=10.0, cpu_s=1.0), PartResult(wall_s=10.0, cpu_s=1.0)
+    on_time.send_lag.record_many([0.001] * 1000)
+    late.send_lag.record_many([0.001] * 950 + [0.050] * 50)  # 2.5% of all sends 50 ms late: the p99 is late
+    assert merge(spec, BOUNDS, [on_time]).client_limited == []
+    flagged = merge(spec, BOUNDS, [on_time, late]).client_limited
+    assert len(flagged) == 1 and flagged[0].startswith("send lag p99")
+    busy = PartResult(wall_s=10.0, cpu_s=9.6)
+    assert merge(spec, BOUNDS, [busy]).client_limited == ["a load process used 96% of a core"]
