@@ -58,7 +58,7 @@ def test_open_loop_latency_runs_from_the_schedule_through_a_stall(
     expected = implied_latencies_ms()
     assert step.measured == len(expected) and step.requests == len(expected), step.errors
     assert step.errors == {}
-    for q in (50, 75, 90, 99):
+    for q in (50, 90, 99):  # not 75: 25% of the schedule stalls, so p75 sits on the jump and one request moves it
         assert step.latency_ms(q) == pytest.approx(nearest_rank(expected, q), abs=TOLERANCE_MS), q
     assert 1000 * step.latency.max_s == pytest.approx(expected.max(), abs=TOLERANCE_MS)
     assert step.server is None  # this server has no /metrics; the report must say so rather than invent a split
