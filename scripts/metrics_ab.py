@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     port_on, port_off = (int(x) for x in args.ports.split(","))
     cpus = sorted(os.sched_getaffinity(0))
     pin = ["taskset", "-c", str(cpus[-1])] if args.pin else []  # every server thread inherits it
-    servers = {"on": start(args.repository, port_on, pin=pin),
-               "off": start(args.repository, port_off, "--no-metrics", pin=pin)}  # fmt: skip
+    off_flags = [] if args.control else ["--no-metrics"]
+    servers = {
+        "on": start(args.repository, port_on, pin=pin),
+        "off": start(args.repository, port_off, *off_flags, pin=pin),
+    }
     if args.pin:  # the client and the servers stop taking turns on the same core
         os.sched_setaffinity(0, set(cpus[:-1]) or {cpus[-1]})
     ports = {"on": port_on, "off": port_off}
