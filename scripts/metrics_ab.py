@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pin", action="store_true", help="servers on the last CPU, the load generator on the others (default off)"
     )
+    p.add_argument(
+        "--control", action="store_true",
+        help="A/A control: both servers with metrics on, to see the set-up's own bias (default off)",
+    )  # fmt: skip
     return p
 
 
