@@ -94,11 +94,12 @@ def run_loadtest(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from loadtest.inputs import generated_jpegs, payloads, read_images
+    from loadtest.inputs import payloads
     from loadtest.pool import WorkerPool
     from loadtest.report import compare, print_comparison, print_report, write_files
     from loadtest.slo import search
     from loadtest.step import StepBounds, StepResult, StepSpec, run_step
+    from service.samples import image_files, photo_like_jpegs
 
     err = Console(stderr=True)
     if args.processes < 1 or args.images_per_request < 1 or min(args.duration, args.timeout) <= 0:
@@ -106,7 +107,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
         return 2
     url = args.url.rstrip("/")
     try:
-        images = read_images(args.images) if args.images else generated_jpegs(32, args.image_size)
+        images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
     except (OSError, ValueError) as exc:
         err.print(f"--images: {exc}")
         return 2

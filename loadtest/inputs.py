@@ -7,29 +7,13 @@ import json
 import struct
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
-from service.samples import photo_like_jpegs
-
-SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 MEDIA = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp"}
 PROTOCOLS = ("image", "v2")
 
 
 def media_type(data: bytes) -> str:
     return MEDIA.get(data[:2], "application/octet-stream")
-
-
-def generated_jpegs(count: int = 32, size: tuple[int, int] = (500, 375)) -> list[bytes]:
-    """Photo-like JPEGs of ``size`` (width, height); the same generator the in-process bench uses."""
-    return photo_like_jpegs(count, size)
-
-
-def read_images(folder: str | Path) -> list[bytes]:
-    files = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in SUFFIXES)
-    if not files:
-        raise ValueError(f"{folder} holds no images (looked for {', '.join(SUFFIXES)})")
-    return [p.read_bytes() for p in files]
 
 
 @dataclass(frozen=True)

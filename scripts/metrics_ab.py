@@ -19,9 +19,10 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.inputs import generated_jpegs, payloads
+from loadtest.inputs import payloads
 from loadtest.pool import WorkerPool
 from loadtest.step import StepBounds, StepSpec, run_step
+from service.samples import photo_like_jpegs
 
 
 def cpu_seconds(pid: int) -> float:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.pin:  # the client and the servers stop taking turns on the same core
         os.sched_setaffinity(0, set(cpus[:-1]) or {cpus[-1]})
     ports = {"on": port_on, "off": port_off}
-    bodies = payloads(args.model, generated_jpegs(32))
+    bodies = payloads(args.model, photo_like_jpegs(32))
     rate: dict[str, list[float]] = {"on": [], "off": []}
     cpu: dict[str, list[float]] = {"on": [], "off": []}
     try:

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -32,7 +31,7 @@ from service.decoding import GpuJpegDecoder, Preprocessor
 from service.errors import ConfigError
 from service.repository import ModelRepository, random_batch
 from service.runtime import FakeRuntime, RuntimeLike
-from service.samples import photo_like_jpegs
+from service.samples import image_files, photo_like_jpegs
 from service.spec import ModelSpec
 
 Say = Callable[[str], None]
@@ -52,10 +51,10 @@ class BenchOptions:
 
 
 def load_images(folder: str) -> list[bytes]:
-    files = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))
-    if not files:
-        raise ConfigError(f"--images {folder} holds no JPEG, PNG or WebP files")
-    return [p.read_bytes() for p in files]
+    try:
+        return image_files(folder, (".jpg", ".jpeg", ".png", ".webp"))
+    except ValueError:
+        raise ConfigError(f"--images {folder} holds no JPEG, PNG or WebP files") from None
 
 
 def _timed(seconds: float, step: Callable[[], int], min_rounds: int = 3) -> float:

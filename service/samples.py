@@ -1,12 +1,23 @@
-"""Generated sample images for benchmarks and load tests: no dataset is downloaded, and every run sees the same
-pictures."""
+"""Sample images for benchmarks and load tests: generated ones (no dataset is downloaded, and every run sees the
+same pictures), or the files of a folder the user names."""
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")  # the formats the image API takes
+
+
+def image_files(folder: str | Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[bytes]:
+    """The bytes of every file below ``folder`` with one of ``suffixes``, in path order; ValueError if none."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in suffixes)
+    if not files:
+        raise ValueError(f"{folder} holds no images (looked for {', '.join(suffixes)})")
+    return [p.read_bytes() for p in files]
 
 
 def photo_like_jpegs(count: int = 64, size: tuple[int, int] = (500, 375), seed: int = 0) -> list[bytes]:
