@@ -47,11 +47,9 @@ class Http1Client:
         self.host_header = parts.netloc
         self.timeout_s = timeout_s
         self.idle: list[_Connection] = []
-        self.open = 0
 
     async def _connect(self) -> _Connection:
         reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=MAX_HEAD_BYTES)
-        self.open += 1
         return _Connection(reader, writer)
 
     def head(self, path: str, headers: dict[str, str], length: int) -> bytes:
@@ -66,7 +64,7 @@ class Http1Client:
             conn = self.idle.pop()
             if now - conn.idle_since < IDLE_REUSE_S and not conn.reader.at_eof() and not conn.writer.is_closing():
                 return conn
-            self._drop(conn)
+            conn.close()
         return None
 
     async def _exchange(self, data: bytes, held: list[_Connection]) -> tuple[int, bool]:
@@ -82,7 +80,7 @@ class Http1Client:
                     raise
                 # Closed or reset by the server before a byte of the answer: the keep-alive race every HTTP/1.1
                 # client meets (the close crossed our request), sent again once on a new connection.
-                self._drop(held.pop())
+                held.pop().close()
         held.append(await self._connect())
         held[-1].writer.write(data)
         return await _read_response(held[-1].reader)
@@ -110,15 +108,11 @@ class Http1Client:
 
     def _drop_held(self, held: list[_Connection]) -> None:
         while held:
-            self._drop(held.pop())
-
-    def _drop(self, conn: _Connection) -> None:
-        conn.close()
-        self.open -= 1
+            held.pop().close()
 
     async def aclose(self) -> None:
         while self.idle:
-            self._drop(self.idle.pop())
+            self.idle.pop().close()
 
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
