@@ -36,6 +36,16 @@ def _log_ms_axis(ax) -> None:  # type: ignore[no-untyped-def]
     ax.set_ylabel("latency (ms, log scale)")
 
 
+def _save(fig, ax, title: str, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    """What every plot ends with: the title, a grid, the file, and the figure's memory given back."""
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
 def latency_vs_throughput(steps: list[StepResult], path: Path, title: str, slo_ms: float | None = None) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -50,13 +60,8 @@ def latency_vs_throughput(steps: list[StepResult], path: Path, title: str, slo_m
         ax.axhline(slo_ms, color="red", linestyle="--", linewidth=1, label=f"p99 target {slo_ms:g} ms")
     _log_ms_axis(ax)
     ax.set_xlabel("throughput (requests/s)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, title, path)
 
 
 def latency_over_time(steps: list[StepResult], path: Path, title: str) -> Path:
@@ -80,12 +85,7 @@ def latency_over_time(steps: list[StepResult], path: Path, title: str) -> Path:
         offset += s.duration_s
     _log_ms_axis(ax)
     ax.set_xlabel("time (s, measured windows end to end); line: p99 per second; x: errors")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, title, path)
 
 
 def latency_distribution(steps: list[StepResult], path: Path, title: str) -> Path:
@@ -106,13 +106,8 @@ def latency_distribution(steps: list[StepResult], path: Path, title: str) -> Pat
     ax.xaxis.set_minor_locator(NullLocator())
     _log_ms_axis(ax)
     ax.set_xlabel("percentile")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, title, path)
 
 
 def draw_all(steps: list[StepResult], out: Path, title: str, slo_ms: float | None = None) -> list[Path]:

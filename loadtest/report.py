@@ -123,14 +123,17 @@ def compare(report: dict[str, Any], baseline: dict[str, Any], tolerance: float) 
     return rows, regressed
 
 
+def _change(ratio: float) -> str:
+    return "-" if math.isnan(ratio) else f"{100 * (ratio - 1):+.1f}%"
+
+
 def print_comparison(rows: list[dict[str, Any]], tolerance: float, console: Console) -> None:
     t = Table(title=f"against the baseline (tolerance {100 * tolerance:g}%)")
     for name in ("step", "throughput", "p99", "verdict"):
         t.add_column(name, justify="left" if name in ("step", "verdict") else "right")
     for r in rows:
-        pct = lambda x: "-" if math.isnan(x) else f"{100 * (x - 1):+.1f}%"  # noqa: E731
         verdict = "REGRESSION" + (" (new errors)" if r["new_errors"] else "") if r["regression"] else "ok"
-        t.add_row(r["step"], pct(r["throughput_ratio"]), pct(r["p99_ratio"]), verdict)
+        t.add_row(r["step"], _change(r["throughput_ratio"]), _change(r["p99_ratio"]), verdict)
     if not rows:
         t.caption = "no step of this run matches a step of the baseline"
     console.print(t)
