@@ -15,6 +15,7 @@ import torch
 from export.exporter import ExportRequest, export_model
 from export.sources import calibration_images, from_architecture, from_checkpoint
 from models.normalize import Uint8Classifier
+from models.registry import architecture_names
 from service.errors import ConfigError
 from service.repository import ModelRepository, random_batch
 from service.runtime import OnnxRuntime, TorchScriptRuntime
@@ -131,15 +132,7 @@ def test_fp16_variants_are_written_and_reported_unchecked_without_a_gpu(tmp_path
     assert ModelRepository(tmp_path).model("s").latest.fp16_files.keys() == {"onnx", "torchscript"}
 
 
-ZOO = [
-    "smallcnn",
-    "resnet18",
-    "resnet50",
-    "mobilenet_v3_small",
-    "mobilenet_v3_large",
-    "efficientnet_b0",
-    "convnext_tiny",
-]
+ZOO = architecture_names()  # every registered model; tests/models/test_registry.py pins which ones those are
 
 
 @pytest.mark.slow
