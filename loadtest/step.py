@@ -51,6 +51,9 @@ class StepBounds:
     max_send_lag_ms: float = 10.0
     max_inflight: int = 1024
     seed: int = 0
+    # Read the server's /metrics at the window's edges for the server-side split (off: nothing but the load
+    # touches the server while it is measured, as metrics on/off comparisons need).
+    scrape: bool = True
 
 
 @dataclass
@@ -152,7 +155,8 @@ def run_step(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, p
             scrapes[name] = scrape(bounds.url, model)
 
     reader = threading.Thread(target=read_server, daemon=True)
-    reader.start()
+    if bounds.scrape:
+        reader.start()
     done_before = pool.completed()
     pool.start(plans_for(spec, bounds, len(pool), start_wall))
     total = bounds.warmup_s + bounds.duration_s
@@ -164,7 +168,8 @@ def run_step(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, p
     parts = pool.results()
     if task is not None:
         progress.update(task, completed=total, answers=pool.completed() - done_before)
-    reader.join(10)
+    if bounds.scrape:
+        reader.join(10)
     result = merge(spec, bounds, parts)
     result.server = server_split(scrapes.get("before"), scrapes.get("after"))
     return result

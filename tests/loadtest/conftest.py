@@ -32,6 +32,7 @@ class TimedServer(ThreadingHTTPServer):
     def __init__(self, timing: Timing) -> None:
         self.timing = timing
         self.arrivals: list[float] = []
+        self.gets: list[str] = []  # paths of GET requests (the step's reads of /metrics)
         self.lock = threading.Lock()
         super().__init__(("127.0.0.1", 0), _Handler)
 
@@ -65,6 +66,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self) -> None:  # no /metrics here: the report must cope without the server's split
+        with self.server.lock:
+            self.server.gets.append(self.path)
         self.send_response(404)
         self.send_header("content-length", "0")
         self.end_headers()

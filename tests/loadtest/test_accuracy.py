@@ -108,3 +108,18 @@ def test_timeouts_and_refused_connections_are_errors_by_kind(timed_server: Timed
                            bounds("http://127.0.0.1:9", duration_s=0.5), "m")  # fmt: skip
     assert slow.errors == {"timeout": 10} and slow.requests == 0
     assert set(refused.errors) == {"connection"} and refused.requests == 0
+
+
+@pytest.mark.parametrize("scrape", [True, False])
+def test_a_step_reads_metrics_at_its_edges_only_when_asked(
+    timed_server: TimedServer,
+    bodies: list,
+    scrape: bool,  # type: ignore[type-arg]
+) -> None:
+    timed_server.timing.delay_s = 0.005
+    with WorkerPool(1, bodies) as pool:
+        step = run_step(pool, StepSpec("closed", concurrency=2), bounds(timed_server.url, duration_s=0.5,
+                                                                        scrape=scrape), "m")  # fmt: skip
+    assert step.requests > 0 and step.errors == {}
+    assert timed_server.gets == (["/metrics", "/metrics"] if scrape else [])
+    assert step.server is None  # this server has no /metrics: the report goes without the split
