@@ -32,7 +32,8 @@ def photo_like_jpegs(count: int = 64, size: tuple[int, int] = (500, 375), seed: 
             fx, fy, phase = rng.uniform(0.005, 0.05), rng.uniform(0.005, 0.05), rng.uniform(0, 6.3)
             img[..., c] = 128 + 90 * np.sin(xx * fx + phase) * np.cos(yy * fy)
         for _ in range(6):
-            x0, y0 = rng.integers(0, width - 60), rng.integers(0, height - 60)
+            # The same draws as ever for photo sizes; small images (thumbnails, tiny models' inputs) still work.
+            x0, y0 = rng.integers(0, max(1, width - 60)), rng.integers(0, max(1, height - 60))
             img[y0 : y0 + rng.integers(20, 120), x0 : x0 + rng.integers(20, 160)] = rng.uniform(0, 255, 3)
         img += rng.normal(0, 8, img.shape)
         buf = io.BytesIO()
