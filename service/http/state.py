@@ -29,7 +29,7 @@ from service.errors import (
     OverloadedError,
     VisionServeError,
 )
-from service.metrics import OUTCOMES, Metrics
+from service.metrics import NOT_OBSERVED, Metrics
 from service.preprocess import ImageLimits
 from service.repository import ModelEntry, ModelRepository, ModelVersion
 from service.settings import ServerSettings
@@ -103,13 +103,7 @@ class ModelSlot:
         self.stats = ModelStats()
         self.metrics = metrics
         self._labels = (version.model, str(version.version), ",".join(engine.state().devices))
-        if metrics is not None:  # label lookups once, here, not on every request
-            labels = self._labels
-            self._outcomes = {o: metrics.requests.labels(*labels, o) for o in OUTCOMES}
-            self._request_h = metrics.request_seconds.labels(*labels)
-            self._preprocess_h = metrics.preprocess_seconds.labels(*labels)
-            self._queue_h = metrics.queue_seconds.labels(*labels)
-            self._postprocess_h = metrics.postprocess_seconds.labels(*labels)
+        self._recorder = metrics.request_recorder(*self._labels) if metrics is not None else None
 
     @contextlib.contextmanager
     def observe(self, timing: Timing) -> Iterator[None]:
@@ -122,14 +116,15 @@ class ModelSlot:
             outcome = outcome_of(exc)
             raise
         finally:
-            if self.metrics is not None:
-                self._outcomes[outcome].inc()
-                self._request_h.observe(time.perf_counter() - started)
-                if timing.preprocess_s:
-                    self._preprocess_h.observe(timing.preprocess_s)
-                if outcome == "success":
-                    self._queue_h.observe(timing.queue_s)
-                    self._postprocess_h.observe(timing.postprocess_s)
+            if self._recorder is not None:
+                done = outcome == "success"
+                self._recorder.record(
+                    outcome,
+                    time.perf_counter() - started,
+                    timing.preprocess_s or NOT_OBSERVED,
+                    timing.queue_s if done else NOT_OBSERVED,
+                    timing.postprocess_s if done else NOT_OBSERVED,
+                )
 
     @property
     def name(self) -> str:
