@@ -54,10 +54,10 @@ def test_open_loop_over_v2_with_several_images_per_request_and_processes(server:
                    "--images-per-request", "2", "--processes", "2", "--json")  # fmt: skip
     assert run.returncode == 0, run.stderr
     (step,) = json.loads(run.stdout)["steps"]
-    assert step["measured"] == 30  # 20/s for 1.5 s, the constant schedule shared exactly over two processes
-    assert step["requests"] == 30 and step["images"] == 60 and step["errors"] == {}
-    assert step["send_lag_ms"]["p99"] >= 0 and step["processes"] == 2
-    assert step["server"]["images"] >= 50
+    assert step["measured"] == 30, step  # 20/s for 1.5 s, the constant schedule shared exactly over two processes
+    assert step["requests"] == 30 and step["images"] == 60 and step["errors"] == {}, step
+    assert step["send_lag_ms"]["p99"] >= 0 and step["processes"] == 2, step
+    assert step["server"] is not None and step["server"]["images"] >= 50, step
 
 
 def test_compare_exits_one_on_a_regression_and_zero_within_tolerance(server: RunningServer, tmp_path: Path) -> None:
