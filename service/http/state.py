@@ -101,7 +101,6 @@ class ModelSlot:
         self.engine = engine
         self.pool = pool
         self.stats = ModelStats()
-        self.metrics = metrics
         self._labels = (version.model, str(version.version), ",".join(engine.state().devices))
         self._recorder = metrics.request_recorder(*self._labels) if metrics is not None else None
 
