@@ -100,10 +100,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def start_pair(block: int) -> dict[str, subprocess.Popen[bytes]]:
         # Which server starts first alternates, so that neither process always gets the same place in memory.
-        first, second = ("on", "off") if block % 2 == 0 else ("off", "on")
         flags = {"on": [], "off": off_flags}
-        pair = {name: start(args.repository, ports[name], *flags[name], pin=pin) for name in (first, second)}
-        return pair
+        return {name: start(args.repository, ports[name], *flags[name], pin=pin) for name in in_turn(block)}
 
     def stop_pair(pair: dict[str, subprocess.Popen[bytes]]) -> None:
         for proc in pair.values():
@@ -146,8 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                     stop_pair(servers)
                     servers = start_pair(k // args.restart_every)
                 if args.together:  # both loaded at once: they split one core, and its weather, between them
-                    names = ("on", "off") if k % 2 == 0 else ("off", "on")  # neither always starts first
-                    threads = [threading.Thread(target=measure, args=(name, pools[name])) for name in names]
+                    threads = [threading.Thread(target=measure, args=(name, pools[name])) for name in in_turn(k)]
                     for thread in threads:
                         thread.start()
                     for thread in threads:
@@ -155,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                     if len(rate["on"]) != k + 1 or len(rate["off"]) != k + 1:
                         raise RuntimeError(f"round {k + 1} failed")
                 else:
-                    for name in ("on", "off") if k % 2 == 0 else ("off", "on"):  # neither always goes first
+                    for name in in_turn(k):
                         measure(name, pools[name])
                 print(f"round {k + 1:>2}: on {rate['on'][-1]:7.1f} req/s, off {rate['off'][-1]:7.1f} req/s, "
                       f"on/off {rate['on'][-1] / rate['off'][-1]:.4f}", flush=True)  # fmt: skip
@@ -174,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
           f"(bootstrap 95% interval {low:.4f} .. {high:.4f})")  # fmt: skip
     print(f"one scrape of /metrics (idle server, median of 50): {scrape_ms:.2f} ms; every 15 s that is "
           f"{100 * scrape_ms / 15_000:.3f}% of one core")  # fmt: skip
+
+
+def in_turn(k: int) -> tuple[str, str]:
+    """Which server goes (or starts) first in round or block ``k``: they alternate, so neither always does."""
+    return ("on", "off") if k % 2 == 0 else ("off", "on")
 
 
 def scrape_cost(port: int, times: int = 50) -> float:

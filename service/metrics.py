@@ -125,12 +125,12 @@ class RequestRecorder(_Folding):
 class BatchRecorder(_Folding):
     """One model version on one device: batches, images, batch sizes and per-batch compute time."""
 
-    def __init__(self, labels: tuple[str, str, str], max_batch_size: int = 256) -> None:
+    def __init__(self, labels: tuple[str, str, str]) -> None:
         super().__init__()
         self.labels = labels
         self.batches = 0
         self.images = 0
-        self.sizes = BucketCounts(batch_size_buckets(max_batch_size))
+        self.sizes = BucketCounts(batch_size_buckets())
         self.compute = BucketCounts(DURATION_BUCKETS)
 
     def record(self, size: int, compute_s: float) -> None:
