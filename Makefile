@@ -12,7 +12,7 @@ PORT ?= 8000
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,fast]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,fast,ray]'
 	touch $@
 
 install: $(STAMP)
@@ -39,3 +39,12 @@ serve: $(STAMP) $(REPOSITORY)/digits
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+# Every GPU path in one command (docs/gpu-check.md): `make gpu-check` on a GPU machine, `make gpu-check DRY_RUN=1`
+# for the same steps on the CPU with tiny sizes. No install step: a GPU machine has no package index; what it lacks
+# comes from wheels carried in .whl/.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)

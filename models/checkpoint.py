@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 import torch
 
-from service.errors import CheckpointError, ConfigError
-from service.spec import ModelSpec, decode_spec, encode_spec
+from service.core.errors import CheckpointError, ConfigError
+from service.core.spec import ModelSpec, decode_spec, encode_spec
 
 CHECKPOINT_FORMAT = "visionserve-checkpoint/1"
 

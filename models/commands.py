@@ -154,7 +154,7 @@ def _print_repository(console: Console, root: str) -> None:
 
     from rich.table import Table
 
-    from service.repository import ModelRepository
+    from service.core.repository import ModelRepository
 
     if not Path(root).is_dir():
         print(f"(no model repository at {root})")

@@ -1,6 +1,6 @@
 """Datasets that need no network: ``digits``, ``folder:PATH`` and ``synthetic[:N]``.
 
-Every image goes through :func:`service.preprocess.preprocess_pil`, the transform the server applies, so a
+Every image goes through :func:`service.core.preprocess.preprocess_pil`, the transform the server applies, so a
 model is trained on exactly what it will be served. Images are held in memory as uint8 ``[N, C, H, W]``
 tensors; normalisation happens inside the model (:class:`models.normalize.Uint8Normalize`).
 """
@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from service.errors import BadInputError, DatasetError, UnknownNameError
-from service.preprocess import ImageLimits, preprocess_image, preprocess_pil
-from service.spec import ModelSpec
+from service.core.errors import BadInputError, DatasetError, UnknownNameError
+from service.core.preprocess import ImageLimits, preprocess_image, preprocess_pil
+from service.core.spec import ModelSpec
 
 DATASET_KINDS = ("digits", "folder:PATH", "synthetic[:N]")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")

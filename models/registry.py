@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import msgspec
 from torch import nn
 
-from service.errors import ConfigError, UnknownNameError
-from service.spec import InputSpec, ModelSpec
+from service.core.errors import ConfigError, UnknownNameError
+from service.core.spec import InputSpec, ModelSpec
 
 Builder = Callable[..., nn.Module]
 

@@ -29,8 +29,8 @@ from models.checkpoint import EpochRecord, TrainRecord, apply_weights, load_weig
 from models.datasets import Dataset, load_dataset
 from models.normalize import Uint8Classifier
 from models.registry import get_architecture, with_input_size
-from service.errors import ConfigError
-from service.spec import ModelSpec
+from service.core.errors import ConfigError
+from service.core.spec import ModelSpec
 
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -13,7 +13,7 @@ import torchvision.models as tvm
 from torch import nn
 
 from models.registry import register
-from service.spec import InputSpec, ModelSpec
+from service.core.spec import InputSpec, ModelSpec
 
 DIGIT_LABELS = tuple(str(d) for d in range(10))
 

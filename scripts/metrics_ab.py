@@ -29,8 +29,8 @@ import httpx
 from loadtest.inputs import payloads
 from loadtest.pool import WorkerPool
 from loadtest.step import StepBounds, StepSpec, run_step
-from service.cli import size_pair
-from service.samples import photo_like_jpegs
+from service.core.arguments import size_pair
+from service.core.samples import photo_like_jpegs
 
 
 def cpu_seconds(pid: int) -> float:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 
-from service.batching.batcher import BatchRecord
-from service.metrics import NOT_OBSERVED, Metrics
+from service.core.metrics import NOT_OBSERVED, BatchRecord, Metrics
 
 
 def main(rounds: int = 200_000) -> None:
     metrics = Metrics()
     observe_batch = metrics.batch_observer("digits", 1)
-    # The recorder a served model version makes once, at load (service/http/state.py).
+    # The recorder a served model version makes once, at load (service/frontend/state.py).
     requests = metrics.request_recorder("digits", 1, "cpu")
     record = BatchRecord(size=1, queue_s=[0.001], compute_s=0.002, device="cpu", failed=0)
     best = float("inf")

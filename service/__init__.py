@@ -6,8 +6,8 @@ This package's top level stays light (no torch, no onnxruntime): the spec and th
 
 from __future__ import annotations
 
-from service.errors import ConfigError, VisionServeError
-from service.spec import ExportRecord, InputSpec, ModelSpec, decode_spec, encode_spec, load_spec, write_spec
+from service.core.errors import ConfigError, VisionServeError
+from service.core.spec import ExportRecord, InputSpec, ModelSpec, decode_spec, encode_spec, load_spec, write_spec
 
 __all__ = [
     "ConfigError",

@@ -12,7 +12,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from service.errors import ConfigError, VisionServeError
+from service.core.arguments import comma_floats, comma_ints, size_pair
+from service.core.errors import ConfigError, VisionServeError
+
+__all__ = ["build_parser", "comma_floats", "comma_ints", "main", "size_pair"]
 
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -21,41 +24,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("service.commands", "serve the repository's models over HTTP"),
     "bench": ("service.commands", "measure the engine in-process: runtime, decode pipeline, batcher"),
     "loadtest": ("loadtest.commands", "load a server over HTTP and report throughput and latency"),
-    "export": ("export.commands", "export a model to TorchScript/ONNX with proven parity into a model repository"),
+    "export": ("export.commands", "export a model to ONNX, TorchScript or AOTInductor with proven parity into a model repository"),
 }
-
-
-def comma_ints(text: str) -> tuple[int, ...]:
-    """An argparse type: comma-separated integers, each >= 1 (batch sizes, concurrency steps)."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
-    return values
-
-
-def comma_floats(text: str) -> tuple[float, ...]:
-    """An argparse type: comma-separated numbers, each > 0 (request rates)."""
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"values must be > 0, got {text!r}")
-    return values
-
-
-def size_pair(text: str) -> tuple[int, int]:
-    """An argparse type: WIDTHxHEIGHT in pixels."""
-    try:
-        width, height = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 500x375, got {text!r}") from None
-    if min(width, height) < 1:
-        raise argparse.ArgumentTypeError(f"width and height must be >= 1, got {text!r}")
-    return width, height
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

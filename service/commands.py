@@ -5,19 +5,58 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
-from service.cli import comma_ints
+from service.core.arguments import comma_ints
+from service.core.errors import ConfigError
+
+
+def _backends(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    allowed = ("onnxruntime", "torchscript", "aoti")
+    bad = [n for n in names if n not in allowed]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(allowed)}, got {text!r}")
+    return names
+
+
+def _figures(text: str) -> tuple[str, ...]:
+    from service.engine.bench import FIGURES
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or any(n not in FIGURES for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(FIGURES)}, got {text!r}")
+    return names
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Measure the engine in-process (no HTTP): the runtime alone per batch size, the decode+run pipeline, "
-        "the batcher under many concurrent single-image submitters, and the batcher's own ceiling."
+        "the batcher under many concurrent single-image submitters, and the batcher's own ceiling. With several "
+        "backends (--backend onnxruntime,torchscript,aoti) it measures each in turn and names the fastest per "
+        "batch size."
     )
     p.add_argument("--model", required=True, help="model name in the repository")
     p.add_argument("--repository", default="model_repository", help="model repository folder")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--backend", default=None, choices=["onnxruntime", "torchscript"], help="default: config.toml")
+    p.add_argument(
+        "--backend",
+        type=_backends,
+        default=None,
+        help="onnxruntime, torchscript or aoti, or a comma-separated list to compare; None: config.toml's",
+    )
+    p.add_argument(
+        "--precision", default=None, choices=["fp32", "fp16", "bf16"], help="GPU precision; None: config.toml's"
+    )
+    p.add_argument(
+        "--cuda-graphs", default="on", choices=["on", "off"], help="torch runtimes on CUDA: a graph per batch bucket"
+    )
+    p.add_argument(
+        "--figures",
+        type=_figures,
+        default=("engine", "pipeline", "decode", "batcher", "fake"),
+        help="which figures to measure: engine, pipeline, decode (CPU pool vs nvJPEG), batcher, fake",
+    )
     p.add_argument("--batch-sizes", type=comma_ints, default=(1, 8, 32), help="batch sizes; the largest is the maximum")
     p.add_argument("--seconds", type=float, default=5.0, help="measuring time per figure")
     p.add_argument("--concurrency", type=int, default=None, help="batcher submitters; default: 2 x largest batch")
@@ -25,42 +64,80 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
 
 
+def _print_run(out: Any, result: dict[str, Any]) -> None:
+    precision = f", {result['precision']}" if result["device"].startswith("cuda") else ""
+    graphs = ", CUDA graphs" if result.get("cuda_graphs") else ""
+    out.print(f"{result['model']} v{result['version']} on {result['device']} ({result['runtime']}{precision}{graphs})")
+    for size, rate in result["engine_images_per_s"].items():
+        out.print(f"  engine, batch {size:>4}: {rate:10.1f} images/s")
+    if "decode_cpu_images_per_s" in result:
+        gpu = result.get("decode_gpu_images_per_s")
+        gpu_text = f"{gpu:.1f} images/s" if gpu is not None else f"skipped ({result.get('decode_gpu_skipped')})"
+        out.print(f"  decode, CPU pool: {result['decode_cpu_images_per_s']:.1f} images/s; nvJPEG: {gpu_text}")
+    if "pipeline_images_per_s" in result:
+        largest = max(result["batch_sizes"])
+        out.print(f"  pipeline (decode + run, batch {largest}): {result['pipeline_images_per_s']:.1f} images/s")
+    if "pipeline_gpu_decode_images_per_s" in result:
+        out.print(f"  pipeline with GPU JPEG decode: {result['pipeline_gpu_decode_images_per_s']:.1f} images/s")
+    if "batcher_images_per_s" in result:
+        out.print(
+            f"  batcher ({result['concurrency']} submitters): {result['batcher_images_per_s']:.1f} images/s, "
+            f"efficiency {result['batcher_efficiency']:.3f} of the pipeline, "
+            f"mean batch {result['batcher_mean_batch_size']:.1f}"
+        )
+    if "fake_items_per_s" in result:
+        out.print(f"  batcher alone (no-op runtime): {result['fake_items_per_s']:.0f} items/s")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.table import Table
 
-    from service.bench import BenchOptions
-    from service.bench import run_bench as bench
+    from service.engine.bench import BenchOptions, compare_backends
+    from service.engine.bench import run_bench as bench
 
     err = Console(stderr=True)
+    backends: tuple[str, ...] = args.backend or ()
     options = BenchOptions(
         model=args.model,
         repository=args.repository,
         device=args.device,
-        backend=args.backend,
+        backend=backends[0] if len(backends) == 1 else None,
         batch_sizes=args.batch_sizes,
         seconds=args.seconds,
         concurrency=args.concurrency,
         images=args.images,
+        precision=args.precision,
+        cuda_graphs=args.cuda_graphs == "on",
+        figures=args.figures,
     )
-    result = bench(options, say=None if args.no_progress else lambda m: err.print(f"[dim]... {m}[/dim]"))
+    say = None if args.no_progress else lambda m: err.print(f"[dim]... {m}[/dim]")
+    out = Console(file=sys.stdout, width=max(Console().width, 100))
+    if len(backends) > 1:
+        compared = compare_backends(options, backends, say=say)
+        if args.json:
+            print(json.dumps(compared))
+            return 0
+        table = Table(title=f"engine images/s, {args.model} on {compared['device']} (in turns; ratio to the fastest)")
+        table.add_column("batch")
+        for result in compared["runs"]:
+            table.add_column(result["runtime"], justify="right")
+        table.add_column("fastest")
+        for size in (str(b) for b in options.batch_sizes):
+            rates = [r["engine_images_per_s"].get(size, 0.0) for r in compared["runs"]]
+            ratios = compared["ratio_to_fastest"]
+            cells = [
+                f"{rate:.1f} ({ratios[r['runtime']].get(size, 0):.2f})"
+                for rate, r in zip(rates, compared["runs"], strict=True)
+            ]
+            table.add_row(size, *cells, compared["fastest"].get(size, "-"))
+        out.print(table)
+        return 0
+    result = bench(options, say=say)
     if args.json:
         print(json.dumps(result))
         return 0
-    out = Console(file=sys.stdout)
-    out.print(f"{result['model']} v{result['version']} on {result['device']} ({result['runtime']})")
-    for size, rate in result["engine_images_per_s"].items():
-        out.print(f"  engine, batch {size:>4}: {rate:10.1f} images/s")
-    out.print(
-        f"  pipeline (decode + run, batch {max(options.batch_sizes)}): {result['pipeline_images_per_s']:.1f} images/s"
-    )
-    if "pipeline_gpu_decode_images_per_s" in result:
-        out.print(f"  pipeline with GPU JPEG decode: {result['pipeline_gpu_decode_images_per_s']:.1f} images/s")
-    out.print(
-        f"  batcher ({result['concurrency']} submitters): {result['batcher_images_per_s']:.1f} images/s, "
-        f"efficiency {result['batcher_efficiency']:.3f} of the pipeline, "
-        f"mean batch {result['batcher_mean_batch_size']:.1f}"
-    )
-    out.print(f"  batcher alone (no-op runtime): {result['fake_items_per_s']:.0f} items/s")
+    _print_run(out, result)
     return 0
 
 
@@ -69,7 +146,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repository", default="model_repository", help="model repository folder")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
-    p.add_argument("--workers", type=int, default=1, help="server processes, each with its own engines")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC (Open Inference Protocol) port; 0: no gRPC")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="HTTP front-end processes feeding one engine per device; 0: half the cores, 1 to 8 (printed at start)",
+    )
+    p.add_argument(
+        "--shm-mb", type=int, default=64, help="each front end's shared-memory arena for image tensors (MiB)"
+    )
+    p.add_argument(
+        "--engine-timeout-s", type=float, default=120.0, help="a request the engine has not answered by then is a 504"
+    )
     p.add_argument("--admin-token", default=None, help="enables /v2/repository/* for 'Authorization: Bearer TOKEN'")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (MiB)")
     p.add_argument("--max-images", type=int, default=64, help="most images in one request")
@@ -82,13 +171,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from service.server import serve
-    from service.settings import ServerSettings
+    from service.core.settings import ServerSettings
+    from service.supervisor import SupervisorOptions, serve
 
     settings = ServerSettings(
         repository=args.repository,
         host=args.host,
         port=args.port,
+        grpc_port=args.grpc_port,
         admin_token=args.admin_token,
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         max_images_per_request=args.max_images,
@@ -96,6 +186,8 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout_s,
         log_format=args.log_format,
         metrics=not args.no_metrics,
+        engine_timeout_s=args.engine_timeout_s,
     )
-    serve(settings, workers=args.workers, log_level=args.log_level)
-    return 0
+    if args.workers < 0 or args.shm_mb < 1:
+        raise ConfigError(f"--workers must be >= 0 and --shm-mb >= 1, got {args.workers} and {args.shm_mb}")
+    return serve(settings, SupervisorOptions(workers=args.workers, shm_mb=args.shm_mb, log_level=args.log_level))

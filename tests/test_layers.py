@@ -1,16 +1,40 @@
-"""The layers import in one direction: http -> batching -> runtime. Read with ast, so a wrong import fails here."""
+"""The rooms import in one direction (DESIGN.md, "Processes, and the rooms they live in"). Read with ast, so a
+wrong import fails here, not in review.
+
+    frontend -> transport -> core          engine -> transport, runtime -> core
+    supervisor, cli, commands: on top of everything
+    models -> core;  export -> core, runtime;  loadtest -> core at most
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+ROOMS = ("service.frontend", "service.engine", "service.transport", "service.runtime", "service.core")
+TOP = ("service.supervisor", "service.cli", "service.commands")
+
+# room -> the service rooms it may import (besides itself)
+ALLOWED = {
+    "service/core": (),
+    "service/runtime": ("service.core",),
+    "service/transport": ("service.core",),
+    "service/engine": ("service.transport", "service.runtime", "service.core"),
+    "service/frontend": ("service.transport", "service.core"),
+    "models": ("service.core",),
+    "export": ("service.core", "service.runtime"),
+    "loadtest": ("service.core",),
+}
 
 
-def imports(path: Path) -> set[str]:
+def imports(path: Path, *, top_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in nodes:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -26,15 +50,41 @@ def reaches(names: set[str], *prefixes: str) -> set[str]:
     return {n for n in names if any(n == p or n.startswith(p + ".") for p in prefixes)}
 
 
-def test_runtimes_import_neither_asyncio_nor_http_nor_batching() -> None:
-    for path in modules("service/runtime"):
-        bad = reaches(imports(path), "asyncio", "litestar", "uvicorn", "service.http", "service.batching")
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_each_room_imports_only_the_rooms_below_it(room: str) -> None:
+    own = room.replace("/", ".")
+    forbidden = [r for r in (*ROOMS, *TOP) if r not in ALLOWED[room] and r != own]
+    if room in ("models", "export", "loadtest"):
+        forbidden = [*forbidden, "service.frontend", "service.engine", "service.transport"]
+    assert modules(room), f"{room} has no modules: the layout changed, update this test"
+    for path in modules(room):
+        bad = reaches(imports(path), *forbidden)
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-def test_batching_never_imports_http() -> None:
-    for path in modules("service/batching"):
-        bad = reaches(imports(path), "litestar", "uvicorn", "service.http")
+def test_the_service_root_holds_only_the_top() -> None:
+    """Every concept lives in a room; the root keeps the processes' entry points and nothing else."""
+    names = {p.name for p in (ROOT / "service").glob("*.py")}
+    assert names <= {"__init__.py", "cli.py", "commands.py", "supervisor.py"}, names
+
+
+def test_the_ground_does_not_import_torch_at_import_time() -> None:
+    """The ONNX serving path stays torch-free: core may import torch only inside the function that needs it."""
+    for path in modules("service/core"):
+        bad = reaches(imports(path, top_level_only=True), "torch", "torchvision")
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad} at import time"
+
+
+def test_runtimes_and_the_engine_know_no_http() -> None:
+    for folder in ("service/runtime", "service/engine", "service/transport", "service/core"):
+        for path in modules(folder):
+            bad = reaches(imports(path), "litestar", "uvicorn", "grpc")
+            assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_runtimes_import_no_asyncio() -> None:
+    for path in modules("service/runtime"):
+        bad = reaches(imports(path), "asyncio")
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
@@ -47,7 +97,7 @@ def test_the_server_never_needs_the_model_zoo_or_export() -> None:
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
-def test_the_load_tester_talks_only_http() -> None:
+def test_the_load_tester_talks_only_to_a_server() -> None:
     for path in modules("loadtest"):
-        bad = reaches(imports(path), "service.batching", "service.runtime", "models", "export", "torch")
+        bad = reaches(imports(path), "models", "export", "torch")
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

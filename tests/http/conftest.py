@@ -40,8 +40,9 @@ class RunningServer:
 
 def start_server(repo: Path, log: Path, *extra: str, ready_timeout_s: float = 120) -> RunningServer:
     port = free_port()
+    grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]  # gRPC only where a test asks for it
     cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "info", *extra]  # fmt: skip
+           "--port", str(port), "--log-level", "info", *grpc, *extra]  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}

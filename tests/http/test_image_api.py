@@ -140,7 +140,7 @@ def test_image_decodes_like_pil(server: RunningServer) -> None:
     """The served result equals classifying the pixels sent through v2 INPUT after our own preprocessing."""
     png, _ = digit_png(3)
     from models import get_architecture
-    from service.preprocess import preprocess_image
+    from service.core.preprocess import preprocess_image
 
     pixels = preprocess_image(png, get_architecture("smallcnn").spec)
     body = {

@@ -24,6 +24,18 @@ def slow_repo(served_repo: Path, tmp_path: Path) -> Path:
     return root
 
 
+def wait_until_computing(url: str, timeout_s: float = 30) -> None:
+    """Until the engine holds work (a batch computing): requests are then accepted, not in a socket backlog."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        if any(line.startswith("visionserve_inflight_batches{") and not line.endswith(" 0.0")
+               for line in text.splitlines()):  # fmt: skip
+            return
+        time.sleep(0.05)
+    raise AssertionError("no batch started computing")
+
+
 def test_sigterm_drains_accepted_work_and_exits_within_the_bound(slow_repo: Path, tmp_path: Path) -> None:
     server = start_server(slow_repo, tmp_path / "server.log", "--drain-timeout-s", "20")
     image = encode_image(random_image(224, 224), "JPEG")
@@ -38,7 +50,7 @@ def test_sigterm_drains_accepted_work_and_exits_within_the_bound(slow_repo: Path
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         accepted = [pool.submit(classify, i) for i in range(6)]
-        time.sleep(0.5)  # let them reach the queue
+        wait_until_computing(server.url)  # let them reach the queue
         server.process.send_signal(signal.SIGTERM)
         stopped_at = time.monotonic()
         codes = [f.result() for f in accepted]
@@ -62,7 +74,7 @@ def test_readiness_reports_false_while_draining(slow_repo: Path, tmp_path: Path)
                 c.post("/v1/models/slow/classify", content=image, headers={"content-type": "image/jpeg"})
 
         work = [pool.submit(busy) for _ in range(3)]
-        time.sleep(0.3)
+        wait_until_computing(server.url)
         server.process.send_signal(signal.SIGTERM)
         seen = []
         for _ in range(20):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.metrics import GPU_METRIC_NAMES
+from service.core.metrics import GPU_METRIC_NAMES
 from tests.conftest import encode_image, random_image
 from tests.http.conftest import RunningServer, start_server, stop_server
 from tests.http.test_image_api import digit_png

@@ -10,7 +10,7 @@ import torch
 
 import models
 from models.datasets import load_dataset
-from service.errors import DatasetError, UnknownNameError
+from service.core.errors import DatasetError, UnknownNameError
 from tests.conftest import encode_image, random_image
 
 SPEC = models.get_architecture("smallcnn").spec

@@ -8,7 +8,7 @@ import torch
 import models
 from models.normalize import Uint8Classifier
 from models.registry import register
-from service.errors import UnknownNameError
+from service.core.errors import UnknownNameError
 
 EXPECTED = {
     "smallcnn",

@@ -15,7 +15,7 @@ from models.checkpoint import apply_weights, load_checkpoint, load_weights, save
 from models.normalize import Uint8Classifier
 from models.registry import get_architecture
 from models.train import BatchProgress, TrainConfig, evaluate, resolve_device, train
-from service.errors import CheckpointError, ConfigError
+from service.core.errors import CheckpointError, ConfigError
 
 
 def test_a_short_run_on_digits_clearly_beats_chance(digits_checkpoint: Path) -> None:

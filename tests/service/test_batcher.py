@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.batching import Batcher, BatcherConfig, InferRequest, decode_request, encode_request
-from service.errors import CancelledError, DeadlineExceededError, OverloadedError, RuntimeFailure
+from service.core.errors import CancelledError, DeadlineExceededError, OverloadedError, RuntimeFailure
+from service.core.spec import InputSpec, ModelSpec
+from service.engine import Batcher, BatcherConfig, InferRequest
 from service.runtime import FakeRuntime
-from service.spec import InputSpec, ModelSpec
 
 SPEC = ModelSpec(
     name="fake",
@@ -246,13 +246,6 @@ def test_close_fails_what_cannot_drain_in_time() -> None:
         assert any(isinstance(o, OverloadedError) for o in outcomes)  # resolved, not left hanging
 
     run(scenario())
-
-
-def test_the_request_record_is_serialisable() -> None:
-    original = request([5, 6], priority=2, timeout_ms=10.0)
-    copy = decode_request(encode_request(original))
-    assert copy.request_id == original.request_id and copy.priority == 2 and copy.timeout_ms == 10.0
-    assert copy.images.dtype == np.uint8 and np.array_equal(copy.images, original.images)
 
 
 # ---- properties ----------------------------------------------------------------------------------------------

@@ -12,11 +12,11 @@ import pytest
 
 from export.exporter import ExportRequest, export_model
 from export.sources import from_checkpoint
-from service.batching import InferRequest
-from service.batching.engine import ModelEngine, plan_devices
-from service.config import ModelConfig
-from service.errors import DeviceFailure
-from service.repository import ModelRepository, ModelVersion
+from service.core.config import ModelConfig
+from service.core.errors import DeviceFailure
+from service.core.repository import ModelRepository, ModelVersion
+from service.engine import InferRequest
+from service.engine.model import ModelEngine, plan_devices
 from service.runtime import FakeRuntime, FaultInjectingRuntime, OnnxRuntime
 from tests.service.test_batcher import SPEC, ident, images
 

@@ -9,15 +9,16 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.batching.batcher import BatchRecord
-from service.metrics import DURATION_BUCKETS, FOLD_EVERY, NOT_OBSERVED, OUTCOMES, Metrics
+from service.core.metrics import DURATION_BUCKETS, FOLD_EVERY, NOT_OBSERVED, OUTCOMES, BatchRecord, Metrics
+
+IDENTITY = ("model", "version", "device", "protocol")
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model", "version", "device")))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in IDENTITY))
             out[(s.name, labels)] = s.value
     return out
 

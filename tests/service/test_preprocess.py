@@ -14,9 +14,9 @@ from torchvision import transforms
 
 import models
 from models.datasets import load_dataset
-from service.decoding import Preprocessor
-from service.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
-from service.preprocess import ImageLimits, preprocess_image, preprocess_pil
+from service.core.decoding import Preprocessor
+from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
+from service.core.preprocess import ImageLimits, preprocess_image, preprocess_pil
 from tests.conftest import encode_image, random_image
 
 DIGITS = models.get_architecture("smallcnn").spec
@@ -122,7 +122,7 @@ def test_the_pool_refuses_each_bad_image_alone() -> None:
 
 @pytest.mark.gpu
 def test_gpu_jpeg_decoding_matches_the_cpu_path() -> None:
-    from service.decoding import GpuJpegDecoder
+    from service.core.decoding import GpuJpegDecoder
 
     cpu = Preprocessor(RESNET, workers=2)
     gpu = GpuJpegDecoder(RESNET, "cuda")

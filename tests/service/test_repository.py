@@ -11,9 +11,9 @@ import pytest
 
 from export.exporter import ExportRequest, export_model
 from export.sources import from_architecture
-from service.config import load_config, parse_config
-from service.errors import ConfigError, NotFoundError
-from service.repository import ModelRepository
+from service.core.config import load_config, parse_config
+from service.core.errors import ConfigError, NotFoundError
+from service.core.repository import ModelRepository
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_unknown_config_key_is_refused(repo: Path) -> None:
     [
         ("max_batch_size = 0", "max_batch_size must be an integer >= 1, got 0"),
         ('max_batch_size = "big"', "max_batch_size must be an integer >= 1, got 'big'"),
-        ('backend = "tensorrt"', "backend must be auto, onnxruntime, torchscript or noop, got 'tensorrt'"),
+        ('backend = "tensorrt"', "backend must be auto, onnxruntime, torchscript, aoti or noop, got 'tensorrt'"),
         ("queue_full_status = 500", "queue_full_status must be 503 or 429, got 500"),
         ('device = "gpu0"', "device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
         ("max_queue_delay_ms = -1", "max_queue_delay_ms must be a number >= 0, got -1"),

@@ -11,8 +11,8 @@ import pytest
 from export.exporter import ExportRequest, export_model
 from export.sources import from_checkpoint
 from models.datasets import load_dataset
-from service.errors import BadInputError, RuntimeFailure
-from service.repository import ModelRepository
+from service.core.errors import BadInputError, RuntimeFailure
+from service.core.repository import ModelRepository
 from service.runtime import OnnxRuntime, TorchScriptRuntime, bucket_sizes
 
 

@@ -7,7 +7,7 @@ import io
 import pytest
 from PIL import Image
 
-from service.samples import photo_like_jpegs
+from service.core.samples import photo_like_jpegs
 
 
 @pytest.mark.parametrize("size", [(1, 1), (8, 8), (32, 32), (61, 40), (500, 375)])

@@ -1,0 +1,170 @@
+"""The transport alone: submit + answer round trips of one 224x224x3 uint8 image through the real shared-memory
+arenas and messages, between sender processes (the front ends' client end) and one engine process (the engine's
+end, answering each Submit at once with ten logits: no batcher, no model).
+
+    .venv/bin/python scripts/transport_bench.py --senders 1,4 --inflight 1,4 --seconds 5
+
+Prints, per configuration, round trips per second (all senders together) and the round trip's median and p99 in
+microseconds. Each sender copies the image into its arena for every request, as a front end does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.core.arguments import comma_ints
+from service.transport import shm
+from service.transport.client import EngineClient
+from service.transport.messages import Catalog, Query, Result, Snapshot, Submit
+from service.transport.server import EngineEndpoint
+
+CLASSES = 10
+SHAPE = (1, 3, 224, 224)
+
+
+class _Echo:
+    """Answers every Submit at once (reads one byte of the image, so the region is really touched)."""
+
+    def __init__(self, endpoint: EngineEndpoint) -> None:
+        self.endpoint = endpoint
+        self.logits = np.zeros((1, CLASSES), dtype=np.float32).tobytes()
+
+    def submit(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
+        _ = images[0, 0, 0, 0]
+        self.endpoint.send(peer, Result(message.id, self.logits, CLASSES, None, 0.0, 0.0, [1]))
+
+    def cancel(self, peer: bytes, request: int) -> None:
+        pass
+
+    async def query(self, peer: bytes, message: Query) -> Any:
+        return Catalog([], {}, {}, 1)
+
+    def catalog_version(self) -> int:
+        return 1
+
+
+def _engine(address: str, stop: Any) -> None:
+    async def main() -> None:
+        endpoint = EngineEndpoint(address, "bench")
+        await endpoint.start(_Echo(endpoint))
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        await endpoint.close()
+
+    _run(main())
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+
+
+def _sender(address: str, arena_name: str, index: int, inflight: int, seconds: float, out: Any) -> None:
+    async def main() -> None:
+        arena = shm.Arena(arena_name)
+        client = EngineClient(
+            address, arena, f"s{index}", snapshot=lambda t: Snapshot(t, [], []), on_change=lambda: None
+        )
+        await client.start()
+        while not client.up:
+            await asyncio.sleep(0.01)
+        image = np.random.default_rng(index).integers(0, 256, SHAPE, dtype=np.uint8)
+        latencies: list[float] = []
+        deadline = time.perf_counter() + seconds
+
+        async def loop() -> None:
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                offset, view = arena.allocate(SHAPE)
+                np.copyto(view, image)
+                del view
+                await client.submit("m", 1, offset, SHAPE, timeout_ms=None, priority=0, request_id="", guard_s=10.0)
+                latencies.append(time.perf_counter() - started)
+
+        began = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(inflight)))
+        elapsed = time.perf_counter() - began
+        out.put((len(latencies) / elapsed, latencies))
+        await client.close()
+        arena.close()
+
+    _run(main())
+
+
+def measure(senders: int, inflight: int, seconds: float) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    folder = Path(tempfile.mkdtemp(prefix="vs-bench-"))
+    address = f"ipc://{folder}/engine"
+    stop = ctx.Event()
+    engine = ctx.Process(target=_engine, args=(address, stop))
+    engine.start()
+    names = [shm.new_name(f"bench{i}") for i in range(senders)]
+    for name in names:
+        shm.create(name, 8 << 20).close()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_sender, args=(address, names[i], i, inflight, seconds, out)) for i in range(senders)]
+    try:
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=seconds + 60) for _ in procs]
+        for p in procs:
+            p.join()
+    finally:
+        stop.set()
+        engine.join(10)
+        for name in names:
+            shm.unlink(name)
+    latencies = np.concatenate([np.asarray(r[1]) for r in results]) * 1e6
+    return {
+        "senders": senders,
+        "inflight_per_sender": inflight,
+        "round_trips_per_s": float(sum(r[0] for r in results)),
+        "median_us": float(np.median(latencies)),
+        "p99_us": float(np.percentile(latencies, 99)),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--senders", type=comma_ints, default=(1, 4), help="sender processes (default: 1,4)")
+    p.add_argument("--inflight", type=comma_ints, default=(1, 4), help="requests in flight per sender (default: 1,4)")
+    p.add_argument("--seconds", type=float, default=5.0, help="measuring time per configuration (default: 5)")
+    p.add_argument("--json", action="store_true", help="print JSON lines (default: a table)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    print(f"transport round trips, one {'x'.join(map(str, SHAPE[1:]))} uint8 image each, {os.cpu_count()} cores")
+    for senders in args.senders:
+        for inflight in args.inflight:
+            row = measure(senders, inflight, args.seconds)
+            if args.json:
+                print(json.dumps(row))
+            else:
+                print(
+                    f"  senders {senders:>2} x in flight {inflight:>2}: {row['round_trips_per_s']:9.0f} round trips/s,"
+                    f" median {row['median_us']:7.1f} us, p99 {row['p99_us']:7.1f} us",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""A model's serving settings: ``<repository>/<model>/config.toml``. Every field is optional.
+
+Bad values are refused at startup with a message that names the file, the field and the value, e.g.
+``max_batch_size must be an integer >= 1, got 0 (model_repository/digits/config.toml)``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from service.core.errors import ConfigError
+
+CONFIG_FILE = "config.toml"
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Serving settings of one model (all versions)."""
+
+    backend: Literal["auto", "onnxruntime", "torchscript", "aoti", "noop"] = "auto"
+    device: str = "auto"
+    fallback: Literal["cpu", "none"] = "cpu"
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    instances: int = 1
+    max_batch_size: int = 32
+    max_queue_delay_ms: float = 2.0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 1024
+    queue_full_status: Literal[503, 429] = 503
+    default_timeout_ms: float = 0.0
+    warmup: bool = True
+
+
+# field -> (check, what is allowed); checked after msgspec has checked the types.
+_RULES: dict[str, tuple[Any, str]] = {
+    "instances": (lambda v: v >= 1, "an integer >= 1"),
+    "max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "max_queue_delay_ms": (lambda v: v >= 0, "a number >= 0"),
+    "max_queue_size": (lambda v: v >= 1, "an integer >= 1"),
+    "default_timeout_ms": (lambda v: v >= 0, "a number >= 0 (0: no timeout)"),
+    "device": (lambda v: bool(_DEVICE.match(v)), "auto, cpu, cuda or cuda:N"),
+}
+
+_ALLOWED_TEXT = {
+    "backend": "auto, onnxruntime, torchscript, aoti or noop",
+    "fallback": "cpu or none",
+    "precision": "fp32, fp16 or bf16",
+    "queue_full_status": "503 or 429",
+    "warmup": "true or false",
+    "preferred_batch_sizes": "a list of integers",
+    **{k: v[1] for k, v in _RULES.items()},
+}
+
+
+def _fail(field: str, value: Any, source: str) -> ConfigError:
+    return ConfigError(f"{field} must be {_ALLOWED_TEXT.get(field, 'valid')}, got {value!r} ({source})")
+
+
+def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
+    """Validate a config mapping; ``source`` names the file in every message."""
+    known = set(ModelConfig.__struct_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown setting {unknown[0]!r} = {raw[unknown[0]]!r} ({source}); "
+            f"known settings: {', '.join(sorted(known))}"
+        )
+    try:
+        config = msgspec.convert(raw, type=ModelConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        match = re.search(r"at `\$\.(\w+)", str(exc))
+        field = match.group(1) if match else "?"
+        raise _fail(field, raw.get(field), source) from exc
+    for field, (check, _) in _RULES.items():
+        value = getattr(config, field)
+        if isinstance(value, bool) or not check(value):
+            raise _fail(field, value, source)
+    for size in config.preferred_batch_sizes:
+        if not 1 <= size <= config.max_batch_size:
+            raise ConfigError(
+                f"preferred_batch_sizes entries must be between 1 and max_batch_size ({config.max_batch_size}), "
+                f"got {list(config.preferred_batch_sizes)} ({source})"
+            )
+    if config.precision != "fp32" and config.device == "cpu":
+        raise ConfigError(f"precision {config.precision} needs a GPU, but device is 'cpu' ({source})")
+    return config
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """Read ``config.toml``; a missing file gives the defaults."""
+    path = Path(path)
+    if not path.exists():
+        return ModelConfig()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    return parse_config(raw, source=str(path))
+
+
+DEFAULT_CONFIG_TOML = """\
+# Serving settings for this model (all optional; these are the defaults).
+backend = "auto"              # auto (the fastest measured runtime for the device among the files present:
+                              # service/runtime/factory.py) | onnxruntime | torchscript | aoti (AOTInductor)
+                              # | noop (no model work, nonsense answers: measures the server's own capacity)
+device = "auto"               # auto (cuda when a usable GPU exists, else cpu) | cpu | cuda | cuda:N
+fallback = "cpu"              # cpu: keep serving from CPU when the GPU fails | none: fail instead
+precision = "fp32"            # fp32 | fp16 | bf16 (GPU only)
+instances = 1                 # runtime instances per device
+max_batch_size = {max_batch_size}
+max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a fuller batch
+preferred_batch_sizes = []    # dispatch at once when one of these sizes is reached
+max_queue_size = 1024         # images queued before requests are refused
+queue_full_status = 503       # 503 or 429, with Retry-After
+default_timeout_ms = 0        # 0: no deadline unless the request sets one
+warmup = true                 # run every batch-size bucket once before reporting ready
+"""
+
+
+def default_config_text(max_batch_size: int = 32) -> str:
+    return DEFAULT_CONFIG_TOML.format(max_batch_size=max_batch_size)

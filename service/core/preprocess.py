@@ -1,0 +1,132 @@
+"""Image decoding and preprocessing on the CPU: bytes -> uint8 CHW, following a model's spec.
+
+Training (``models/datasets.py``) and serving both call :func:`preprocess_image`, so the transform a model was
+trained with is the one it is served with. The resize and crop arithmetic follows torchvision's
+``Resize(int)`` + ``CenterCrop`` on PIL images (PIL's antialiased resampling), so torchvision-trained weights see
+what they expect.
+
+Every refusal is a :class:`~service.core.errors.BadInputError` for that one image, with a message a person can act on.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import warnings
+from typing import Final
+
+import msgspec
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
+from service.core.spec import ModelSpec
+
+DEFAULT_FORMATS: Final = ("JPEG", "PNG", "WEBP", "BMP")
+_RESAMPLE: Final = {
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "nearest": Image.Resampling.NEAREST,
+}
+# JPEG draft decoding (DCT scaling) is asked for an image at least this many times the resize target, so that
+# the antialiased resize that follows still has the detail a full decode would give it (the same idea as
+# PIL's own ``reducing_gap``).
+_DRAFT_GAP: Final = 2
+
+
+class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one image may be. ``max_pixels`` guards against decompression bombs."""
+
+    max_pixels: int = 40_000_000
+    formats: tuple[str, ...] = DEFAULT_FORMATS
+
+
+DEFAULT_LIMITS: Final = ImageLimits()
+
+
+def resized_size(width: int, height: int, shorter: int) -> tuple[int, int]:
+    """(width, height) after resizing the shorter side to ``shorter`` (torchvision's rounding)."""
+    if width <= height:
+        return shorter, int(shorter * height / width)
+    return int(shorter * width / height), shorter
+
+
+def crop_box(width: int, height: int, crop_h: int, crop_w: int) -> tuple[int, int, int, int]:
+    """The centre-crop box (left, top, right, bottom), rounded as torchvision rounds it."""
+    top = round((height - crop_h) / 2.0)
+    left = round((width - crop_w) / 2.0)
+    return left, top, left + crop_w, top + crop_h
+
+
+def open_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Identify an encoded image and check its format and size, without decoding its pixels."""
+    if not data:
+        raise BadInputError("empty image: the file has 0 bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError as exc:
+        allowed = ", ".join(limits.formats)
+        raise BadInputError(f"not a recognised image: the data is none of {allowed}") from exc
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{found.group(1)} pixels" if found else "too many pixels"
+        raise PayloadTooLargeError(
+            f"image has {size}, over the limit of {limits.max_pixels} (refused as a possible decompression bomb)"
+        ) from exc
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise BadInputError(f"truncated or corrupt image header: {exc}") from exc
+    if img.format not in limits.formats:
+        allowed = ", ".join(limits.formats)
+        raise UnsupportedMediaError(f"unsupported image format {img.format}: this server takes {allowed}")
+    width, height = img.size
+    if width < 1 or height < 1:
+        raise BadInputError(f"image has no pixels ({width}x{height})")
+    if width * height > limits.max_pixels:
+        raise PayloadTooLargeError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} "
+            "(refused as a possible decompression bomb)"
+        )
+    return img
+
+
+def preprocess_pil(img: Image.Image, spec: ModelSpec) -> np.ndarray:
+    """Convert, resize the shorter side, centre-crop: uint8 array of shape (C, H, W)."""
+    mode = "L" if spec.input.channels == 1 else "RGB"
+    if img.mode != mode:
+        img = img.convert(mode)
+    new_w, new_h = resized_size(img.width, img.height, spec.resize_size)
+    if (new_w, new_h) != img.size:
+        img = img.resize((new_w, new_h), _RESAMPLE[spec.interpolation])
+    box = crop_box(new_w, new_h, spec.input.height, spec.input.width)
+    if box != (0, 0, new_w, new_h):
+        img = img.crop(box)
+    arr = np.asarray(img, dtype=np.uint8)
+    if arr.ndim == 2:
+        return arr[np.newaxis, :, :].copy()
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def preprocess_image(data: bytes, spec: ModelSpec, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """Decode encoded image bytes and preprocess them for ``spec``: uint8 array (C, H, W).
+
+    Raises :class:`BadInputError` (or a subclass) for this image alone.
+    """
+    img = open_image(data, limits)
+    if img.format == "JPEG":
+        # Decode at a reduced scale when the image is much larger than needed: far fewer pixels to decode.
+        w, h = img.size
+        scale = spec.resize_size * _DRAFT_GAP / min(w, h)
+        if scale < 1:
+            img.draft("RGB" if spec.input.channels == 3 else "L", (int(w * scale) + 1, int(h * scale) + 1))
+    try:
+        img.load()
+    except OSError as exc:
+        raise BadInputError(f"truncated or corrupt image data ({img.format}): {exc}") from exc
+    except (Image.DecompressionBombError, ValueError, SyntaxError) as exc:
+        raise BadInputError(f"corrupt image data ({img.format}): {exc}") from exc
+    try:
+        return preprocess_pil(img, spec)
+    except OSError as exc:
+        raise BadInputError(f"truncated or corrupt image data ({img.format}): {exc}") from exc

@@ -1,0 +1,40 @@
+"""Server-wide settings (``visionserve serve`` flags); per-model settings live in each model's config.toml."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from service.core.errors import ConfigError
+
+
+class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    repository: str = "model_repository"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 8001  # the Open Inference Protocol over gRPC; 0: off
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_images_per_request: int = 64
+    max_pixels: int = 40_000_000
+    admin_token: str | None = None
+    drain_timeout_s: float = 10.0
+    log_format: Literal["text", "json"] = "text"
+    decode_workers: int | None = None
+    metrics: bool = True
+    engine_timeout_s: float = 120.0  # a request the engine has not answered by then is a 504 (a wedged engine)
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_images_per_request", "max_pixels"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be between 0 and 65535, got {self.port}")
+        if not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"grpc_port must be between 0 and 65535 (0: no gRPC), got {self.grpc_port}")
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ConfigError(f"grpc_port and port must differ, both are {self.port}")
+        if self.engine_timeout_s <= 0:
+            raise ConfigError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s}")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

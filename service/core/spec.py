@@ -1,0 +1,114 @@
+"""ModelSpec: what a model expects and what its outputs mean.
+
+This is the one record shared by ``models/`` (it travels with the weights), ``export/`` (it is written to
+``spec.json`` beside each artifact) and ``service/`` (it drives preprocessing and labelling). It imports neither
+torch nor onnxruntime, so the serving path can read it without the model zoo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from service.core.errors import ConfigError
+
+SPEC_FILE = "spec.json"
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Interpolation = Literal["bilinear", "bicubic", "nearest"]
+
+
+class InputSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The tensor the model takes: uint8 NCHW, normalised inside the graph."""
+
+    channels: Literal[1, 3] = 3
+    height: PositiveInt
+    width: PositiveInt
+    dtype: Literal["uint8"] = "uint8"
+    layout: Literal["NCHW"] = "NCHW"
+
+
+class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one artifact was made and how closely it matches eager PyTorch."""
+
+    format: Literal["onnx", "torchscript", "aoti"]
+    file: str
+    precision: Literal["fp32", "fp16"] = "fp32"
+    opset: int | None = None
+    versions: dict[str, str] = {}
+    source_sha256: str | None = None
+    parity_max_rel_error: float | None = None
+    parity_top1_agreement: float | None = None
+    parity_checked_on: str | None = None
+    created_at: str | None = None
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A model's contract: input shape, preprocessing policy, normalisation and labels.
+
+    Preprocessing is: decode, convert to RGB (or L for one channel), resize the shorter side to
+    ``resize_size`` with ``interpolation``, centre-crop to ``input.height`` x ``input.width``. The graph then
+    divides by 255 and applies ``(x - mean) / std`` per channel.
+    """
+
+    name: str
+    architecture: str
+    input: InputSpec
+    resize_size: PositiveInt
+    interpolation: Interpolation = "bilinear"
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    labels: tuple[str, ...]
+    exports: tuple[ExportRecord, ...] = ()
+    format_version: Literal[1] = 1
+
+    def __post_init__(self) -> None:
+        channels = self.input.channels
+        if len(self.mean) != channels or len(self.std) != channels:
+            raise ValueError(
+                f"mean and std need one value per input channel ({channels}), got {len(self.mean)} and {len(self.std)}"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"std values must be > 0, got {list(self.std)}")
+        if not self.labels:
+            raise ValueError("labels must hold at least one class name")
+        if self.resize_size < max(self.input.height, self.input.width):
+            raise ValueError(
+                f"resize_size ({self.resize_size}) must be >= the crop "
+                f"({self.input.height}x{self.input.width}), or the centre crop would run off the image"
+            )
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
+
+
+def encode_spec(spec: ModelSpec) -> bytes:
+    """The spec as indented JSON, as written to ``spec.json``."""
+    return msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n"
+
+
+def decode_spec(data: bytes | str, *, source: str = "spec") -> ModelSpec:
+    """Parse and validate a spec; errors name ``source`` and the offending field."""
+    try:
+        return msgspec.json.decode(data, type=ModelSpec)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid model spec ({source}): {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"model spec is not valid JSON ({source}): {exc}") from exc
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Read ``spec.json`` from ``path``."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read model spec {path}: {exc.strerror or exc}") from exc
+    return decode_spec(data, source=str(path))
+
+
+def write_spec(spec: ModelSpec, path: str | Path) -> None:
+    Path(path).write_bytes(encode_spec(spec))

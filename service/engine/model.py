@@ -1,0 +1,161 @@
+"""The engine of one model version: devices, runtime instances, warm-up, the batcher, and the CPU fallback.
+
+Device choice is explicit and observable:
+
+- ``device = "auto"``: CUDA when a usable GPU exists (instances on every GPU), else the CPU, and the state says
+  why (``note``).
+- ``device = "cuda"`` / ``"cuda:N"`` with no usable GPU: with ``fallback = "cpu"`` the model serves from the CPU in
+  the ``DEGRADED`` state; with ``fallback = "none"`` it refuses to load.
+- At run time, a device that keeps failing is taken out of service by the batcher; with ``fallback = "cpu"`` CPU
+  instances take over (``DEGRADED``), with ``"none"`` its requests fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from service.core.config import ModelConfig
+from service.core.errors import DeviceFailure
+from service.core.metrics import BatchRecord
+from service.core.repository import ModelVersion
+from service.core.spec import ModelSpec
+from service.core.status import EngineState, State
+from service.engine.batcher import Batcher, BatcherConfig, InferRequest, InferResult
+from service.runtime import RuntimeLike, choose_backend, make_runtime, warm_up
+
+log = logging.getLogger(__name__)
+
+RuntimeFactory = Callable[[str], RuntimeLike]  # device -> a loaded runtime instance
+
+
+def cuda_devices() -> list[str]:
+    """The usable CUDA devices (none when torch has no working CUDA)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    except Exception:  # a broken driver is the same as no GPU, for choosing a device
+        return []
+
+
+def plan_devices(config: ModelConfig, available: list[str]) -> tuple[list[str], bool, str | None]:
+    """(devices, degraded, note) for ``config.device`` given the usable CUDA devices."""
+    wanted = config.device
+    if wanted == "cpu":
+        return ["cpu"], False, None
+    if wanted == "auto":
+        if available:
+            return available, False, None
+        return ["cpu"], False, "device auto: no usable GPU, serving on CPU"
+    candidates = available if wanted == "cuda" else [d for d in available if d == wanted]
+    if candidates:
+        return candidates, False, None
+    reason = f"device {wanted} asked for, but it is not usable (usable GPUs: {available or 'none'})"
+    if config.fallback == "none":
+        raise DeviceFailure(f"{reason}; fallback = 'none', so the model is not served")
+    return ["cpu"], True, f"{reason}: serving on CPU (fallback)"
+
+
+def batcher_config(config: ModelConfig) -> BatcherConfig:
+    return BatcherConfig(
+        max_batch_size=config.max_batch_size,
+        max_queue_delay_ms=config.max_queue_delay_ms,
+        preferred_batch_sizes=config.preferred_batch_sizes,
+        max_queue_size=config.max_queue_size,
+        default_timeout_ms=config.default_timeout_ms,
+    )
+
+
+class ModelEngine:
+    """One model version being served: its runtime instances behind a batcher, and its state."""
+
+    def __init__(
+        self,
+        version: ModelVersion,
+        config: ModelConfig,
+        *,
+        factory: RuntimeFactory | None = None,
+        available_gpus: list[str] | None = None,
+        observer: Callable[[BatchRecord], None] | None = None,
+        on_fallback: Callable[[str], None] | None = None,
+    ) -> None:
+        """Load and warm up every instance (blocking: call it off the event loop)."""
+        self.version = version
+        self.config = config
+        self.backend = "custom" if factory is not None else choose_backend(version, config)
+        self._factory: RuntimeFactory = factory or (lambda device: make_runtime(version, config, self.backend, device))
+        gpus = cuda_devices() if available_gpus is None else available_gpus
+        devices, degraded, note = plan_devices(config, gpus)
+        self._state: State = "DEGRADED" if degraded else "READY"
+        self._note = note
+        self._fallbacks = 0
+        self._on_fallback = on_fallback
+        if degraded and on_fallback is not None:
+            on_fallback("device_unavailable")
+        instances: list[RuntimeLike] = []
+        try:
+            for device in devices:
+                for _ in range(config.instances):
+                    instance = self._factory(device)
+                    instances.append(instance)
+                    if config.warmup:
+                        warm_up(instance, config.max_batch_size)
+        except Exception:
+            for instance in instances:
+                instance.close()
+            raise
+        self.batcher = Batcher(
+            instances,
+            batcher_config(config),
+            name=f"{version.model}/{version.version}",
+            observer=observer,
+            on_device_lost=self._device_lost,
+        )
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.version.spec
+
+    def state(self) -> EngineState:
+        devices = tuple(sorted({i.device for i in self.batcher.instances}))
+        state: State = self._state if devices else "FAILED"
+        return EngineState(
+            state=state,
+            backend=self.backend,
+            devices=devices,
+            precision=self.config.precision if any(d.startswith("cuda") for d in devices) else "fp32",
+            note=self._note,
+            fallbacks=self._fallbacks,
+        )
+
+    async def _device_lost(self, instance: RuntimeLike, error: Exception) -> list[RuntimeLike]:
+        remaining = [i for i in self.batcher.instances if i is not instance]
+        self._state = "DEGRADED"
+        self._note = f"instance on {instance.device} taken out of service: {error}"
+        if self._on_fallback is not None:
+            self._on_fallback("device_failed")
+        # Other instances (another GPU, or CPU ones) keep serving; a lost CPU instance has nothing to fall back to.
+        if remaining or self.config.fallback == "none" or instance.device == "cpu":
+            return []
+        self._fallbacks += 1
+        self._note += "; serving on CPU (fallback)"
+        loop = asyncio.get_running_loop()
+
+        def start_cpu() -> list[RuntimeLike]:
+            started = [self._factory("cpu") for _ in range(self.config.instances)]
+            if self.config.warmup:
+                for runtime in started:
+                    warm_up(runtime, self.config.max_batch_size)
+            return started
+
+        return await loop.run_in_executor(None, start_cpu)
+
+    async def submit(self, request: InferRequest) -> InferResult:
+        return await self.batcher.submit(request)
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        await self.batcher.close(timeout_s)

@@ -1,0 +1,329 @@
+"""The engine process's work: every model version of the repository loaded on this engine's device, fed by the
+front ends through the transport.
+
+One ``ModelEngine`` per model version (its runtime instances behind one batcher), so batches form across every
+front end. Requests and their stage timings are recorded by the front ends; this process records batches and
+compute, gathers the front ends' cumulative reports when a scrape or a stats call asks, and renders the whole
+server's metrics, so any front end answers for all of them with nothing counted twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from service.core.config import parse_config
+from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError
+from service.core.metrics import Metrics, ModelCounts, merge_request_states
+from service.core.repository import ModelEntry, ModelRepository
+from service.core.settings import ServerSettings
+from service.core.spec import encode_spec
+from service.engine.batcher import InferRequest, InferResult
+from service.engine.model import ModelEngine, cuda_devices, plan_devices
+from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Submit, WireError
+from service.transport.server import EngineEndpoint
+
+log = logging.getLogger("visionserve.engine")
+
+
+class EngineServer:
+    """Loads the repository's models and answers the front ends (the transport's ``Handler``)."""
+
+    def __init__(
+        self, settings: ServerSettings, endpoint: EngineEndpoint, *, gpus: list[str] | None = None, primary: bool = True
+    ) -> None:
+        self.settings = settings
+        self.endpoint = endpoint
+        self.gpus = gpus  # None: every usable GPU (or the CPU); else only these (checked in load_all)
+        self.primary = primary
+        self.repository = ModelRepository(settings.repository)
+        self.models: dict[str, dict[int, ModelEngine]] = {}
+        self.configs: dict[str, ModelEntry] = {}
+        self.errors: dict[str, str] = {}
+        self.unloaded: dict[str, str] = {}
+        self._version = 1
+        self._pending: dict[tuple[bytes, int], asyncio.Future[InferResult]] = {}
+        self._lock = asyncio.Lock()
+        self.draining = False
+        # Every engine hears every front end's report; only the primary renders them, so nothing counts twice.
+        states = self._request_states if primary else list
+        self.metrics = Metrics(request_states=states) if settings.metrics else None
+        if self.metrics is not None:
+            self.metrics.watch(self._live)
+
+    # ---- loading --------------------------------------------------------------------------------------------
+    async def load_all(self) -> None:
+        if self.gpus is not None:  # the supervisor counted device files; keep the GPUs torch can really use
+            usable = await asyncio.to_thread(cuda_devices)
+            self.gpus = [g for g in self.gpus if g in usable]
+        index = await asyncio.to_thread(self.repository.scan)
+        self.errors.update(index.errors)
+        for name in sorted(index.models):
+            await self._load(index.models[name])
+        log.info("engine %s ready: %s", self.endpoint.name, ", ".join(self.models) or "no models")
+
+    async def _load(self, entry: ModelEntry) -> None:
+        if not self.primary:  # a model served on the CPU lives in the primary engine only, not once per GPU engine
+            try:
+                if plan_devices(entry.config, self.gpus or [])[0] == ["cpu"]:
+                    return
+            except VisionServeError:
+                return
+        loaded: dict[int, ModelEngine] = {}
+        for number, version in sorted(entry.versions.items()):
+            observer = on_fallback = None
+            if self.metrics is not None:
+                observer = self.metrics.batch_observer(entry.name, number)
+                hook = self.metrics.fallback_hook(entry.name, number, lambda: "cpu")
+                on_fallback = self._on_fallback(hook)
+            try:
+                engine = await asyncio.to_thread(
+                    ModelEngine, version, entry.config, available_gpus=self.gpus, observer=observer,
+                    on_fallback=on_fallback,
+                )  # fmt: skip
+            except VisionServeError as exc:
+                log.error("model %s version %s failed to load: %s", entry.name, number, exc)
+                self.errors[f"{entry.name}/{number}"] = str(exc)
+                continue
+            loaded[number] = engine
+            state = engine.state()
+            log.info("loaded %s v%s: %s on %s%s", entry.name, number, state.backend, ",".join(state.devices),
+                     f" ({state.note})" if state.note else "")  # fmt: skip
+        if loaded:
+            self.models[entry.name] = loaded
+            self.configs[entry.name] = entry
+            self.errors.pop(entry.name, None)
+            self.unloaded.pop(entry.name, None)
+        self._version += 1
+
+    def _on_fallback(self, hook: Any) -> Any:
+        def on_fallback(reason: str) -> None:
+            hook(reason)
+            self._version += 1  # the model's state changed: front ends re-read the catalog
+
+        return on_fallback
+
+    # ---- the transport's handler ----------------------------------------------------------------------------
+    def catalog_version(self) -> int:
+        return self._version
+
+    def submit(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
+        try:
+            engine = self._engine(message.model, message.version)
+            if self.draining:
+                raise OverloadedError("the server is shutting down")
+            request = InferRequest(
+                request_id=message.request_id, model=message.model, version=message.version, images=images,
+                priority=message.priority, timeout_ms=message.timeout_ms or None,
+            )  # fmt: skip
+            future = engine.batcher.enqueue(request)
+        except VisionServeError as exc:
+            self.endpoint.send(peer, Failed(message.id, self._wire(exc, message.model)))
+            return
+        key = (peer, message.id)
+        self._pending[key] = future
+        future.add_done_callback(lambda f: self._answer(key, message.model, f))
+
+    def _answer(self, key: tuple[bytes, int], model: str, future: asyncio.Future[InferResult]) -> None:
+        self._pending.pop(key, None)
+        peer, number = key
+        if future.cancelled():
+            return  # the front end asked for it and no longer waits
+        exc = future.exception()
+        if exc is not None:
+            self.endpoint.send(peer, Failed(number, self._wire(exc, model)))
+            return
+        result = future.result()
+        errors = [None if e is None else WireError.of(e) for e in result.errors]
+        logits = np.ascontiguousarray(result.logits, dtype=np.float32)
+        self.endpoint.send(
+            peer,
+            Result(
+                number,
+                logits.tobytes(),
+                int(logits.shape[1]),
+                errors if any(errors) else None,
+                result.queue_s,
+                result.compute_s,
+                result.batch_sizes,
+            ),
+        )
+
+    def _wire(self, exc: BaseException, model: str) -> WireError:
+        wire = WireError.of(exc)
+        entry = self.configs.get(model)
+        if isinstance(exc, OverloadedError) and entry is not None and not wire.status:
+            wire = WireError(wire.kind, wire.message, entry.config.queue_full_status)
+        return wire
+
+    def cancel(self, peer: bytes, request: int) -> None:
+        future = self._pending.get((peer, request))
+        if future is not None:
+            future.cancel()
+
+    def _engine(self, name: str, version: int) -> ModelEngine:
+        versions = self.models.get(name)
+        if not versions:
+            reason = self.errors.get(name) or self.unloaded.get(name)
+            raise NotFoundError(f"unknown model {name!r}" + (f" ({reason})" if reason else ""))
+        if version not in versions:
+            raise NotFoundError(f"model {name!r} has no version {version} (versions: {sorted(versions)})")
+        return versions[version]
+
+    async def query(self, peer: bytes, message: Query) -> Any:
+        handler = _QUERIES.get(message.what)
+        if handler is None:
+            raise BadInputError(f"unknown query {message.what!r}")
+        return await handler(self, message.args)
+
+    # ---- queries ----------------------------------------------------------------------------------------------
+    async def _catalog(self, args: dict[str, Any]) -> Any:
+        models = [
+            ModelInfo(
+                model=name,
+                version=number,
+                spec_json=encode_spec(engine.spec),
+                config=msgspec.to_builtins(self.configs[name].config),
+                state=msgspec.to_builtins(engine.state()),
+            )
+            for name, versions in sorted(self.models.items())
+            for number, engine in sorted(versions.items())
+        ]
+        return Catalog(models, dict(self.errors), dict(self.unloaded), self._version)
+
+    async def _metrics(self, args: dict[str, Any]) -> Any:
+        if self.metrics is None:
+            raise NotFoundError("metrics are off (--no-metrics)")
+        await self.endpoint.flush()
+        return self.metrics.render()
+
+    async def _stats(self, args: dict[str, Any]) -> Any:
+        await self.endpoint.flush()
+        counts: dict[tuple[str, int], dict[str, int]] = {}
+        for snapshot in list(self.endpoint.snapshots.values()):
+            for c in snapshot.counts:
+                into = counts.setdefault((c.model, c.version), {})
+                for field in ModelCounts.__struct_fields__[2:]:
+                    value = getattr(c, field)
+                    into[field] = (
+                        max(into.get(field, 0), value) if field == "last_inference_ms" else (into.get(field, 0) + value)
+                    )
+        rows = []
+        for name, versions in sorted(self.models.items()):
+            for number, engine in sorted(versions.items()):
+                batcher = engine.batcher
+                rows.append({
+                    "model": name, "version": number, **counts.get((name, number), {}),
+                    "batches": batcher.batches,
+                    "batch_sizes": {str(k): [v, batcher.size_compute_ns.get(k, 0)]
+                                    for k, v in sorted(batcher.size_counts.items())},
+                })  # fmt: skip
+        return rows
+
+    async def _index(self, args: dict[str, Any]) -> Any:
+        """Every model in the repository with its state, the ones not loaded too (Triton's repository index)."""
+        try:
+            names = await asyncio.to_thread(self.repository.model_names)
+        except ConfigError as exc:
+            names = []
+            log.error("repository index: %s", exc)
+        rows: list[dict[str, Any]] = []
+        for name in sorted(set(names) | set(self.models) | set(self.errors)):
+            base = name.partition("/")[0]
+            if "/" in name:
+                continue
+            if base in self.models:
+                rows += [{"name": base, "version": str(v), "state": "READY"} for v in sorted(self.models[base])]
+                continue
+            reason = self.unloaded.get(base) or self.errors.get(base) or _version_errors(self.errors, base)
+            rows.append({"name": base, "state": "UNAVAILABLE", "reason": reason or "not loaded"})
+        return rows
+
+    async def _load_model(self, args: dict[str, Any]) -> Any:
+        name = str(args.get("name", ""))
+        async with self._lock:
+            entry = await asyncio.to_thread(self.repository.model, name)
+            override = args.get("config")
+            if override is not None:
+                entry = _with_config(entry, override)
+            old = self.models.pop(name, None)
+            for key in [k for k in self.errors if k == name or k.startswith(f"{name}/")]:
+                del self.errors[key]
+            await self._load(entry)
+            if old:
+                for engine in old.values():
+                    await engine.close(self.settings.drain_timeout_s)
+            if name not in self.models:
+                reasons = [e for key, e in self.errors.items() if key.startswith(f"{name}/")]
+                raise ConfigError(f"model {name!r} failed to load: {'; '.join(reasons) or 'see the log'}")
+        return {"name": name, "state": "READY"}
+
+    async def _unload_model(self, args: dict[str, Any]) -> Any:
+        name = str(args.get("name", ""))
+        async with self._lock:
+            old = self.models.pop(name, None)
+            if old is None:
+                if name not in await asyncio.to_thread(self.repository.model_names):
+                    raise NotFoundError(f"no model {name!r} in the repository")
+                return {"name": name, "state": "UNAVAILABLE"}  # unloading an unloaded model is not an error
+            self.unloaded[name] = "unloaded by request"
+            self._version += 1
+            for engine in old.values():
+                await engine.close(self.settings.drain_timeout_s)
+        return {"name": name, "state": "UNAVAILABLE"}
+
+    # ---- metrics --------------------------------------------------------------------------------------------
+    def _request_states(self) -> Any:
+        return merge_request_states(s for snap in list(self.endpoint.snapshots.values()) for s in snap.requests)
+
+    def _live(self) -> Any:
+        for name, versions in list(self.models.items()):
+            for number, engine in versions.items():
+                batcher = engine.batcher
+                labels = (name, str(number), ",".join(engine.state().devices))
+                yield labels, batcher.queue_depth, batcher.inflight_batches
+
+    # ---- shutdown -------------------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Refuse new work, finish what is queued (within the drain timeout), close every model."""
+        self.draining = True
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        for versions in list(self.models.values()):
+            for engine in versions.values():
+                await engine.close(max(0.1, deadline - time.monotonic()))
+
+
+def _version_errors(errors: dict[str, str], name: str) -> str:
+    return "; ".join(e for key, e in errors.items() if key.startswith(f"{name}/"))
+
+
+def _with_config(entry: ModelEntry, override: Any) -> ModelEntry:
+    """The entry with a config sent in a load request (a JSON object of config.toml's fields), or a 400."""
+    if isinstance(override, str | bytes):
+        try:
+            override = json.loads(override)
+        except ValueError as exc:
+            raise BadInputError(f"the load request's config is not valid JSON: {exc}") from None
+    if not isinstance(override, dict):
+        raise BadInputError(f"the load request's config must be a JSON object of config.toml fields, got {override!r}")
+    try:
+        config = parse_config({**msgspec.to_builtins(entry.config), **override}, source="the load request's config")
+    except ConfigError as exc:
+        raise BadInputError(str(exc)) from None
+    return ModelEntry(entry.name, entry.path, config, entry.versions, entry.version_errors)
+
+
+_QUERIES = {
+    "catalog": EngineServer._catalog,
+    "metrics": EngineServer._metrics,
+    "stats": EngineServer._stats,
+    "index": EngineServer._index,
+    "load": EngineServer._load_model,
+    "unload": EngineServer._unload_model,
+}

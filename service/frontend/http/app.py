@@ -1,0 +1,85 @@
+"""``create_app(settings)``: the litestar application. The lifespan owns the repository and the engines."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar import Litestar, Request, Response, get
+from litestar.exceptions import HTTPException
+from litestar.middleware import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import SwaggerRenderPlugin
+
+from service.core.errors import VisionServeError
+from service.core.metrics import CONTENT_TYPE
+from service.core.settings import ServerSettings
+from service.frontend.grpc import start_grpc
+from service.frontend.http.errors import handle_http, handle_ours, handle_unexpected
+from service.frontend.http.image_api import classify
+from service.frontend.http.page import docs, index, list_models
+from service.frontend.http.timing import ServerTimingMiddleware
+from service.frontend.http.v2 import ROUTES, SERVER_VERSION
+from service.frontend.state import ServerState
+
+log = logging.getLogger("visionserve.server")
+
+
+def operation_id(handler: Any, method: Any, components: list[Any]) -> str:
+    """Unique per path: one handler serves several paths (with and without /versions/{version})."""
+    parts = [getattr(c, "name", c) for c in components]
+    return "_".join([handler.handler_name, str(method).lower(), *(re.sub(r"\W+", "_", str(p)) for p in parts)])
+
+
+@get("/metrics", summary="Prometheus metrics", include_in_schema=False, media_type=CONTENT_TYPE)
+async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    server: ServerState = request.app.state.server
+    return Response(await server.render_metrics(), media_type=CONTENT_TYPE)
+
+
+def create_app(
+    settings: ServerSettings | None = None, *, frontend: str = "fe0", arena: str = "", engines: tuple[str, ...] = ()
+) -> Litestar:
+    """The HTTP app of one front end: ``arena`` is its shared-memory segment, ``engines`` the engines' endpoints
+    (the supervisor gives both; see ``service.supervisor``)."""
+    settings = settings or ServerSettings()
+    server = ServerState(settings, frontend=frontend, arena=arena, engines=engines)
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        app.state.server = server
+        await server.start()
+        grpc_server = await start_grpc(server)
+        try:
+            yield
+        finally:
+            log.info("shutting down: draining queued requests (up to %.1f s)", settings.drain_timeout_s)
+            await grpc_server.stop(settings.drain_timeout_s)
+            await server.close()
+
+    app = Litestar(
+        route_handlers=[classify, index, docs, list_models, *ROUTES, *([metrics] if settings.metrics else [])],
+        lifespan=[lifespan],
+        exception_handlers={
+            VisionServeError: handle_ours,
+            HTTPException: handle_http,
+            Exception: handle_unexpected,
+        },
+        middleware=[
+            DefineMiddleware(ServerTimingMiddleware, json_log=settings.log_format == "json")  # type: ignore[arg-type]
+        ],
+        openapi_config=OpenAPIConfig(
+            title="visionserve",
+            version=SERVER_VERSION,
+            path="/schema",
+            render_plugins=[SwaggerRenderPlugin(path="/")],
+            operation_id_creator=operation_id,
+        ),
+        request_max_body_size=settings.max_body_bytes,
+        debug=False,
+    )
+    app.state.server = server
+    return app

@@ -1,0 +1,151 @@
+"""The image API: ``POST /v1/models/{m}/classify?top_k=5`` with a raw image body or multipart files.
+
+One result per image, in order: its top-k ``{"label", "index", "score"}`` (softmax scores) or its own ``error``.
+A raw body that is not a usable image fails the request (400, or 415 for a media type we do not take); in a
+multipart request each bad file fails alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+from litestar import Request, post
+from litestar.datastructures import UploadFile
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import Parameter
+
+from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
+from service.frontend.results import predictions, softmax
+from service.frontend.state import ModelSlot, ServerState, Timing
+
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp")
+
+
+class Prediction(msgspec.Struct):
+    label: str
+    index: int
+    score: float
+
+
+class ImageResult(msgspec.Struct, omit_defaults=True):
+    """One image's answer: its predictions, or its own error."""
+
+    predictions: list[Prediction] | None = None
+    error: str | None = None
+    filename: str | None = None
+
+
+class ClassifyResponse(msgspec.Struct):
+    model: str
+    version: int
+    results: list[ImageResult]
+
+
+class ErrorBody(msgspec.Struct):
+    """Every error: a message for a person; never a stack trace."""
+
+    error: str
+
+
+ERROR_RESPONSES = {
+    code: ResponseSpec(data_container=ErrorBody, description=text)
+    for code, text in {
+        400: "bad request, bad tensor or undecodable image",
+        404: "unknown model or version",
+        413: "body, image count or pixel count over the limits",
+        415: "unsupported media type",
+        429: "overloaded (queue_full_status = 429), with Retry-After",
+        500: "a failure of ours",
+        503: "overloaded or shutting down, with Retry-After",
+        504: "the deadline passed in the queue",
+    }.items()
+}
+
+
+def server_of(request: Request[Any, Any, Any]) -> ServerState:
+    server: ServerState = request.app.state.server
+    return server
+
+
+def timing_of(request: Request[Any, Any, Any]) -> Timing:
+    timing: Timing = request.scope["state"]["timing"]
+    return timing
+
+
+async def _read_images(request: Request[Any, Any, Any], limit: int) -> tuple[list[bytes], list[str | None], bool]:
+    """(images, filenames, single) from a raw image body or a multipart form."""
+    ctype, _ = request.content_type
+    if ctype == "multipart/form-data":
+        form = await request.form()
+        files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
+        if not files:
+            raise BadInputError("the multipart request holds no files: send each image as a file part")
+        if len(files) > limit:
+            raise PayloadTooLargeError(f"{len(files)} images in one request, over the limit of {limit}")
+        return [await f.read() for f in files], [f.filename for f in files], False
+    if ctype in IMAGE_TYPES:
+        return [await request.body()], [None], True
+    raise UnsupportedMediaError(
+        f"Content-Type {ctype or '(none)'} is not taken: send image/jpeg, image/png, image/webp or image/bmp as "
+        "the body, or multipart/form-data with one or more files"
+    )
+
+
+@post(
+    ["/v1/models/{model:str}/classify", "/v1/models/{model:str}/versions/{version:str}/classify"],
+    summary="Classify images",
+    description="Raw image body (image/jpeg, image/png, image/webp, image/bmp) or multipart/form-data files. "
+    "One result per image, in order; a bad file in a multipart request gets its own error.",
+    status_code=200,
+    tags=["image API"],
+    responses=ERROR_RESPONSES,
+)
+async def classify(
+    request: Request[Any, Any, Any],
+    model: str,
+    version: str | None = None,
+    top_k: Annotated[int, Parameter(ge=1, le=1000, description="classes per image")] = 5,
+    priority: Annotated[int, Parameter(ge=0, description="lower is served first; 0 is the default level")] = 0,
+    timeout_ms: Annotated[float | None, Parameter(gt=0, description="deadline in the queue")] = None,
+) -> ClassifyResponse:
+    server = server_of(request)
+    slot = server.slot(model, version)
+    timing = timing_of(request)
+    with slot.observe(timing):
+        return await _classify(request, server, slot, timing, top_k, priority, timeout_ms)
+
+
+async def _classify(
+    request: Request[Any, Any, Any],
+    server: ServerState,
+    slot: ModelSlot,
+    timing: Timing,
+    top_k: int,
+    priority: int,
+    timeout_ms: float | None,
+) -> ClassifyResponse:
+    images, names, single = await _read_images(request, server.settings.max_images_per_request)
+    decoded = await slot.decode(images, timing)
+    if single and isinstance(decoded[0], VisionServeError):
+        raise decoded[0]
+    results = [ImageResult(filename=name) for name in names]
+    good = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
+    for i, d in enumerate(decoded):
+        if isinstance(d, VisionServeError):
+            results[i].error = str(d)
+    if good:
+        batch = [decoded[i] for i in good]  # stacked straight into shared memory: one copy
+        result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms)  # type: ignore[arg-type]
+        started = time.perf_counter()
+        preds = predictions(softmax(result.logits), slot.spec.labels, top_k)
+        for row, i in enumerate(good):
+            error = result.errors[row]
+            if error is not None:
+                results[i].error = str(error)
+            else:
+                results[i].predictions = [Prediction(**p) for p in preds[row]]  # type: ignore[arg-type]
+        timing.postprocess_s += time.perf_counter() - started
+    return ClassifyResponse(model=slot.name, version=slot.version.version, results=results)

@@ -1,0 +1,360 @@
+"""The Open Inference Protocol (KServe v2) as Triton speaks it, so tritonclient and KServe tooling work unchanged.
+
+Inputs: ``IMAGE`` (BYTES ``[N]``: encoded image files, decoded by the server) or ``INPUT`` (UINT8 or FP32
+``[N, C, H, W]`` pixel values, already preprocessed); ``m`` lists INPUT and ``m.image`` lists IMAGE, and the rules
+for BYTES in JSON and for ``max_batch_size`` are in :mod:`service.frontend.protocol`, which gRPC shares. Output
+``LOGITS`` (FP32 ``[N, classes]``), or with ``"classification": k`` the "score:index:label" strings of the k best.
+JSON data and the binary tensor extension (``Inference-Header-Content-Length``) both work; request parameters
+``timeout`` (microseconds) and ``priority`` are honoured; bodies may be gzip or deflate (``Content-Encoding``) and
+answers are compressed when ``Accept-Encoding`` asks. Health and readiness answer in the status alone, as the
+KServe spec says: 200 for true, 400 for false (404 for a model that does not exist), with an empty body.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+from litestar import Request, Response, get, post
+from litestar.openapi.datastructures import ResponseSpec
+
+from service.core.errors import BadInputError, NotFoundError, VisionServeError
+from service.frontend import protocol
+from service.frontend.http.body import MIN_COMPRESS_BYTES, accepted_encoding, compress, read_body
+from service.frontend.http.image_api import ERROR_RESPONSES, server_of, timing_of
+from service.frontend.protocol import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Tensor
+from service.frontend.state import ModelSlot, ServerState, Timing
+
+HEADER = "inference-header-content-length"
+
+
+class V2Input(msgspec.Struct):
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: Any = None
+
+
+class V2Output(msgspec.Struct):
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class V2Request(msgspec.Struct):
+    inputs: list[V2Input]
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    outputs: list[V2Output] | None = None
+
+
+_decoder = msgspec.json.Decoder(V2Request)
+
+
+class V2Response(msgspec.Struct, omit_defaults=True):
+    """The JSON part of an inference answer (binary outputs follow it, per Inference-Header-Content-Length)."""
+
+    model_name: str
+    model_version: str
+    outputs: list[dict[str, Any]]
+    id: str | None = None
+
+
+# ---- health and metadata -------------------------------------------------------------------------------------
+
+
+HEALTH_RESPONSES = {
+    **ERROR_RESPONSES,
+    400: ResponseSpec(data_container=None, description="false (KServe: a 4xx status, empty body)"),
+}
+
+
+def _health(ok: bool) -> Response[bytes]:
+    # KServe's health API: "a 200 status code indicates true and a 4xx status code indicates false", empty body.
+    return Response(b"", status_code=200 if ok else 400, media_type="text/plain")
+
+
+@get("/v2/health/live", summary="Liveness (200 true, 400 false)", tags=["v2"], responses=HEALTH_RESPONSES)
+async def live() -> Response[bytes]:
+    return _health(True)
+
+
+@get(
+    "/v2/health/ready",
+    summary="Readiness (200 true, 400 false: while loading and while draining)",
+    tags=["v2"],
+    responses=HEALTH_RESPONSES,
+)
+async def ready(request: Request[Any, Any, Any]) -> Response[bytes]:
+    server = server_of(request)
+    return _health(server.ready and not server.draining)
+
+
+@get("/v2", summary="Server metadata", tags=["v2"], responses=ERROR_RESPONSES)
+async def server_metadata() -> dict[str, Any]:
+    return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS}
+
+
+MODEL = "/v2/models/{model:str}"
+VERSION = "/v2/models/{model:str}/versions/{version:str}"
+
+
+@get(
+    [MODEL, VERSION],
+    summary="Model metadata, with its device and fallback state",
+    tags=["v2"],
+    responses=ERROR_RESPONSES,
+)
+async def model_metadata(request: Request[Any, Any, Any], model: str, version: str | None = None) -> dict[str, Any]:
+    server = server_of(request)
+    return protocol.metadata(server, protocol.resolve(server, model, version))
+
+
+@get(
+    [MODEL + "/ready", VERSION + "/ready"],
+    summary="Model readiness (200 true, 400 false, 404 unknown)",
+    tags=["v2"],
+    responses=HEALTH_RESPONSES,
+)
+async def model_ready(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[bytes]:
+    server = server_of(request)
+    return _health(protocol.is_ready(server, protocol.resolve(server, model, version).slot))
+
+
+@get([MODEL + "/config", VERSION + "/config"], summary="Model configuration", tags=["v2"], responses=ERROR_RESPONSES)
+async def model_config(request: Request[Any, Any, Any], model: str, version: str | None = None) -> dict[str, Any]:
+    return protocol.model_config(protocol.resolve(server_of(request), model, version))
+
+
+def _stats(slot: ModelSlot, row: dict[str, Any]) -> dict[str, Any]:
+    """Triton's statistics JSON for one model version from the whole server's counts (``ServerState.model_stats``)."""
+    success = row.get("success", 0)
+    queue_ns, compute_ns, preprocess_ns = row.get("queue_ns", 0), row.get("compute_ns", 0), row.get("preprocess_ns", 0)
+    sizes: dict[int, tuple[int, int]] = row.get("batch_sizes", {})
+    return {
+        "name": slot.name,
+        "version": str(slot.version.version),
+        "last_inference": row.get("last_inference_ms", 0),
+        "inference_count": row.get("images", 0),
+        "execution_count": row.get("batches", 0),
+        "inference_stats": {
+            "success": {"count": success, "ns": queue_ns + compute_ns + preprocess_ns},
+            "fail": {"count": row.get("failure", 0), "ns": 0},
+            "queue": {"count": success, "ns": queue_ns},
+            "compute_input": {"count": success, "ns": preprocess_ns},
+            "compute_infer": {"count": success, "ns": compute_ns},
+            "compute_output": {"count": success, "ns": 0},
+        },
+        "batch_stats": [
+            {"batch_size": size, "compute_infer": {"count": count, "ns": ns}}
+            for size, (count, ns) in sorted(sizes.items())
+        ],
+    }
+
+
+async def model_statistics(
+    server: ServerState, model: str | None = None, version: str | None = None
+) -> list[dict[str, Any]]:
+    """The statistics of every model version (or of ``model``, or of one version), for HTTP and gRPC alike."""
+    if model is None:
+        slots = [slot for versions in server.slots.values() for slot in versions.values()]
+    else:
+        slots = [server.slot(model, version)] if version else list(server.slots.get(model, {}).values())
+        if not slots:
+            raise NotFoundError(f"unknown model {model!r}")
+    merged = await server.model_stats()
+    return [_stats(slot, merged.get((slot.name, slot.version.version), {})) for slot in slots]
+
+
+@get(
+    ["/v2/models/stats", MODEL + "/stats", VERSION + "/stats"],
+    summary="Statistics",
+    tags=["v2"],
+    responses=ERROR_RESPONSES,
+)
+async def model_stats(
+    request: Request[Any, Any, Any], model: str | None = None, version: str | None = None
+) -> dict[str, Any]:
+    return {"model_stats": await model_statistics(server_of(request), model, version)}
+
+
+# ---- inference --------------------------------------------------------------------------------------------------
+
+
+def _split_body(request: Request[Any, Any, Any], body: bytes) -> tuple[V2Request, bytes]:
+    header = request.headers.get(HEADER)
+    json_part, binary = body, b""
+    if header is not None:
+        try:
+            n = int(header)
+        except ValueError:
+            raise BadInputError(f"Inference-Header-Content-Length must be an integer, got {header!r}") from None
+        if not 0 < n <= len(body):
+            raise BadInputError(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
+        json_part, binary = body[:n], body[n:]
+    try:
+        return _decoder.decode(json_part), binary
+    except msgspec.ValidationError as exc:
+        raise BadInputError(f"inference request does not follow the v2 protocol: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise BadInputError(f"inference request is not valid JSON: {exc}") from exc
+
+
+def _tensors(req: V2Request, binary: bytes) -> list[Tensor]:
+    """Each input with its data: a slice of the binary part (``binary_data_size``) or its JSON ``data``."""
+    tensors, offset = [], 0
+    for tensor in req.inputs:
+        params = tensor.parameters or {}
+        size = params.get("binary_data_size")
+        payload: bytes | list[Any]
+        if size is None:
+            if tensor.data is None:
+                raise BadInputError(f"input {tensor.name} has neither data nor binary_data_size")
+            payload = tensor.data if isinstance(tensor.data, list) else [tensor.data]
+            if tensor.datatype == "BYTES" and payload and all(isinstance(x, list) for x in payload):
+                payload = [x for row in payload for x in row]  # nested JSON ([N, 1]) flattened, row-major
+        else:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
+                raise BadInputError(f"input {tensor.name}: binary_data_size {size} runs past the body")
+            payload, offset = binary[offset : offset + size], offset + size
+        tensors.append(Tensor(tensor.name, tensor.datatype, list(tensor.shape), payload, params))
+    return tensors
+
+
+async def _infer(request: Request[Any, Any, Any], model: str, version: str | None) -> Response[Any]:
+    server = server_of(request)
+    slot = protocol.resolve(server, model, version).slot
+    timing = timing_of(request)
+    with slot.observe(timing):
+        return await _infer_on(request, server, slot, timing)
+
+
+async def _infer_on(
+    request: Request[Any, Any, Any], server: ServerState, slot: ModelSlot, timing: Timing
+) -> Response[Any]:
+    req, binary = _split_body(request, await read_body(request, server.settings.max_body_bytes))
+    priority, timeout_ms = protocol.request_options(req.parameters or {})
+    logits = await protocol.infer(server, slot, _tensors(req, binary), timing, priority=priority, timeout_ms=timeout_ms)
+    started = time.perf_counter()
+    response = _encode_outputs(req, slot, logits, accepted_encoding(request))
+    timing.postprocess_s += time.perf_counter() - started
+    return response
+
+
+def _encode_outputs(req: V2Request, slot: ModelSlot, logits: np.ndarray, encoding: str | None) -> Response[Any]:
+    wanted = req.outputs or [V2Output(name=protocol.OUTPUT)]
+    all_binary = bool((req.parameters or {}).get("binary_data_output", False))
+    outputs: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for out in wanted:
+        protocol.check_output(out.name)
+        params = out.parameters or {}
+        binary = bool(params.get("binary_data", all_binary))
+        k = params.get("classification")
+        if k is not None:
+            k = protocol.classification_k(k, slot)
+            flat = protocol.classify(logits, slot, k)
+            entry: dict[str, Any] = {"name": out.name, "datatype": "BYTES", "shape": [logits.shape[0], k]}
+            if binary:
+                blob = protocol.bytes_tensor(flat)
+                entry["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                entry["data"] = flat
+        else:
+            entry = {"name": out.name, "datatype": "FP32", "shape": list(logits.shape)}
+            if binary:
+                blob = np.ascontiguousarray(logits, dtype="<f4").tobytes()
+                entry["parameters"] = {"binary_data_size": len(blob)}
+                blobs.append(blob)
+            else:
+                entry["data"] = logits.ravel().tolist()
+        outputs.append(entry)
+    body: dict[str, Any] = {"model_name": slot.name, "model_version": str(slot.version.version), "outputs": outputs}
+    if req.id is not None:
+        body["id"] = req.id
+    header = msgspec.json.encode(body)
+    headers: dict[str, str] = {}
+    if blobs:
+        headers["Inference-Header-Content-Length"] = str(len(header))  # the uncompressed JSON's length
+    content = header + b"".join(blobs)
+    if encoding is not None and len(content) >= MIN_COMPRESS_BYTES:
+        content = compress(content, encoding)
+        headers["Content-Encoding"] = encoding
+        headers["Vary"] = "Accept-Encoding"
+    media_type = "application/octet-stream" if blobs else "application/json"
+    return Response(content, media_type=media_type, headers=headers)
+
+
+@post([MODEL + "/infer", VERSION + "/infer"], summary="Inference (JSON or binary tensor data)", status_code=200,
+      tags=["v2"], responses=ERROR_RESPONSES)  # fmt: skip
+async def infer(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[V2Response]:
+    return await _infer(request, model, version)
+
+
+# ---- repository (admin) -----------------------------------------------------------------------------------------
+
+
+def _require_admin(request: Request[Any, Any, Any]) -> ServerState:
+    server = server_of(request)
+    token = server.settings.admin_token
+    if not token:
+        raise _Forbidden("repository control is off: start the server with --admin-token to enable it")
+    sent = request.headers.get("authorization", "")
+    if sent != f"Bearer {token}":
+        raise _Forbidden("repository control needs 'Authorization: Bearer <admin token>'")
+    return server
+
+
+class _Forbidden(VisionServeError):
+    status = 403
+
+
+@post(
+    "/v2/repository/index",
+    summary="Repository index (admin)",
+    status_code=200,
+    tags=["v2 repository"],
+    responses=ERROR_RESPONSES,
+)
+async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
+    """Every model in the repository with its state, unloaded ones too (``UNAVAILABLE`` with a reason)."""
+    return await _require_admin(request).repository_index()
+
+
+@post("/v2/repository/models/{model:str}/load", summary="Load or reload a model (admin)", status_code=200,
+      tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
+async def repository_load(request: Request[Any, Any, Any], model: str) -> dict[str, str]:
+    """Load (or reload) ``model``; ``{"parameters": {"config": "<JSON of config.toml fields>"}}`` applies that
+    config for this load, or is refused with 400, never ignored."""
+    server = _require_admin(request)
+    body = await request.body()
+    config = None
+    if body.strip():
+        try:
+            parameters = msgspec.json.decode(body).get("parameters") or {}
+        except (msgspec.DecodeError, AttributeError):
+            raise BadInputError('a load request\'s body must be a JSON object like {"parameters": {...}}') from None
+        unknown = sorted(set(parameters) - {"config"})
+        if unknown:
+            raise BadInputError(f"load parameters {unknown} are not supported; only 'config' is")
+        config = parameters.get("config")
+    await server.load_model(model, config)
+    return {"name": model, "state": "READY"}
+
+
+@post("/v2/repository/models/{model:str}/unload", summary="Unload a model (admin)", status_code=200,
+      tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
+async def repository_unload(request: Request[Any, Any, Any], model: str) -> dict[str, str]:
+    """Unload ``model``; unloading a model that is not loaded is not an error (as in Triton)."""
+    server = _require_admin(request)
+    await server.unload_model(model)
+    return {"name": model, "state": "UNAVAILABLE"}
+
+
+ROUTES = [
+    live, ready, server_metadata, model_metadata, model_ready, model_config, model_stats, infer,
+    repository_index, repository_load, repository_unload,
+]  # fmt: skip

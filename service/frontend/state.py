@@ -1,0 +1,437 @@
+"""What a front-end process holds while it runs: its connection to the engine, the models the engine serves (read
+from the engine's catalog), a decoding pool per model, and its own request records.
+
+Handlers see one :class:`ServerState` and a :class:`ModelSlot` per served model version: ``decode`` (in this
+process's pool), ``infer`` (the uint8 batch goes into this front end's shared-memory arena and the engine's batcher
+computes it with every other front end's requests) and ``observe`` (one request record, however it ends). Ready
+means: the engine is up and has said what it serves, and the server is not draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from service.core.config import ModelConfig
+from service.core.decoding import Decoded, Preprocessor
+from service.core.errors import (
+    BadInputError,
+    CancelledError,
+    DeadlineExceededError,
+    NotFoundError,
+    OverloadedError,
+    VisionServeError,
+)
+from service.core.metrics import NOT_OBSERVED, PROTOCOLS, Metrics, ModelCounts
+from service.core.preprocess import ImageLimits
+from service.core.settings import ServerSettings
+from service.core.spec import ModelSpec, decode_spec
+from service.core.status import EngineState
+from service.transport.client import UNAVAILABLE, EngineClient
+from service.transport.messages import Catalog, ModelInfo, Snapshot
+from service.transport.shm import Arena
+
+log = logging.getLogger("visionserve.server")
+
+
+@dataclass
+class Timing:
+    """Seconds spent per stage for one request (Server-Timing and the access log)."""
+
+    preprocess_s: float = 0.0
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    postprocess_s: float = 0.0
+
+    def header(self, total_s: float | None = None) -> str:
+        parts = [
+            f"queue;dur={self.queue_s * 1000:.3f}",
+            f"preprocess;dur={self.preprocess_s * 1000:.3f}",
+            f"compute;dur={self.compute_s * 1000:.3f}",
+            f"postprocess;dur={self.postprocess_s * 1000:.3f}",
+        ]
+        if total_s is not None:
+            parts.append(f"total;dur={total_s * 1000:.3f}")
+        return ", ".join(parts)
+
+
+@dataclass
+class ModelStats:
+    """This front end's counts and cumulative durations per model version (the v2 statistics extension)."""
+
+    success: int = 0
+    failure: int = 0
+    images: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0
+    preprocess_ns: int = 0
+    last_inference_ms: int = 0
+
+
+@dataclass
+class InferResult:
+    """Logits per image (rows of failed images are zero) and each image's own error, if any."""
+
+    logits: np.ndarray
+    errors: list[VisionServeError | None]
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+def outcome_of(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError | CancelledError):
+        return "cancelled"
+    if isinstance(exc, OverloadedError):
+        return "rejected"
+    if isinstance(exc, DeadlineExceededError):
+        return "timeout"
+    if isinstance(exc, BadInputError):
+        return "bad_input"
+    return "error"
+
+
+class VersionRef(msgspec.Struct, frozen=True):
+    model: str
+    version: int
+
+
+class EngineView:
+    """The engine's report on one model version, as last read from its catalog."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self._state = msgspec.convert(info.state, EngineState)
+
+    @property
+    def backend(self) -> str:
+        return self._state.backend
+
+    def state(self) -> EngineState:
+        return self._state
+
+
+class ModelSlot:
+    """One served model version, seen from a front end."""
+
+    def __init__(self, server: ServerState, info: ModelInfo, spec: ModelSpec, pool: Preprocessor) -> None:
+        self._server = server
+        self.version = VersionRef(info.model, info.version)
+        self.spec = spec
+        self.config = msgspec.convert(info.config, ModelConfig)
+        self.engine = EngineView(info)
+        self.pool = pool
+        self.stats = server.stats_of(info.model, info.version)
+        labels = (info.model, str(info.version), ",".join(self.engine.state().devices))
+        metrics = server.metrics
+        self._recorders = {p: metrics.request_recorder(*labels, p) for p in PROTOCOLS} if metrics else None
+        self._guard_s = server.settings.engine_timeout_s
+
+    @property
+    def name(self) -> str:
+        return self.version.model
+
+    @contextlib.contextmanager
+    def observe(self, timing: Timing, protocol: str = "http") -> Iterator[None]:
+        """Record one request's outcome and stage durations, once, however it ends; ``protocol``: http or grpc."""
+        recorder = self._recorders[protocol] if self._recorders is not None else None
+        started = time.perf_counter()
+        outcome = "success"
+        try:
+            yield
+        except BaseException as exc:
+            outcome = outcome_of(exc)
+            raise
+        finally:
+            if recorder is not None:
+                done = outcome == "success"
+                recorder.record(
+                    outcome,
+                    time.perf_counter() - started,
+                    timing.preprocess_s or NOT_OBSERVED,
+                    timing.queue_s if done else NOT_OBSERVED,
+                    timing.postprocess_s if done else NOT_OBSERVED,
+                )
+
+    async def decode(self, images: list[bytes], timing: Timing) -> list[Decoded]:
+        """Decode each image in the pool; a refused image becomes its own error."""
+        started = time.perf_counter()
+        futures = [asyncio.wrap_future(self.pool.submit(data)) for data in images]
+        results: list[Decoded] = []
+        for future in futures:
+            try:
+                results.append(await future)
+            except VisionServeError as exc:
+                results.append(exc)
+        timing.preprocess_s += time.perf_counter() - started
+        return results
+
+    async def infer(
+        self,
+        images: np.ndarray | list[np.ndarray],
+        timing: Timing,
+        *,
+        priority: int = 0,
+        timeout_ms: float | None = None,
+    ) -> InferResult:
+        """Compute a uint8 batch [N, C, H, W] (or a list of [C, H, W] images, stacked straight into shared memory)
+        in the engine's batcher; the model's queue_full_status rides on an overload error."""
+        try:
+            result = await self._infer(images, timing, priority, timeout_ms)
+        except VisionServeError:
+            self.stats.failure += 1
+            raise
+        stats = self.stats
+        stats.success += 1
+        stats.images += len(result.logits)
+        stats.queue_ns += int(result.queue_s * 1e9)
+        stats.compute_ns += int(result.compute_s * 1e9)
+        stats.preprocess_ns += int(timing.preprocess_s * 1e9)
+        stats.last_inference_ms = int(time.time() * 1000)
+        return result
+
+    async def _infer(
+        self, images: np.ndarray | list[np.ndarray], timing: Timing, priority: int, timeout_ms: float | None
+    ) -> InferResult:
+        server = self._server
+        client = server.client_for(self.name)
+        n = len(images)
+        spec = self.spec.input
+        shape = (n, spec.channels, spec.height, spec.width)
+        offset, view = server.arena.allocate(shape)
+        try:
+            if isinstance(images, np.ndarray):
+                np.copyto(view, images, casting="no")
+            else:
+                np.stack(images, out=view)
+        except BaseException:
+            server.arena.free(offset)
+            raise
+        del view
+        answer = await client.submit(
+            self.name, self.version.version, offset, shape, timeout_ms=timeout_ms, priority=priority,
+            request_id=uuid.uuid4().hex, guard_s=self._guard_s if not timeout_ms else timeout_ms / 1000.0 + 1.0,
+        )  # fmt: skip
+        logits = np.frombuffer(answer.logits, dtype=np.float32).reshape(n, answer.classes)
+        errors: list[VisionServeError | None] = (
+            [None if e is None else e.exception() for e in answer.errors] if answer.errors else [None] * n
+        )
+        timing.queue_s += answer.queue_s
+        timing.compute_s += answer.compute_s
+        return InferResult(logits, errors, answer.queue_s, answer.compute_s, list(answer.batch_sizes))
+
+
+class ServerState:
+    """The front end's view of the server: the engine's catalog, readiness, and this process's records."""
+
+    def __init__(
+        self, settings: ServerSettings, *, frontend: str = "fe0", arena: str = "", engines: tuple[str, ...] = ()
+    ) -> None:
+        self.settings = settings
+        self.slots: dict[str, dict[int, ModelSlot]] = {}
+        self.errors: dict[str, str] = {}
+        self.draining = False
+        self.started_at = time.time()
+        self.limits = ImageLimits(max_pixels=settings.max_pixels)
+        self.metrics = Metrics() if settings.metrics else None
+        self.frontend = frontend
+        self._arena_name = arena
+        self._endpoints = engines
+        self._pools: dict[tuple[str, int], Preprocessor] = {}
+        self._stats: dict[tuple[str, int], ModelStats] = {}
+        self.clients: list[EngineClient] = []
+        self._ready_event: asyncio.Event | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect to the engines; readiness follows their catalogs (this does not wait for them)."""
+        if not self._arena_name or not self._endpoints:
+            raise RuntimeError("a front end needs an arena and an engine endpoint (start it with `visionserve serve`)")
+        self.arena = Arena(self._arena_name)
+        self._ready_event = asyncio.Event()
+        for endpoint in self._endpoints:
+            client = EngineClient(endpoint, self.arena, self.frontend, snapshot=self.snapshot, on_change=self._rebuild)
+            await client.start()
+            self.clients.append(client)
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        assert self._ready_event is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready_event.wait(), timeout_s)
+        return self.ready
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.clients) and all(c.up for c in self.clients)
+
+    async def close(self) -> None:
+        self.draining = True
+        for client in self.clients:
+            await client.close()
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+        if self.clients:
+            self.arena.close()
+
+    # ---- the catalog --------------------------------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        """Re-read what the engines serve (on connect, and whenever a model's state changes)."""
+        slots: dict[str, dict[int, ModelSlot]] = {}
+        errors: dict[str, str] = {}
+        for client in self.clients:
+            catalog: Catalog | None = client.catalog
+            if catalog is None:
+                continue
+            errors.update(catalog.errors)
+            errors.update(catalog.unloaded)
+            for info in catalog.models:
+                key = (info.model, info.version)
+                spec = decode_spec(info.spec_json, source=f"{info.model} v{info.version}")
+                pool = self._pools.get(key)
+                if pool is None or pool.spec != spec:
+                    pool = self._pools[key] = Preprocessor(spec, self.limits, workers=self.settings.decode_workers)
+                old = self.slots.get(info.model, {}).get(info.version)
+                slot = ModelSlot(self, info, spec, pool) if old is None or _changed(old, info) else old
+                slots.setdefault(info.model, {})[info.version] = slot
+        self.slots = slots
+        self.errors = errors
+        if self.ready and self._ready_event is not None:
+            self._ready_event.set()
+
+    def client_for(self, model: str) -> EngineClient:
+        """The engine to send ``model``'s request to: the least busy (from here) of those serving it and up."""
+        best: EngineClient | None = None
+        for client in self.clients:
+            serves = client.up and client.catalog is not None and any(m.model == model for m in client.catalog.models)
+            if serves and (best is None or client.inflight < best.inflight):
+                best = client
+        if best is None:
+            raise OverloadedError(UNAVAILABLE)
+        return best
+
+    def stats_of(self, model: str, version: int) -> ModelStats:
+        return self._stats.setdefault((model, version), ModelStats())
+
+    def slot(self, name: str, version: int | str | None = None) -> ModelSlot:
+        """The model version a request is for. Called as a request arrives: once draining, new work is refused
+        here with 503, while requests already past this point are still computed and answered."""
+        if self.draining:
+            raise OverloadedError("the server is shutting down")
+        versions = self.slots.get(name)
+        if not versions:
+            if not self.ready and not self.slots:
+                raise OverloadedError(UNAVAILABLE)
+            reason = self.errors.get(name)
+            raise NotFoundError(f"unknown model {name!r}" + (f" (refused at load: {reason})" if reason else ""))
+        if version in (None, ""):
+            return versions[max(versions)]
+        try:
+            number = int(version)
+        except (TypeError, ValueError):
+            raise BadInputError(f"model version must be a positive integer, got {version!r}") from None
+        if number not in versions:
+            raise NotFoundError(f"model {name!r} has no version {number} (versions: {sorted(versions)})")
+        return versions[number]
+
+    # ---- what the engine gathers ------------------------------------------------------------------------------
+    def snapshot(self, token: int) -> Snapshot:
+        """Everything this front end has recorded (cumulative): the engine sums every front end's."""
+        requests = self.metrics.request_snapshot() if self.metrics is not None else []
+        counts = [
+            ModelCounts(
+                model,
+                version,
+                s.success,
+                s.failure,
+                s.images,
+                s.queue_ns,
+                s.compute_ns,
+                s.preprocess_ns,
+                s.last_inference_ms,
+            )
+            for (model, version), s in self._stats.items()
+        ]
+        return Snapshot(token, requests, counts)
+
+    async def query_all(self, what: str, **args: Any) -> list[Any]:
+        """Ask every engine; an engine that is down answers 503."""
+        if not self.clients or not all(c.up for c in self.clients):
+            raise OverloadedError(UNAVAILABLE)
+        return list(await asyncio.gather(*(c.query(what, **args) for c in self.clients)))
+
+    async def render_metrics(self) -> bytes:
+        texts = await self.query_all("metrics")
+        return bytes(texts[0]) if len(texts) == 1 else _merge_exposition(texts)
+
+    async def model_stats(self) -> dict[tuple[str, int], dict[str, Any]]:
+        """The whole server's statistics per model version: every front end's counts, every engine's batches."""
+        merged: dict[tuple[str, int], dict[str, Any]] = {}
+        for rows in await self.query_all("stats"):
+            for row in rows:
+                key = (row["model"], int(row["version"]))
+                into = merged.setdefault(key, {"batches": 0, "batch_sizes": {}})
+                for name, value in row.items():
+                    if name == "batch_sizes":
+                        for size, (count, ns) in value.items():
+                            seen = into["batch_sizes"].get(int(size), (0, 0))
+                            into["batch_sizes"][int(size)] = (seen[0] + count, seen[1] + ns)
+                    elif name == "batches":
+                        into["batches"] += value
+                    elif name not in ("model", "version"):
+                        into[name] = value  # front-end counts: the first engine gathers them all
+        return merged
+
+    async def repository_index(self) -> list[dict[str, Any]]:
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        for engine_rows in await self.query_all("index"):
+            for row in engine_rows:
+                rows.setdefault((row["name"], row.get("version", "")), row)
+        return [rows[key] for key in sorted(rows)]
+
+    async def load_model(self, name: str, config: Any = None) -> None:
+        """Load (or reload) ``name`` on every engine; this front end sees the change before answering, the others
+        within an engine heartbeat (0.5 s)."""
+        await self.query_all("load", name=name, config=config)
+        await asyncio.gather(*(client.refresh() for client in self.clients))
+
+    async def unload_model(self, name: str) -> None:
+        await self.query_all("unload", name=name)
+        await asyncio.gather(*(client.refresh() for client in self.clients))
+
+
+def _changed(slot: ModelSlot, info: ModelInfo) -> bool:
+    return slot.engine.state() != msgspec.convert(info.state, EngineState) or slot.config != msgspec.convert(
+        info.config, ModelConfig
+    )
+
+
+def _merge_exposition(texts: list[Any]) -> bytes:
+    """Several engines' Prometheus texts as one (families merged by name; samples never overlap: each engine
+    labels its own devices, and only the first renders the front ends' request families)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(bytes(text).decode()):
+            seen = families.get(family.name)
+            if seen is None:
+                families[family.name] = family
+            else:
+                seen.samples.extend(family.samples)
+    lines: list[str] = []
+    for family in families.values():
+        lines.append(f"# HELP {family.name} {family.documentation}")
+        lines.append(f"# TYPE {family.name} {family.type}")
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            lines.append(f"{sample.name}{{{labels}}} {sample.value!r}" if labels else f"{sample.name} {sample.value!r}")
+    return ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,167 @@
+"""The typed records that cross between a front end and an engine, as MessagePack (msgspec tagged unions).
+
+Pixels never travel here: a :class:`Submit` names a region of the sender's shared-memory arena (offset and
+shape); everything else is a few dozen bytes. Errors travel as their class name in ``service.core.errors`` and
+their message, and come back as the same exception on the other side.
+
+    front end -> engine: Hello, Submit, Cancel, Query, Snapshot
+    engine -> front end: Welcome, Result, Failed, Reply, Flush, Beat
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from service.core import errors as _errors
+from service.core.errors import VisionServeError
+from service.core.metrics import ModelCounts, RequestState
+
+
+class WireError(msgspec.Struct, array_like=True, frozen=True):
+    """An exception of the project's tree, by class name and message (a 429/503 choice rides along)."""
+
+    kind: str
+    message: str
+    status: int = 0
+
+    @classmethod
+    def of(cls, exc: BaseException) -> WireError:
+        if isinstance(exc, VisionServeError):
+            return cls(type(exc).__name__, str(exc), int(getattr(exc, "status", 0) or 0))
+        return cls("RuntimeFailure", f"{type(exc).__name__}: {exc}")
+
+    def exception(self) -> VisionServeError:
+        kind = getattr(_errors, self.kind, None)
+        if not (isinstance(kind, type) and issubclass(kind, VisionServeError)):
+            kind = _errors.RuntimeFailure
+        exc = kind(self.message)
+        if self.status:
+            exc.status = self.status  # type: ignore[attr-defined]
+        return exc
+
+
+# ---- front end -> engine ------------------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
+    """A front end introduces itself and the shared-memory arena its Submits point into."""
+
+    frontend: str
+    arena: str
+    arena_bytes: int
+    pid: int
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
+    """Compute the uint8 ``shape`` [N, C, H, W] tensor at ``offset`` in the sender's arena."""
+
+    id: int
+    model: str
+    version: int
+    offset: int
+    shape: tuple[int, int, int, int]
+    timeout_ms: float
+    priority: int
+    request_id: str
+
+
+class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
+    """The caller went away: drop the request's images that are still queued."""
+
+    id: int
+
+
+class Query(msgspec.Struct, tag="query", array_like=True, frozen=True):
+    """A control call: ``catalog``, ``metrics``, ``stats``, ``load``, ``unload`` (``args`` per call)."""
+
+    id: int
+    what: str
+    args: dict[str, Any] = {}
+
+
+class Snapshot(msgspec.Struct, tag="snapshot", array_like=True, frozen=True):
+    """A front end's answer to :class:`Flush`: everything it has recorded so far (cumulative, so idempotent)."""
+
+    token: int
+    requests: list[RequestState]
+    counts: list[ModelCounts]
+
+
+# ---- engine -> front end ------------------------------------------------------------------------------------
+
+
+class Welcome(msgspec.Struct, tag="welcome", array_like=True, frozen=True):
+    """The engine's answer to Hello: it has attached the arena; ``catalog`` follows on request."""
+
+    engine: str
+    pid: int
+    catalog_version: int
+
+
+class Result(msgspec.Struct, tag="result", array_like=True, frozen=True):
+    """Logits (float32, row-major [N, classes]) and each image's own error, if any."""
+
+    id: int
+    logits: bytes
+    classes: int
+    errors: list[WireError | None] | None
+    queue_s: float
+    compute_s: float
+    batch_sizes: list[int]
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True, frozen=True):
+    """The whole request failed (rejected, deadline, shut down, unknown model...)."""
+
+    id: int
+    error: WireError
+
+
+class Reply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
+    """The answer to a Query: ``value`` or ``error``."""
+
+    id: int
+    value: Any = None
+    error: WireError | None = None
+
+
+class Flush(msgspec.Struct, tag="flush", array_like=True, frozen=True):
+    """Send a Snapshot now (a scrape is waiting for it)."""
+
+    token: int
+
+
+class Beat(msgspec.Struct, tag="beat", array_like=True, frozen=True):
+    """The engine is alive; ``catalog_version`` changes whenever a model's state does."""
+
+    catalog_version: int
+
+
+ToEngine = Hello | Submit | Cancel | Query | Snapshot
+ToFrontend = Welcome | Result | Failed | Reply | Flush | Beat
+
+ENCODER = msgspec.msgpack.Encoder()
+TO_ENGINE = msgspec.msgpack.Decoder(ToEngine)
+TO_FRONTEND = msgspec.msgpack.Decoder(ToFrontend)
+
+
+# ---- the catalog: what an engine serves ---------------------------------------------------------------------
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    """One loaded model version as a front end needs it: the spec (JSON), the config and the engine's state."""
+
+    model: str
+    version: int
+    spec_json: bytes
+    config: dict[str, Any]
+    state: dict[str, Any]
+
+
+class Catalog(msgspec.Struct, frozen=True):
+    models: list[ModelInfo]
+    errors: dict[str, str]
+    unloaded: dict[str, str] = {}
+    version: int = 0
