@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from service.cli import comma_floats, comma_ints, size_pair
+from service.core.arguments import comma_floats, comma_ints, size_pair
 
 
 def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,8 +47,12 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--protocol",
         default="image",
-        choices=["image", "v2"],
-        help="image: POST /v1/models/M/classify; v2: /v2/models/M/infer with binary tensors",
+        choices=["image", "v2", "grpc"],
+        help="image: POST /v1/models/M/classify; v2: /v2/models/M/infer with binary tensors; grpc: ModelInfer "
+        "with raw contents at --grpc-url",
+    )
+    p.add_argument(
+        "--grpc-url", default="127.0.0.1:8001", help="with --protocol grpc: the server's gRPC address (host:port)"
     )
     p.add_argument("--images-per-request", type=int, default=1, help="images in each request")
     p.add_argument("--processes", type=int, default=1, help="load-generating processes, each with its own loop")
@@ -78,6 +82,18 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
 
 
+def _preflight_grpc(target: str, payload: Any, timeout_s: float) -> str | None:
+    import grpc
+
+    with grpc.insecure_channel(target.removeprefix("grpc://")) as channel:
+        call = channel.unary_unary(payload.path, request_serializer=None, response_deserializer=None)
+        try:
+            call(payload.body, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return f"{payload.path} at {target} answered {exc.code().name}: {exc.details()}"
+    return None
+
+
 def _preflight(url: str, payload: Any) -> str | None:
     import httpx
 
@@ -99,7 +115,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
     from loadtest.report import compare, print_comparison, print_report, write_files
     from loadtest.slo import search
     from loadtest.step import StepBounds, StepResult, StepSpec, run_step
-    from service.samples import image_files, photo_like_jpegs
+    from service.core.samples import image_files, photo_like_jpegs
 
     err = Console(stderr=True)
     if args.processes < 1 or args.images_per_request < 1 or min(args.duration, args.timeout) <= 0:
@@ -112,14 +128,15 @@ def run_loadtest(args: argparse.Namespace) -> int:
         err.print(f"--images: {exc}")
         return 2
     bodies = payloads(args.model, images, protocol=args.protocol, per_request=args.images_per_request)
-    problem = _preflight(url, bodies[0])
+    grpc_target = args.grpc_url if args.protocol == "grpc" else ""
+    problem = _preflight_grpc(grpc_target, bodies[0], 60) if grpc_target else _preflight(url, bodies[0])
     if problem:
         err.print(f"[red]not starting the load test:[/red] {problem}")
         return 2
     bounds = StepBounds(
         url=url, warmup_s=args.warmup, duration_s=args.duration, drain_s=args.drain, timeout_s=args.timeout,
         max_requests=args.max_requests, max_send_lag_ms=args.max_send_lag_ms, max_inflight=args.max_inflight,
-        seed=args.seed,
+        seed=args.seed, grpc_target=grpc_target,
     )  # fmt: skip
     mode = "open" if args.slo_p99_ms is not None else args.mode
     progress = None if args.no_progress else Progress(

@@ -1,5 +1,6 @@
 """What the load tester sends: a corpus of images (the user's files or generated JPEGs) turned, before any clock
-starts, into ready request bodies for the image API or for v2 infer with the binary tensor extension."""
+starts, into ready request bodies for the image API, for v2 infer with the binary tensor extension, or for gRPC
+ModelInfer (a serialised request with ``raw_input_contents``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 MEDIA = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp"}
-PROTOCOLS = ("image", "v2")
+PROTOCOLS = ("image", "v2", "grpc")
 
 
 def media_type(data: bytes) -> str:
@@ -59,13 +60,25 @@ def v2_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
     return Payload(f"/v2/models/{model}/infer", headers, header + blob, len(images))
 
 
+def grpc_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
+    """gRPC ModelInfer: the ``IMAGE`` BYTES input in ``raw_input_contents``, the classification extension on the
+    output; the body is the serialised request and the path the RPC's."""
+    from service.core.protocol import method_path, pb
+
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="IMAGE", datatype="BYTES", shape=[len(images)])
+    request.outputs.add(name="LOGITS").parameters["classification"].int64_param = top_k
+    request.raw_input_contents.append(b"".join(struct.pack("<I", len(d)) + d for d in images))
+    return Payload(method_path("ModelInfer"), {}, request.SerializeToString(), len(images))
+
+
 def payloads(model: str, images: list[bytes], *, protocol: str = "image", per_request: int = 1) -> list[Payload]:
     """One payload per group of ``per_request`` images, cycling through the corpus so each image is used."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if per_request < 1:
         raise ValueError(f"images per request must be >= 1, got {per_request}")
-    build = image_payload if protocol == "image" else v2_payload
+    build = {"image": image_payload, "v2": v2_payload, "grpc": grpc_payload}[protocol]
     count = max(1, len(images) // per_request)
     return [
         build(model, [images[(j * per_request + i) % len(images)] for i in range(per_request)]) for j in range(count)

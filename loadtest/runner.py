@@ -25,6 +25,13 @@ from loadtest.histogram import LatencyHistogram
 from loadtest.http1 import ConnectionFailed, Http1Client
 from loadtest.inputs import Payload
 
+
+class Client(Protocol):
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int | str: ...
+
+    async def aclose(self) -> None: ...
+
+
 MODES = ("closed", "open")
 ARRIVALS = ("constant", "poisson")
 
@@ -48,6 +55,7 @@ class PartPlan:
     seed: int = 0
     max_inflight: int = 1024
     timeline_cap: int = 200_000
+    grpc_target: str = ""  # host:port: send over gRPC (the payloads are serialised ModelInferRequests)
 
 
 @dataclass
@@ -85,7 +93,7 @@ def schedule(plan: PartPlan) -> Iterator[float]:
 
 
 class _Step:
-    def __init__(self, plan: PartPlan, payloads: list[Payload], client: Http1Client, tally: Tally) -> None:
+    def __init__(self, plan: PartPlan, payloads: list[Payload], client: Client, tally: Tally) -> None:
         self.plan, self.payloads, self.client, self.tally = plan, payloads, client, tally
         self.result = PartResult()
         self.base = time.perf_counter() + (plan.start_wall - time.time())
@@ -164,7 +172,13 @@ class _Step:
 
 
 async def run_part_async(plan: PartPlan, payloads: list[Payload], tally: Tally) -> PartResult:
-    client = Http1Client(plan.url, plan.timeout_s)
+    client: Client
+    if plan.grpc_target:
+        from loadtest.grpc_client import GrpcClient
+
+        client = GrpcClient(plan.grpc_target, plan.timeout_s)
+    else:
+        client = Http1Client(plan.url, plan.timeout_s)
     try:
         step = _Step(plan, payloads, client, tally)
         cpu0 = time.process_time()

@@ -51,6 +51,7 @@ class StepBounds:
     max_send_lag_ms: float = 10.0
     max_inflight: int = 1024
     seed: int = 0
+    grpc_target: str = ""  # host:port: the load goes over gRPC (the url still serves /metrics)
     # Read the server's /metrics at the window's edges for the server-side split (off: nothing but the load
     # touches the server while it is measured, as metrics on/off comparisons need).
     scrape: bool = True
@@ -115,7 +116,8 @@ def plans_for(spec: StepSpec, bounds: StepBounds, processes: int, start_wall: fl
             url=bounds.url, mode=spec.mode, start_wall=start_wall, warmup_s=bounds.warmup_s,
             duration_s=bounds.duration_s, drain_s=bounds.drain_s, timeout_s=bounds.timeout_s,
             max_requests=bounds.max_requests // processes + (k < bounds.max_requests % processes),
-            arrival=spec.arrival, seed=bounds.seed * 1000 + k, max_inflight=bounds.max_inflight, **share,
+            arrival=spec.arrival, seed=bounds.seed * 1000 + k, max_inflight=bounds.max_inflight,
+            grpc_target=bounds.grpc_target, **share,
         ))  # fmt: skip
     return plans
 
