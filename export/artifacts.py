@@ -65,3 +65,17 @@ def to_torchscript(model: nn.Module, example: torch.Tensor, path: Path) -> None:
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(model.eval(), (example,), check_trace=False)
         traced.save(str(path))
+
+
+def to_aoti(model: nn.Module, example: torch.Tensor, path: Path, *, device: str = "cpu") -> None:
+    """``torch.export`` with a dynamic batch dimension (1 to 4096), then AOTInductor compiles and packages it for
+    ``device``'s type (a package loads only there). Runs the C++ compiler: about 14 s for smallcnn and 56 s for
+    resnet18 on a 2-core VM with torch 2.14.1."""
+    import copy
+
+    batch = torch.export.Dim("batch", min=1, max=MAX_EXPORT_BATCH)
+    target = copy.deepcopy(model).eval().to(device)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(target, (example.to(device),), dynamic_shapes={"x": {0: batch}})
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))

@@ -1,5 +1,11 @@
 """Export: eager model -> artifacts -> parity gate -> model repository entry.
 
+Formats: ONNX and TorchScript (portable across devices, the default: a few seconds each) and AOTInductor
+(``aoti``, opt-in: the C++ compile costs ~14 s for smallcnn and ~1 min for resnet18 on a 2-core VM, too slow for
+``make serve``'s first start). An AOTInductor package runs only on the device type it was compiled for, so
+``aoti`` writes ``model.pt2`` for the CPU and, where a GPU is usable, ``model.cuda.pt2`` (and
+``model.fp16.cuda.pt2`` with ``--fp16``), each gated on its own device.
+
 Nothing reaches the repository before its parity is proved: artifacts are written to a hidden staging folder
 beside the version, checked, and only the ones that pass are moved into ``<repository>/<name>/<version>/`` with
 ``spec.json`` (which records each artifact's measured error). A failing artifact is not written, and the report
@@ -23,15 +29,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.artifacts import DEFAULT_OPSET, example_input, half_model, to_onnx, to_torchscript
+from export.artifacts import DEFAULT_OPSET, example_input, half_model, to_aoti, to_onnx, to_torchscript
 from export.parity import FP16, FP32, ParityResult, compare, eager_outputs, parity_batches
-from service.config import CONFIG_FILE, default_config_text, load_config
-from service.errors import ConfigError
-from service.repository import FP16_FILES, MODEL_FILES, ModelRepository
-from service.runtime import OnnxRuntime, Runtime, TorchScriptRuntime
-from service.spec import SPEC_FILE, ExportRecord, ModelSpec, write_spec
+from service.core.config import CONFIG_FILE, default_config_text, load_config
+from service.core.errors import ConfigError
+from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
+from service.core.spec import SPEC_FILE, ExportRecord, ModelSpec, write_spec
+from service.runtime import AotiRuntime, OnnxRuntime, Runtime, TorchScriptRuntime
 
-FORMATS = ("onnx", "torchscript")
+FORMATS = ("onnx", "torchscript", "aoti")
+DEFAULT_FORMATS = ("onnx", "torchscript")
 Progress = Callable[[str], None]
 
 
@@ -39,12 +46,13 @@ class ExportRequest(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     repository: str = "model_repository"
     version: int | None = None
-    formats: tuple[str, ...] = FORMATS
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     fp16: bool = False
     opset: int = DEFAULT_OPSET
     max_batch_size: int | None = None  # None: the model's config.toml, else 32
     latency: bool = True
     device: str = "auto"
+    aoti_devices: tuple[str, ...] = ()  # where AOTInductor packages are compiled for: () is the CPU, and CUDA if usable
 
 
 @dataclass
@@ -83,6 +91,8 @@ def _check_request(request: ExportRequest) -> None:
         raise ConfigError(f"--name must be a plain folder name, got {request.name!r}")
     if request.version is not None and request.version < 1:
         raise ConfigError(f"--version must be an integer >= 1, got {request.version}")
+    if any(d not in ("cpu", "cuda") for d in request.aoti_devices):
+        raise ConfigError(f"--aoti-devices takes cpu and/or cuda, got {','.join(request.aoti_devices)}")
     if request.opset < 18:
         raise ConfigError(f"--opset must be >= 18 (torch's ONNX exporter), got {request.opset}")
 
@@ -96,9 +106,8 @@ def _device(name: str) -> str:
 def make_runtime(fmt: str, spec: ModelSpec, path: Path, device: str, max_batch_size: int) -> Runtime:
     if fmt == "onnx":
         return OnnxRuntime(spec, path, device=device, name=spec.name)
-    return TorchScriptRuntime(
-        spec, path, device=device, name=spec.name, max_batch_size=max_batch_size, cuda_graphs=False
-    )
+    cls = AotiRuntime if fmt.startswith("aoti") else TorchScriptRuntime
+    return cls(spec, path, device=device, name=spec.name, max_batch_size=max_batch_size, cuda_graphs=False)
 
 
 def measure_latency(runtime: Runtime, spec: ModelSpec, sizes: list[int], repeats: int = 5) -> dict[int, float]:
@@ -136,9 +145,10 @@ def _versions() -> dict[str, str]:
 class Candidate:
     """An artifact to produce in the staging folder, then gate on parity."""
 
-    format: str  # onnx | torchscript
+    format: str  # onnx | torchscript | aoti | aoti-cuda (the repository's file key)
     precision: str  # fp32 | fp16
     produce: Callable[[Path], None]
+    device: str | None = None  # where it runs: None for any device, else the one it was compiled for
 
 
 def module_candidates(module: nn.Module, spec: ModelSpec, request: ExportRequest) -> list[Candidate]:
@@ -150,6 +160,9 @@ def module_candidates(module: nn.Module, spec: ModelSpec, request: ExportRequest
     out: list[Candidate] = []
     for precision, variant in variants:
         for fmt in request.formats:
+            if fmt == "aoti":
+                out += _aoti_candidates(variant, precision, shape, request.aoti_devices)
+                continue
             if fmt == "onnx":
 
                 def produce(path: Path, m: nn.Module = variant) -> None:
@@ -161,6 +174,23 @@ def module_candidates(module: nn.Module, spec: ModelSpec, request: ExportRequest
                     to_torchscript(m, example_input(*shape), path)
 
             out.append(Candidate(fmt, precision, produce))
+    return out
+
+
+def _aoti_candidates(
+    module: nn.Module, precision: str, shape: tuple[int, int, int], wanted: tuple[str, ...] = ()
+) -> list[Candidate]:
+    """A package per device type it can be checked on here: the CPU (fp32 only), and CUDA when usable."""
+    devices = (["cpu"] if precision == "fp32" else []) + (["cuda"] if torch.cuda.is_available() else [])
+    if wanted:
+        devices = [d for d in devices if d in wanted]
+    out = []
+    for device in devices:
+
+        def produce(path: Path, m: nn.Module = module, d: str = device) -> None:
+            to_aoti(m, example_input(*shape), path, device=d)
+
+        out.append(Candidate("aoti" if device == "cpu" else "aoti-cuda", precision, produce, device=device))
     return out
 
 
@@ -248,16 +278,16 @@ def publish(
                 parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note="no GPU here")
             else:
                 say(f"parity {fmt} {precision}")
-                check_device = "cpu" if precision == "fp32" else "cuda"
+                check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
                 runtime = make_runtime(fmt, spec, target, check_device, max_batch)
                 parity = compare(expected, runtime.run, batches, FP32 if precision == "fp32" else FP16)
             report = ArtifactReport(fmt, precision, file_name, target.stat().st_size, export_s, parity)
             reports.append(report)
             if runtime is not None and parity.passed and request.latency:
-                if runtime.device != device:
+                if runtime.device != device and candidate.device is None:  # a compiled package stays on its own
                     runtime.close()
                     runtime = make_runtime(fmt, spec, target, device, max_batch)
-                say(f"latency {fmt} {precision} on {device}")
+                say(f"latency {fmt} {precision} on {runtime.device}")
                 report.latency_ms = measure_latency(runtime, spec, sorted({1, min(8, max_batch), max_batch}))
             if runtime is not None:
                 runtime.close()
@@ -266,7 +296,7 @@ def publish(
                 continue
             records.append(
                 ExportRecord(
-                    format="onnx" if fmt == "onnx" else "torchscript",
+                    format="onnx" if fmt == "onnx" else ("aoti" if fmt.startswith("aoti") else "torchscript"),
                     file=file_name,
                     precision="fp16" if precision == "fp16" else "fp32",
                     opset=request.opset if fmt == "onnx" else None,

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.exporter import FORMATS, Candidate, ExportReport, ExportRequest, Progress, export_model, publish
+from export.exporter import DEFAULT_FORMATS, Candidate, ExportReport, ExportRequest, Progress, export_model, publish
 from export.sources import calibration_images
 from models.checkpoint import file_sha256
 from models.normalize import Uint8Classifier
-from service.errors import ConfigError
-from service.repository import onnx_single_input
+from service.core.errors import ConfigError
+from service.core.repository import onnx_single_input
+from service.core.spec import InputSpec, ModelSpec
 from service.runtime import load_torchscript
-from service.spec import InputSpec, ModelSpec
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -232,7 +232,7 @@ def place_outside_model(
     )
     sha = file_sha256(src)
     if kind == "onnx":
-        if "torchscript" in request.formats and request.formats != FORMATS:
+        if "torchscript" in request.formats and request.formats != DEFAULT_FORMATS:
             raise ConfigError("an ONNX model goes into the repository as ONNX: use --formats onnx")
         request = msgspec.structs.replace(request, formats=("onnx",), fp16=False)
         with tempfile.TemporaryDirectory() as tmp:
@@ -269,7 +269,7 @@ def place_outside_model(
                 progress=progress,
                 notes=notes,
             )
-    if "onnx" in request.formats and request.formats != FORMATS:
+    if "onnx" in request.formats and request.formats != DEFAULT_FORMATS:
         raise ConfigError("a TorchScript model goes into the repository as TorchScript: use --formats torchscript")
     request = msgspec.structs.replace(request, formats=("torchscript",))
     eager = Uint8Classifier(torchscript_reference(src, description.layout), spec.mean, spec.std).eval()

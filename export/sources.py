@@ -12,9 +12,9 @@ from models.checkpoint import apply_weights, file_sha256, load_checkpoint, load_
 from models.datasets import IMAGE_EXTENSIONS, load_dataset
 from models.normalize import Uint8Classifier
 from models.registry import get_architecture, with_input_size
-from service.errors import BadInputError, ConfigError, DatasetError
-from service.preprocess import preprocess_image
-from service.spec import ModelSpec
+from service.core.errors import BadInputError, ConfigError, DatasetError
+from service.core.preprocess import preprocess_image
+from service.core.spec import ModelSpec
 
 MAX_REAL_IMAGES = 512
 

@@ -17,8 +17,8 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from service.errors import BadInputError, RuntimeFailure, VisionServeError
-from service.spec import ModelSpec
+from service.core.errors import BadInputError, RuntimeFailure, VisionServeError
+from service.core.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +50,12 @@ class Runtime:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.kind}-{name}-{device}")
         self._thread_id: int | None = None
-        self._call(self._load_on_worker)
+        try:
+            self._call(self._load_on_worker)
+        except BaseException:  # a runtime that failed to load must not leave its worker thread behind
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            raise
 
     # ---- the seam -------------------------------------------------------------------------------------------
     def run(self, batch: Batch) -> np.ndarray:

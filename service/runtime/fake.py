@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from service.core.spec import ModelSpec
 from service.runtime.base import Batch, Runtime, RuntimeLike
-from service.spec import ModelSpec
 
 Fault = Callable[[np.ndarray], Exception | None]
 

@@ -1,4 +1,11 @@
-"""The onnxruntime runtime: CUDA execution provider with IO binding on a GPU, the CPU provider otherwise."""
+"""The onnxruntime runtime: CUDA execution provider with IO binding on a GPU, the CPU provider otherwise.
+
+Checked against onnxruntime(-gpu) 1.31's Python API: ``io_binding()``, ``bind_cpu_input``, ``bind_output`` with a
+device and no shape (onnxruntime allocates the output for each batch's shape, so one binding serves every batch
+size), ``run_with_iobinding``, ``copy_outputs_to_cpu``. Its errors come as the pybind classes of
+``onnxruntime.capi.onnxruntime_pybind11_state`` (``RuntimeException``, ``Fail``, ``EPFail``, ``DeviceReset``, ...),
+so they are told apart by class name and by the CUDA execution provider's own failure texts.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,36 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import ConfigError, DeviceFailure, RuntimeFailure, VisionServeError
+from service.core.errors import ConfigError, DeviceFailure, OutOfMemoryError, RuntimeFailure, VisionServeError
+from service.core.spec import ModelSpec
 from service.runtime.base import Runtime
-from service.spec import ModelSpec
 
 
 def _cuda_index(device: str) -> int:
     return int(device.partition(":")[2] or 0)
+
+
+DEVICE_ERROR_CLASSES = ("EPFail", "DeviceReset")
+# What the CUDA execution provider and its arena say when the device fails or runs out of memory.
+DEVICE_ERROR_MARKERS = (
+    "Failed to allocate memory",
+    "out of memory",
+    "CUDA failure",
+    "CUDNN failure",
+    "CUBLAS failure",
+    "cudaError",
+    "CUDA error",
+)
+
+
+def translate_onnxruntime_error(exc: BaseException, device: str) -> VisionServeError:
+    """An onnxruntime exception as the project's error: device failures (out of memory, CUDA errors) apart."""
+    text = str(exc)
+    if "out of memory" in text.lower() or "failed to allocate memory" in text.lower():
+        return OutOfMemoryError(f"onnxruntime out of memory on {device}: {type(exc).__name__}: {text}")
+    if type(exc).__name__ in DEVICE_ERROR_CLASSES or any(m.lower() in text.lower() for m in DEVICE_ERROR_MARKERS):
+        return DeviceFailure(f"onnxruntime device failure on {device}: {type(exc).__name__}: {text}")
+    return RuntimeFailure(f"onnxruntime failed on {device}: {type(exc).__name__}: {text}")
 
 
 class OnnxRuntime(Runtime):
@@ -42,6 +72,10 @@ class OnnxRuntime(Runtime):
         if self.threads:
             options.intra_op_num_threads = self.threads
         options.log_severity_level = 3
+        # onnxruntime's intra-op threads spin for work after each run by default: in a server that waits between
+        # requests that is CPU burnt for nothing, taken from the decoding threads (docs/performance.md, "CPU time
+        # per request").
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers: list[Any]
         if self.device.startswith("cuda"):
             providers = [("CUDAExecutionProvider", {"device_id": _cuda_index(self.device)}), "CPUExecutionProvider"]
@@ -59,13 +93,19 @@ class OnnxRuntime(Runtime):
             raise ConfigError(f"{self.path} must take one uint8 tensor, takes {described}")
         self.input_name = inputs[0].name
         self.output_name = outputs[0].name
+        if self.device.startswith("cuda"):
+            # One binding, rebound per batch: the output is bound to the device with no shape, so onnxruntime
+            # allocates it at each batch's size and copy_outputs_to_cpu brings back exactly [N, classes].
+            self.binding = self.session.io_binding()
 
     def _forward(self, batch: np.ndarray) -> np.ndarray:
         if self.device.startswith("cuda"):
             # IO binding: one host-to-device copy of the uint8 batch, outputs copied back once.
-            binding = self.session.io_binding()
-            binding.bind_cpu_input(self.input_name, batch)
-            binding.bind_output(self.output_name, "cpu")
+            binding = self.binding
+            binding.clear_binding_inputs()
+            binding.clear_binding_outputs()
+            binding.bind_cpu_input(self.input_name, np.ascontiguousarray(batch))
+            binding.bind_output(self.output_name, "cuda", _cuda_index(self.device))
             self.session.run_with_iobinding(binding)
             out = binding.copy_outputs_to_cpu()[0]
         else:
@@ -73,10 +113,8 @@ class OnnxRuntime(Runtime):
         return np.asarray(out, dtype=np.float32)
 
     def _translate(self, exc: Exception) -> VisionServeError:
-        text = str(exc)
-        if "Failed to allocate memory" in text or "out of memory" in text.lower() or "CUDA" in text:
-            return DeviceFailure(f"onnxruntime device failure on {self.device}: {text}")
-        return RuntimeFailure(f"onnxruntime failed on {self.device}: {text}")
+        return translate_onnxruntime_error(exc, self.device)
 
     def _release(self) -> None:
+        self.__dict__.pop("binding", None)
         self.__dict__.pop("session", None)

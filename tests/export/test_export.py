@@ -16,10 +16,10 @@ from export.exporter import ExportRequest, export_model
 from export.sources import calibration_images, from_architecture, from_checkpoint
 from models.normalize import Uint8Classifier
 from models.registry import architecture_names
-from service.errors import ConfigError
-from service.repository import ModelRepository, random_batch
+from service.core.errors import ConfigError
+from service.core.repository import ModelRepository, random_batch
+from service.core.spec import load_spec
 from service.runtime import OnnxRuntime, TorchScriptRuntime
-from service.spec import load_spec
 from tests.conftest import encode_image, random_image
 
 
@@ -244,7 +244,7 @@ def test_outside_model_with_the_wrong_label_count_is_refused(outside_resnet18: d
 
 def test_spec_round_trips_through_json(tmp_path: Path) -> None:
     spec = from_architecture("resnet18").spec
-    from service.spec import decode_spec, encode_spec
+    from service.core.spec import decode_spec, encode_spec
 
     assert decode_spec(encode_spec(spec)) == spec
     assert msgspec.json.decode(encode_spec(spec))["input"]["dtype"] == "uint8"

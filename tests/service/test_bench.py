@@ -36,3 +36,34 @@ def test_bench_json_has_every_figure(repo: Path) -> None:
     assert result["batcher_efficiency"] == pytest.approx(
         result["batcher_images_per_s"] / result["pipeline_images_per_s"]
     )
+
+
+def test_bench_compares_the_three_runtimes_in_one_run(aoti_repo: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "service.cli", "bench", "--model", "digits", "--repository", str(aoti_repo),
+         "--backend", "onnxruntime,torchscript,aoti", "--figures", "engine,decode", "--batch-sizes", "1,4",
+         "--seconds", "0.2", "--device", "cpu", "--json", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert [r["runtime"] for r in result["runs"]] == ["onnxruntime", "torchscript", "aoti"]
+    for run in result["runs"]:
+        assert set(run["engine_images_per_s"]) == {"1", "4"} and run["decode_cpu_images_per_s"] > 0
+        assert "pipeline_images_per_s" not in run and run["decode_gpu_skipped"] == "no CUDA device"
+    assert set(result["fastest"]) == {"1", "4"} and set(result["fastest"].values()) <= {
+        "onnxruntime",
+        "torchscript",
+        "aoti",
+    }
+    for size, best in result["fastest"].items():
+        assert result["ratio_to_fastest"][best][size] == 1.0
+        assert all(0 < r[size] <= 1.0 for r in result["ratio_to_fastest"].values())
+
+
+def test_bench_refuses_an_unknown_backend() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "service.cli", "bench", "--model", "x", "--backend", "onnxruntime,tensorrt"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "onnxruntime, torchscript, aoti" in proc.stderr

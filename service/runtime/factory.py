@@ -1,0 +1,134 @@
+"""A loaded runtime instance for a model version on a device: which backend, which file, warmed up how.
+
+``backend = "auto"`` picks, per device type, the fastest runtime measured there among the artifacts the version
+has (:data:`PREFERENCE`). The CPU fallback of a GPU-served model resolves "auto" again for the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from service.core.config import ModelConfig
+from service.core.errors import ConfigError
+from service.core.repository import MODEL_FILES, ModelVersion
+from service.runtime.aoti import AotiRuntime
+from service.runtime.base import RuntimeLike
+from service.runtime.fake import FakeRuntime
+from service.runtime.onnxrt import OnnxRuntime
+from service.runtime.torchscript import TorchScriptRuntime, bucket_sizes
+
+BACKENDS = ("onnxruntime", "torchscript", "aoti")
+
+# The order "auto" tries, per device type (the first runtime whose artifact the version has wins).
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    # CPU, measured (docs/performance.md, "Three runtimes on the CPU"): `visionserve bench --backend
+    # onnxruntime,torchscript,aoti --seconds 4`, the three in turns, 2-core VM, torch 2.14.1, onnxruntime 1.31.1,
+    # 2026-11-23, load average 0.3-2.3. Images/s at batch 1/8/32:
+    #   digits (smallcnn 32x32): onnxruntime 1622/2931/3468, aoti 1032/2250/2904, torchscript 875/1956/2608
+    #   resnet18 (224x224):      onnxruntime 19.8/11.2/14.6, aoti 10.3/9.4/13.1, torchscript 12.3/11.3/11.9
+    # onnxruntime won 5 of 6 (by 1.2-1.6x on digits, 1.6x and 1.11x on resnet18 at 1 and 32) and was 1% behind
+    # TorchScript at resnet18 batch 8; aoti beat TorchScript in 4 of 6. A run under a load average of 4-9 ranked
+    # TorchScript above aoti on resnet18 instead (Inductor's OpenMP kernels suffer most on oversubscribed
+    # cores), so aoti's place over TorchScript is the quieter run's call, close enough to re-measure.
+    "cpu": ("onnxruntime", "aoti", "torchscript"),
+    # CUDA: UNMEASURED until `make gpu-check` has run on a GPU. The order follows PyTorch's own guidance (torch
+    # 2.14 deprecates TorchScript in favour of torch.export, and AOTInductor is its compiled serving path with
+    # Triton/cuBLAS kernels chosen at compile time), then TorchScript with CUDA graphs, then onnxruntime (which
+    # needs the onnxruntime-gpu build's CUDA execution provider). Replace with the report's numbers.
+    "cuda": ("aoti", "torchscript", "onnxruntime"),
+}
+
+
+def artifact(version: ModelVersion, backend: str, device: str, precision: str = "fp32") -> Path | None:
+    """The file ``backend`` would load for ``version`` on ``device`` at ``precision``, or None if it has none."""
+    cuda = device.startswith("cuda")
+    half = cuda and precision == "fp16"
+    if backend == "aoti":
+        if not cuda:
+            return version.files.get("aoti")
+        if precision == "bf16":
+            return None
+        return (version.fp16_files if half else version.files).get("aoti-cuda")
+    fmt = "onnx" if backend == "onnxruntime" else "torchscript"
+    if half:
+        return version.fp16_files.get(fmt) or version.files.get(fmt)
+    return version.files.get(fmt) or version.fp16_files.get(fmt)
+
+
+def _any_artifact(version: ModelVersion, backend: str) -> bool:
+    return any(artifact(version, backend, d, p) is not None for d in ("cpu", "cuda") for p in ("fp32", "fp16"))
+
+
+def _planned_device(config: ModelConfig) -> str:
+    if config.device != "auto":
+        return config.device
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # a broken driver is the same as no GPU, for choosing a runtime
+        return "cpu"
+
+
+def choose_backend(version: ModelVersion, config: ModelConfig, device: str | None = None) -> str:
+    """The backend for ``version`` on ``device`` (default: the device the config will use)."""
+    if config.backend == "noop":
+        return "noop"
+    if config.backend != "auto":
+        if not _any_artifact(version, config.backend):
+            files = " or ".join(n for k, n in MODEL_FILES.items() if k.startswith(config.backend[:4]))
+            raise ConfigError(f"backend {config.backend} asked for, but {version.path} has no {files} artifact")
+        return config.backend
+    present = [b for b in BACKENDS if _any_artifact(version, b)]
+    if len(present) == 1:  # one choice: no need to look for a GPU (the ONNX-only path stays torch-free)
+        return present[0]
+    target = device or _planned_device(config)
+    order = PREFERENCE["cuda" if target.startswith("cuda") else "cpu"]
+    precision = config.precision if target.startswith("cuda") else "fp32"
+    for backend in order:
+        if artifact(version, backend, target, precision) is not None:
+            return backend
+    if present:
+        return present[0]
+    raise ConfigError(f"{version.path} holds no artifact that a runtime can load")
+
+
+def make_runtime(
+    version: ModelVersion, config: ModelConfig, backend: str, device: str, *, cuda_graphs: bool = True
+) -> RuntimeLike:
+    """A loaded runtime instance of ``version`` on ``device`` (``cuda_graphs``: capture per bucket on CUDA)."""
+    on_gpu = device.startswith("cuda")
+    precision = config.precision if on_gpu else "fp32"
+    name = f"{version.model}-v{version.version}"
+    if backend == "noop":
+        return FakeRuntime(version.spec, device=device, name=name)
+    if config.backend == "auto":  # per device: the CPU fallback of a GPU model takes the CPU's fastest
+        backend = choose_backend(version, config, device)
+    path = artifact(version, backend, device, precision)
+    if path is None:
+        raise ConfigError(
+            f"backend {backend} has no artifact in {version.path} for {device} at {precision}"
+            + (" (AOTInductor packages are compiled per device type: export on a GPU for model.cuda.pt2)"
+               if backend == "aoti" else "")
+        )  # fmt: skip
+    if backend == "onnxruntime":
+        return OnnxRuntime(version.spec, path, device=device, name=name)
+    cls = AotiRuntime if backend == "aoti" else TorchScriptRuntime
+    return cls(
+        version.spec,
+        path,
+        device=device,
+        name=name,
+        precision=precision,
+        max_batch_size=config.max_batch_size,
+        cuda_graphs=cuda_graphs,
+    )
+
+
+def warm_up(runtime: RuntimeLike, max_batch_size: int) -> None:
+    """Run every batch-size bucket once, so the first requests do not pay for kernel selection."""
+    spec = runtime.spec
+    for size in bucket_sizes(max_batch_size):
+        runtime.run(np.zeros((size, spec.input.channels, spec.input.height, spec.input.width), dtype=np.uint8))
