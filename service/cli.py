@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("service.commands", "serve the repository's models over HTTP"),
     "bench": ("service.commands", "measure the engine in-process: runtime, decode pipeline, batcher"),
     "loadtest": ("loadtest.commands", "load a server over HTTP and report throughput and latency"),
-    "export": ("export.commands", "export a model to ONNX, TorchScript or AOTInductor with proven parity into a model repository"),
+    "export": ("export.commands", "export to ONNX, TorchScript or AOTInductor with proven parity into a repository"),
 }
 
 
