@@ -137,8 +137,9 @@ class RequestState(msgspec.Struct, frozen=True):
     stages: list[StageState]
 
 
-class ModelCounts(msgspec.Struct, frozen=True):
-    """One process's cumulative counts for one model version (the v2 statistics extension)."""
+class ModelCounts(msgspec.Struct):
+    """One process's cumulative counts for one model version (the v2 statistics extension): a front end keeps one
+    per model version and updates it in place; a copy of it travels in each report to the engine."""
 
     model: str
     version: int

@@ -65,19 +65,6 @@ class Timing:
 
 
 @dataclass
-class ModelStats:
-    """This front end's counts and cumulative durations per model version (the v2 statistics extension)."""
-
-    success: int = 0
-    failure: int = 0
-    images: int = 0
-    queue_ns: int = 0
-    compute_ns: int = 0
-    preprocess_ns: int = 0
-    last_inference_ms: int = 0
-
-
-@dataclass
 class InferResult:
     """Logits per image (rows of failed images are zero) and each image's own error, if any."""
 
@@ -129,7 +116,7 @@ class ModelSlot:
         self.config = msgspec.convert(info.config, ModelConfig)
         self.engine = EngineView(info)
         self.pool = pool
-        self.stats = server.stats_of(info.model, info.version)
+        self.stats = server.stats_of(info.model, info.version)  # shared by every slot of that version
         labels = (info.model, str(info.version), ",".join(self.engine.state().devices))
         metrics = server.metrics
         self._recorders = {p: metrics.request_recorder(*labels, p) for p in PROTOCOLS} if metrics else None
@@ -246,7 +233,7 @@ class ServerState:
         self._arena_name = arena
         self._endpoints = engines
         self._pools: dict[tuple[str, int], Preprocessor] = {}
-        self._stats: dict[tuple[str, int], ModelStats] = {}
+        self._stats: dict[tuple[str, int], ModelCounts] = {}
         self.clients: list[EngineClient] = []
         self._ready_event: asyncio.Event | None = None
 
@@ -318,8 +305,11 @@ class ServerState:
             raise OverloadedError(UNAVAILABLE)
         return best
 
-    def stats_of(self, model: str, version: int) -> ModelStats:
-        return self._stats.setdefault((model, version), ModelStats())
+    def stats_of(self, model: str, version: int) -> ModelCounts:
+        counts = self._stats.get((model, version))
+        if counts is None:
+            counts = self._stats[(model, version)] = ModelCounts(model, version)
+        return counts
 
     def slot(self, name: str, version: int | str | None = None) -> ModelSlot:
         """The model version a request is for. Called as a request arrives: once draining, new work is refused
@@ -346,20 +336,7 @@ class ServerState:
     def snapshot(self, token: int) -> Snapshot:
         """Everything this front end has recorded (cumulative): the engine sums every front end's."""
         requests = self.metrics.request_snapshot() if self.metrics is not None else []
-        counts = [
-            ModelCounts(
-                model,
-                version,
-                s.success,
-                s.failure,
-                s.images,
-                s.queue_ns,
-                s.compute_ns,
-                s.preprocess_ns,
-                s.last_inference_ms,
-            )
-            for (model, version), s in self._stats.items()
-        ]
+        counts = list(self._stats.values())  # encoded at once by the caller, before they count on
         return Snapshot(token, requests, counts)
 
     async def query_all(self, what: str, **args: Any) -> list[Any]:
