@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
+import numpy as np
+
+from service.core.errors import VisionServeError
 
 State = Literal["READY", "DEGRADED", "FAILED"]
 
@@ -18,3 +22,15 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     precision: str
     note: str | None = None
     fallbacks: int = 0
+
+
+@dataclass
+class InferResult:
+    """A request's answer, on either side of the transport: logits per image (rows of failed images are zero) and
+    each image's own error, if any."""
+
+    logits: np.ndarray
+    errors: list[VisionServeError | None]
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)

@@ -23,7 +23,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -37,6 +36,7 @@ from service.core.errors import (
     VisionServeError,
 )
 from service.core.metrics import BatchRecord
+from service.core.status import InferResult
 from service.runtime.base import RuntimeLike
 
 log = logging.getLogger(__name__)
@@ -68,17 +68,6 @@ class InferRequest(msgspec.Struct, frozen=True, kw_only=True):
     version: int | None = None
     priority: int = DEFAULT_PRIORITY
     timeout_ms: float | None = None
-
-
-@dataclass
-class InferResult:
-    """Logits per image (rows of failed images are zero) and each image's own error, if any."""
-
-    logits: np.ndarray
-    errors: list[VisionServeError | None]
-    queue_s: float = 0.0
-    compute_s: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 Observer = Callable[[BatchRecord], None]

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -35,7 +35,7 @@ from service.core.metrics import NOT_OBSERVED, PROTOCOLS, Metrics, ModelCounts
 from service.core.preprocess import ImageLimits
 from service.core.settings import ServerSettings
 from service.core.spec import ModelSpec, decode_spec
-from service.core.status import EngineState
+from service.core.status import EngineState, InferResult
 from service.transport.client import UNAVAILABLE, EngineClient
 from service.transport.messages import Catalog, ModelInfo, Snapshot
 from service.transport.shm import Arena
@@ -62,17 +62,6 @@ class Timing:
         if total_s is not None:
             parts.append(f"total;dur={total_s * 1000:.3f}")
         return ", ".join(parts)
-
-
-@dataclass
-class InferResult:
-    """Logits per image (rows of failed images are zero) and each image's own error, if any."""
-
-    logits: np.ndarray
-    errors: list[VisionServeError | None]
-    queue_s: float = 0.0
-    compute_s: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 def outcome_of(exc: BaseException) -> str:
