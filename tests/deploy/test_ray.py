@@ -106,8 +106,11 @@ def _servers(repo: Path) -> list[int]:
     return found
 
 
-def _replicas_seen(url: str, tries: int = 60) -> dict[str, tuple[str, float]]:
-    """replica -> (node, its server's success count), from /metrics fetched through the proxy until both answer."""
+def _replicas_seen(url: str, tries: int = 300) -> dict[str, tuple[str, float]]:
+    """replica -> (node, its server's success count), from /metrics fetched through the proxy until both answer.
+
+    Right after a load step Ray's router can keep choosing the same replica for a while (60 tries in a row once
+    went to one of two), so this asks up to ``tries`` times, pausing a little between tries."""
     seen: dict[str, tuple[str, float]] = {}
     with httpx.Client(base_url=url, timeout=30) as client:
         for _ in range(tries):
@@ -116,6 +119,7 @@ def _replicas_seen(url: str, tries: int = 60) -> dict[str, tuple[str, float]]:
             seen[r.headers[REPLICA_HEADER]] = (r.headers[NODE_HEADER], successes(r.text, "digits"))
             if len(seen) == 2:
                 break
+            time.sleep(0.02)
     return seen
 
 
