@@ -136,14 +136,19 @@ def load_torchscript(path: str | Path, device: str = "cpu") -> Any:
         return torch.jit.load(str(path), map_location=device)
 
 
-def _check_torchscript(path: Path, spec: ModelSpec, deep: bool) -> None:
+def _check_zip(path: Path, what: str) -> None:
+    """TorchScript files and AOTInductor packages are zip archives: refuse a truncated or corrupt one."""
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise ConfigError(f"{path} is truncated or not a TorchScript file: {exc}") from exc
+        raise ConfigError(f"{path} is truncated or not {what}: {exc}") from exc
     if bad is not None:
         raise ConfigError(f"{path} is corrupt: member {bad} fails its checksum")
+
+
+def _check_torchscript(path: Path, spec: ModelSpec, deep: bool) -> None:
+    _check_zip(path, "a TorchScript file")
     if not deep:
         return
     import torch
@@ -160,13 +165,7 @@ def _check_torchscript(path: Path, spec: ModelSpec, deep: bool) -> None:
 
 
 def _check_aoti(path: Path, spec: ModelSpec, deep: bool) -> None:
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise ConfigError(f"{path} is truncated or not an AOTInductor package: {exc}") from exc
-    if bad is not None:
-        raise ConfigError(f"{path} is corrupt: member {bad} fails its checksum")
+    _check_zip(path, "an AOTInductor package")
     if not deep:
         return
     import torch

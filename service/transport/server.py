@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from service.core.errors import BadInputError
-from service.transport.client import BEAT_S
+from service.transport.client import _EVENTS, _POLLIN, BEAT_S
 from service.transport.messages import (
     ENCODER,
     TO_ENGINE,
@@ -40,8 +40,6 @@ from service.transport.messages import (
 from service.transport.shm import ArenaReader
 
 log = logging.getLogger(__name__)
-# Plain ints: pyzmq's enum members cost microseconds per operation on the hot path.
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class Handler(Protocol):
