@@ -19,6 +19,15 @@ CONFIG_FILE = "config.toml"
 _DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
 
 
+class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Faults injected into a model's runtime, for drills and the reliability tests (``[faults]``; all off by
+    default). Batches are counted per model version from the end of warm-up, across its instances."""
+
+    delay_ms: float = 0.0  # added to every batch, on the runtime's worker thread (fixes a model's capacity)
+    hang_at_batch: int = -1  # that batch (0 = the first) never returns: a wedged forward
+    fail_after_batches: int = -1  # every batch from that one on raises
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Serving settings of one model (all versions)."""
 
@@ -34,6 +43,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     queue_full_status: Literal[503, 429] = 503
     default_timeout_ms: float = 0.0
     warmup: bool = True
+    instance_stuck_after_s: float = 60.0
+    unhealthy_after_failed_batches: int = 3
+    faults: Faults = msgspec.field(default_factory=Faults)
 
 
 # field -> (check, what is allowed); checked after msgspec has checked the types.
@@ -44,6 +56,13 @@ _RULES: dict[str, tuple[Any, str]] = {
     "max_queue_size": (lambda v: v >= 1, "an integer >= 1"),
     "default_timeout_ms": (lambda v: v >= 0, "a number >= 0 (0: no timeout)"),
     "device": (lambda v: bool(_DEVICE.match(v)), "auto, cpu, cuda or cuda:N"),
+    "instance_stuck_after_s": (lambda v: v >= 0, "a number >= 0 (0: never declared stuck)"),
+    "unhealthy_after_failed_batches": (lambda v: v >= 1, "an integer >= 1"),
+}
+_FAULT_RULES: dict[str, tuple[Any, str]] = {
+    "delay_ms": (lambda v: v >= 0, "a number >= 0"),
+    "hang_at_batch": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
+    "fail_after_batches": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
 }
 
 _ALLOWED_TEXT = {
@@ -53,6 +72,7 @@ _ALLOWED_TEXT = {
     "queue_full_status": "503 or 429",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
+    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches",
     **{k: v[1] for k, v in _RULES.items()},
 }
 
@@ -80,6 +100,10 @@ def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
         value = getattr(config, field)
         if isinstance(value, bool) or not check(value):
             raise _fail(field, value, source)
+    for field, (check, allowed) in _FAULT_RULES.items():
+        value = getattr(config.faults, field)
+        if isinstance(value, bool) or not check(value):
+            raise ConfigError(f"faults.{field} must be {allowed}, got {value!r} ({source})")
     for size in config.preferred_batch_sizes:
         if not 1 <= size <= config.max_batch_size:
             raise ConfigError(
@@ -121,6 +145,8 @@ max_queue_size = 1024         # images queued before requests are refused
 queue_full_status = 503       # 503 or 429, with Retry-After
 default_timeout_ms = 0        # 0: no deadline unless the request sets one
 warmup = true                 # run every batch-size bucket once before reporting ready
+instance_stuck_after_s = 60   # a batch unanswered this long: its instance is abandoned and replaced (0: never)
+unhealthy_after_failed_batches = 3  # this many batches in a row failing every image: the model reports not ready
 """
 
 

@@ -15,6 +15,7 @@
     ├── DeadlineExceededError        the request's deadline passed before compute           -> 504
     ├── CancelledError               the caller went away before compute
     └── RuntimeFailure               a failure of ours (runtime, device)                    -> 500
+        ├── InstanceStuckError       a runtime instance gave no answer within its bound (it is replaced)
         └── DeviceFailure            the device itself failed (CUDA error, out of memory)
             └── OutOfMemoryError     the device ran out of memory (a smaller batch may fit)
 
@@ -77,6 +78,10 @@ class CancelledError(VisionServeError):
 
 class RuntimeFailure(VisionServeError):
     """A failure of ours while running a model."""
+
+
+class InstanceStuckError(RuntimeFailure):
+    """A runtime instance gave no answer within ``instance_stuck_after_s``: it is abandoned and replaced."""
 
 
 class DeviceFailure(RuntimeFailure):

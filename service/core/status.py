@@ -10,7 +10,11 @@ import numpy as np
 
 from service.core.errors import VisionServeError
 
-State = Literal["READY", "DEGRADED", "FAILED"]
+# READY and DEGRADED (serving from the CPU fallback) serve and report ready; UNHEALTHY (its last batches all
+# failed), REPLACING (a stuck instance's replacement is loading; requests queue) and FAILED (no instance left)
+# report not ready.
+State = Literal["READY", "DEGRADED", "UNHEALTHY", "REPLACING", "FAILED"]
+SERVING_STATES = ("READY", "DEGRADED")
 
 
 class EngineState(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +26,7 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     precision: str
     note: str | None = None
     fallbacks: int = 0
+    replaced: int = 0  # stuck instances abandoned and replaced
 
 
 @dataclass

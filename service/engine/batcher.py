@@ -10,6 +10,10 @@
 - A failed batch is retried image by image, so one poison input fails alone. A device failure (CUDA out of
   memory) splits the batch in halves first; an instance that keeps failing is taken out of service and the
   ``on_device_lost`` hook may give replacements (the CPU fallback).
+- A batch unanswered for ``stuck_after_s`` means its instance is wedged (a forward cannot be interrupted): the
+  batch's images fail with :class:`InstanceStuckError`, the instance is abandoned, and ``on_instance_stuck`` gives
+  its replacement; queued images wait for it (their deadlines still hold). ``unhealthy_after_failed_batches``
+  batches in a row that fail every image make the model report itself unhealthy until a batch succeeds.
 
 It is event driven: the dispatcher sleeps on an event until the queue holds enough images or the oldest image's
 delay runs out (never a polling loop). It imports no HTTP code; a runtime's future is awaited, never blocked on.
@@ -30,6 +34,7 @@ import numpy as np
 from service.core.errors import (
     DeadlineExceededError,
     DeviceFailure,
+    InstanceStuckError,
     OutOfMemoryError,
     OverloadedError,
     RuntimeFailure,
@@ -53,6 +58,8 @@ class BatcherConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queue_size: int = 1024
     default_timeout_ms: float = 0.0
     device_failures_before_removal: int = 3
+    stuck_after_s: float = 0.0  # 0: a batch may take as long as it takes
+    unhealthy_after_failed_batches: int = 3
 
 
 class InferRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +79,7 @@ class InferRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 Observer = Callable[[BatchRecord], None]
 DeviceLost = Callable[[RuntimeLike, Exception], Awaitable[list[RuntimeLike]]]
+StateChanged = Callable[[], None]
 
 
 class _Pending:
@@ -136,6 +144,8 @@ class Batcher:
         name: str = "model",
         observer: Observer | None = None,
         on_device_lost: DeviceLost | None = None,
+        on_instance_stuck: DeviceLost | None = None,
+        on_state_change: StateChanged | None = None,
     ) -> None:
         if not instances:
             raise ValueError("a batcher needs at least one runtime instance")
@@ -144,6 +154,8 @@ class Batcher:
         self.spec = instances[0].spec
         self.observer = observer
         self.on_device_lost = on_device_lost
+        self.on_instance_stuck = on_instance_stuck
+        self.on_state_change = on_state_change
         self._instances: list[RuntimeLike] = list(instances)
         self._queues: dict[int, deque[_Item]] = {}
         self._count = 0
@@ -155,6 +167,11 @@ class Batcher:
         self._inflight = 0
         self._failures: dict[int, int] = {}
         self._started = False
+        self._stuck_after_s = self.config.stuck_after_s
+        self.replacing = 0  # stuck instances whose replacements are loading
+        self.stuck_total = 0
+        self.failed_streak = 0  # batches in a row that failed every image
+        self.last_failure: str | None = None
         self.batches = 0
         self.images = 0
         self.size_counts: dict[int, int] = {}
@@ -184,6 +201,18 @@ class Batcher:
     @property
     def instances(self) -> list[RuntimeLike]:
         return list(self._instances)
+
+    @property
+    def healthy(self) -> bool:
+        """False while the last ``unhealthy_after_failed_batches`` batches (or more) failed every image."""
+        return self.failed_streak < self.config.unhealthy_after_failed_batches
+
+    def _changed(self) -> None:
+        if self.on_state_change is not None:
+            try:
+                self.on_state_change()
+            except Exception:
+                log.exception("%s: state-change hook failed", self.name)
 
     async def close(self, timeout_s: float = 30.0, *, close_runtimes: bool = True) -> None:
         """Stop intake, drain what is queued within ``timeout_s``, fail the rest, close the runtimes."""
@@ -221,7 +250,7 @@ class Batcher:
             self._start()
         if self._closing:
             raise OverloadedError(f"model {self.name} is shutting down")
-        if not self._instances:
+        if not self._instances and not self.replacing:
             raise DeviceFailure(f"model {self.name} has no working device left")
         images = request.images
         n = int(images.shape[0])
@@ -236,7 +265,7 @@ class Batcher:
             pending.timer = self._loop.call_later(
                 timeout_ms / 1000.0,
                 pending.finish,
-                DeadlineExceededError(f"deadline of {timeout_ms:g} ms passed before compute"),
+                DeadlineExceededError(f"deadline of {timeout_ms:g} ms passed before the answer was ready"),
             )
         future.add_done_callback(pending.abandon_if_cancelled)
         now = time.monotonic()
@@ -312,7 +341,17 @@ class Batcher:
     async def _run(self, instance: RuntimeLike, items: list[_Item]) -> np.ndarray:
         # The runtime stacks the images into its own reused buffer on its worker thread: the copy (about 0.6 ms
         # for 32 images at 224x224) then overlaps the event loop's work instead of adding to it.
-        return await asyncio.wrap_future(instance.submit([item.image for item in items]))
+        future = asyncio.wrap_future(instance.submit([item.image for item in items]))
+        if not self._stuck_after_s:
+            return await future
+        done, _ = await asyncio.wait((future,), timeout=self._stuck_after_s)
+        if not done:
+            future.add_done_callback(_consume)  # it may yet answer, long after we stopped listening
+            raise InstanceStuckError(
+                f"model {self.name}: the runtime instance on {instance.device} gave no answer in "
+                f"{self._stuck_after_s:g} s (instance_stuck_after_s); it was abandoned and replaced"
+            )
+        return future.result()
 
     async def _execute(self, instance: RuntimeLike, items: list[_Item]) -> None:
         started = time.monotonic()
@@ -328,6 +367,7 @@ class Batcher:
             except Exception as exc:
                 healthy, failed = await self._recover(instance, items, exc, started, items)
             compute_s = time.monotonic() - started
+            self._track_health(failed == len(items))
             self.batches += 1
             self.images += len(items)
             self.size_counts[len(items)] = self.size_counts.get(len(items), 0) + 1
@@ -381,6 +421,14 @@ class Batcher:
         that keeps failing out of service (its undelivered images are requeued). Returns (healthy, images failed).
         """
         error = exc if isinstance(exc, VisionServeError) else RuntimeFailure(f"{type(exc).__name__}: {exc}")
+        self.last_failure = str(error)
+        if isinstance(error, InstanceStuckError):
+            live = [item for item in batch if not item.delivered and not item.pending.done]
+            now = time.monotonic()
+            for item in live:
+                self._deliver(item, None, error, now - started, len(batch), started)
+            await self._replace_stuck(instance, error)
+            return False, len(live)
         if isinstance(error, DeviceFailure):
             # Out of memory on a batch that can still be halved is the batch's size, not the device: only the
             # other device failures, and out of memory on a single image, count toward taking it out of service.
@@ -422,6 +470,48 @@ class Batcher:
             self._deliver(item, logits[row], None, time.monotonic() - started, len(items), started)
         return True, 0
 
+    def _track_health(self, all_failed: bool) -> None:
+        was = self.healthy
+        self.failed_streak = self.failed_streak + 1 if all_failed else 0
+        if self.healthy != was:
+            if was:
+                log.error("%s: %d batches in a row failed every image: reporting unhealthy (last: %s)",
+                          self.name, self.failed_streak, self.last_failure)  # fmt: skip
+            else:
+                log.warning("%s: a batch succeeded: healthy again", self.name)
+            self._changed()
+
+    async def _replace_stuck(self, instance: RuntimeLike, error: InstanceStuckError) -> None:
+        """Abandon a wedged instance and start its replacement; queued images wait for it (their deadlines
+        hold), new ones are still accepted meanwhile, and the state says the model is not ready."""
+        log.error("%s: %s", self.name, error)
+        self.stuck_total += 1
+        if instance in self._instances:
+            self._instances.remove(instance)
+        self.replacing += 1
+        self._changed()
+        try:
+            instance.abandon()
+        except Exception:
+            log.exception("abandoning a stuck instance of %s", self.name)
+        replacements: list[RuntimeLike] = []
+        try:
+            if self.on_instance_stuck is not None:
+                replacements = await self.on_instance_stuck(instance, error)
+        except Exception:
+            log.exception("%s: the replacement of a stuck instance could not start", self.name)
+        finally:
+            self.replacing -= 1
+        for replacement in replacements:
+            self._instances.append(replacement)
+            self._free.put_nowait(replacement)
+        if replacements:
+            log.warning("%s: a replacement instance on %s is serving", self.name, replacements[0].device)
+        elif not self._instances and not self.replacing:
+            self._fail_queued(DeviceFailure(f"model {self.name} has no working instance left: {error}"))
+        self._wakeup.set()
+        self._changed()
+
     async def _remove(self, instance: RuntimeLike, error: Exception, items: list[_Item]) -> None:
         """Take ``instance`` out of service; requeue its images first in line (nothing accepted is dropped)."""
         log.error("%s: taking instance on %s out of service: %s", self.name, instance.device, error)
@@ -457,3 +547,8 @@ class Batcher:
             while queue:
                 queue.popleft().pending.finish(error)
         self._count = 0
+
+
+def _consume(future: asyncio.Future[np.ndarray]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved, so asyncio does not log it as never retrieved

@@ -23,7 +23,7 @@ from service.core.repository import ModelVersion
 from service.core.spec import ModelSpec
 from service.core.status import EngineState, State
 from service.engine.batcher import Batcher, BatcherConfig, InferRequest, InferResult
-from service.runtime import RuntimeLike, choose_backend, make_runtime, warm_up
+from service.runtime import FaultPlan, Runtime, RuntimeLike, choose_backend, make_runtime, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ def batcher_config(config: ModelConfig) -> BatcherConfig:
         preferred_batch_sizes=config.preferred_batch_sizes,
         max_queue_size=config.max_queue_size,
         default_timeout_ms=config.default_timeout_ms,
+        stuck_after_s=config.instance_stuck_after_s,
+        unhealthy_after_failed_batches=config.unhealthy_after_failed_batches,
     )
 
 
@@ -82,8 +84,10 @@ class ModelEngine:
         available_gpus: list[str] | None = None,
         observer: Callable[[BatchRecord], None] | None = None,
         on_fallback: Callable[[str], None] | None = None,
+        on_state_change: Callable[[], None] | None = None,
     ) -> None:
-        """Load and warm up every instance (blocking: call it off the event loop)."""
+        """Load and warm up every instance (blocking: call it off the event loop). ``on_state_change`` hears of
+        every change of :meth:`state` the batcher makes at run time (stuck, replaced, unhealthy, healthy)."""
         self.version = version
         self.config = config
         self.backend = "custom" if factory is not None else choose_backend(version, config)
@@ -94,16 +98,15 @@ class ModelEngine:
         self._note = note
         self._fallbacks = 0
         self._on_fallback = on_fallback
+        self._devices = tuple(sorted(set(devices)))
+        self._faults = FaultPlan(config.faults) if FaultPlan.wanted(config.faults) else None
         if degraded and on_fallback is not None:
             on_fallback("device_unavailable")
         instances: list[RuntimeLike] = []
         try:
             for device in devices:
                 for _ in range(config.instances):
-                    instance = self._factory(device)
-                    instances.append(instance)
-                    if config.warmup:
-                        warm_up(instance, config.max_batch_size)
+                    instances.append(self._start(device))
         except Exception:
             for instance in instances:
                 instance.close()
@@ -114,23 +117,53 @@ class ModelEngine:
             name=f"{version.model}/{version.version}",
             observer=observer,
             on_device_lost=self._device_lost,
+            on_instance_stuck=self._instance_stuck,
+            on_state_change=on_state_change,
         )
+
+    def _start(self, device: str) -> RuntimeLike:
+        """A loaded, warmed-up instance on ``device`` (blocking), with the model's injected faults armed."""
+        instance = self._factory(device)
+        try:
+            if self.config.warmup:
+                warm_up(instance, self.config.max_batch_size)
+        except BaseException:
+            instance.close()
+            raise
+        if self._faults is not None and isinstance(instance, Runtime):
+            instance.faults = self._faults
+        return instance
 
     @property
     def spec(self) -> ModelSpec:
         return self.version.spec
 
     def state(self) -> EngineState:
-        devices = tuple(sorted({i.device for i in self.batcher.instances}))
-        state: State = self._state if devices else "FAILED"
+        batcher = self.batcher
+        devices = tuple(sorted({i.device for i in batcher.instances}))
+        state: State = self._state
+        note = self._note
+        if not devices:
+            state = "REPLACING" if batcher.replacing else "FAILED"
+            devices = self._devices  # what it is being served on, for labels, while nothing is
+            if batcher.replacing:
+                note = "a stuck runtime instance is being replaced; requests queue meanwhile"
+        elif not batcher.healthy:
+            state = "UNHEALTHY"
+            note = f"the last {batcher.failed_streak} batches failed every image; last error: {batcher.last_failure}"
         return EngineState(
             state=state,
             backend=self.backend,
             devices=devices,
             precision=self.config.precision if any(d.startswith("cuda") for d in devices) else "fp32",
-            note=self._note,
+            note=note,
             fallbacks=self._fallbacks,
+            replaced=batcher.stuck_total,
         )
+
+    async def _instance_stuck(self, instance: RuntimeLike, error: Exception) -> list[RuntimeLike]:
+        """A fresh instance on the stuck one's device (loaded and warmed up off the event loop)."""
+        return [await asyncio.get_running_loop().run_in_executor(None, self._start, instance.device)]
 
     async def _device_lost(self, instance: RuntimeLike, error: Exception) -> list[RuntimeLike]:
         remaining = [i for i in self.batcher.instances if i is not instance]
@@ -146,11 +179,7 @@ class ModelEngine:
         loop = asyncio.get_running_loop()
 
         def start_cpu() -> list[RuntimeLike]:
-            started = [self._factory("cpu") for _ in range(self.config.instances)]
-            if self.config.warmup:
-                for runtime in started:
-                    warm_up(runtime, self.config.max_batch_size)
-            return started
+            return [self._start("cpu") for _ in range(self.config.instances)]
 
         return await loop.run_in_executor(None, start_cpu)
 
@@ -158,4 +187,6 @@ class ModelEngine:
         return await self.batcher.submit(request)
 
     async def close(self, timeout_s: float = 30.0) -> None:
+        if self._faults is not None:
+            self._faults.release()  # an injected hang ends with the model (a real one would not: see process.py)
         await self.batcher.close(timeout_s)

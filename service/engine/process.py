@@ -55,6 +55,12 @@ async def run_engine(launch: EngineLaunch) -> None:
     log.warning("engine %s: draining (up to %.1f s), then exiting", launch.name, launch.settings.drain_timeout_s)
     await server.drain()
     await endpoint.close()
+    if server.abandoned_instances():
+        # A stuck instance's worker thread may never return, and the interpreter joins every executor thread at
+        # exit: leave without waiting for it (everything this process owes was answered above).
+        log.warning("engine %s: exiting past %d abandoned instance(s)", launch.name, server.abandoned_instances())
+        logging.shutdown()
+        os._exit(0)
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ class EngineServer:
             try:
                 engine = await asyncio.to_thread(
                     ModelEngine, version, entry.config, available_gpus=self.gpus, observer=observer,
-                    on_fallback=on_fallback,
+                    on_fallback=on_fallback, on_state_change=self._state_changed,
                 )  # fmt: skip
             except VisionServeError as exc:
                 log.error("model %s version %s failed to load: %s", entry.name, number, exc)
@@ -101,6 +101,10 @@ class EngineServer:
             self.errors.pop(entry.name, None)
             self.unloaded.pop(entry.name, None)
         self._version += 1
+
+    def _state_changed(self) -> None:
+        self._version += 1  # a model's state changed (stuck, replaced, unhealthy): front ends re-read the catalog
+        self.endpoint.announce()  # now, not at the next beat
 
     def _on_fallback(self, hook: Any) -> Any:
         def on_fallback(reason: str) -> None:
@@ -288,6 +292,10 @@ class EngineServer:
                 batcher = engine.batcher
                 labels = (name, str(number), ",".join(engine.state().devices))
                 yield labels, batcher.queue_depth, batcher.inflight_batches
+
+    def abandoned_instances(self) -> int:
+        """Runtime instances abandoned as stuck (their threads may still be running)."""
+        return sum(e.batcher.stuck_total for versions in self.models.values() for e in versions.values())
 
     # ---- shutdown -------------------------------------------------------------------------------------------
     async def drain(self) -> None:

@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 
 from service.core.errors import BadInputError, PayloadTooLargeError, VisionServeError
+from service.core.status import SERVING_STATES
 from service.frontend.results import classification_strings
 from service.frontend.state import ModelSlot, ServerState, Timing
 
@@ -80,8 +81,8 @@ def resolve(server: ServerState, name: str, version: int | str | None = None) ->
 
 
 def is_ready(server: ServerState, slot: ModelSlot) -> bool:
-    """Ready unless its engine failed or the server is draining (DEGRADED still serves, from the fallback)."""
-    return slot.engine.state().state != "FAILED" and not server.draining
+    """Ready while its engine serves (DEGRADED does, from the fallback) and the server is not draining."""
+    return slot.engine.state().state in SERVING_STATES and not server.draining
 
 
 def platform(slot: ModelSlot) -> str:

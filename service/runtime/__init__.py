@@ -7,6 +7,7 @@ from service.runtime.aoti import AotiRuntime
 from service.runtime.base import Runtime, RuntimeLike
 from service.runtime.factory import BACKENDS, PREFERENCE, artifact, choose_backend, make_runtime, warm_up
 from service.runtime.fake import FakeRuntime, FaultInjectingRuntime
+from service.runtime.faults import FaultPlan
 from service.runtime.onnxrt import OnnxRuntime
 from service.runtime.torchscript import TorchScriptRuntime, bucket_sizes, load_torchscript
 
@@ -16,6 +17,7 @@ __all__ = [
     "AotiRuntime",
     "FakeRuntime",
     "FaultInjectingRuntime",
+    "FaultPlan",
     "OnnxRuntime",
     "Runtime",
     "RuntimeLike",

@@ -19,6 +19,7 @@ import numpy as np
 
 from service.core.errors import BadInputError, RuntimeFailure, VisionServeError
 from service.core.spec import ModelSpec
+from service.runtime.faults import FaultPlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,6 +36,7 @@ class RuntimeLike(Protocol):
     def run(self, batch: Batch) -> np.ndarray: ...
     def submit(self, batch: Batch) -> Future[np.ndarray]: ...
     def close(self) -> None: ...
+    def abandon(self) -> None: ...
     def describe(self) -> dict[str, Any]: ...
 
 
@@ -42,6 +44,7 @@ class Runtime:
     """Base of every runtime. Subclasses implement ``_load``, ``_forward`` and optionally ``_release``."""
 
     kind = "base"
+    faults: FaultPlan | None = None  # injected faults (a model's ``[faults]``), armed after warm-up
 
     def __init__(self, spec: ModelSpec, *, device: str = "cpu", name: str = "model") -> None:
         self.spec = spec
@@ -81,10 +84,18 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self.faults is not None:
+            self.faults.release()
         try:
             self._executor.submit(self._release).result()
         finally:
             self._executor.shutdown(wait=True)
+
+    def abandon(self) -> None:
+        """Give up on an instance whose worker thread is stuck: refuse new batches and let the thread go without
+        waiting for it (a forward cannot be interrupted; the thread and what it holds stay until it returns)."""
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers --------------------------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T]) -> T:
@@ -106,6 +117,8 @@ class Runtime:
         if not isinstance(batch, np.ndarray):
             batch = np.stack(batch, out=self._staging(len(batch)))
         try:
+            if self.faults is not None:
+                self.faults.before_batch()
             out = self._forward(batch)
         except VisionServeError:
             raise

@@ -44,7 +44,8 @@ class FakeRuntime(Runtime):
 
     def _run_on_worker(self, batch: Batch) -> np.ndarray:
         overridden = type(self)._forward is not FakeRuntime._forward
-        if isinstance(batch, np.ndarray) or self.fault is not None or self.delay_s or overridden:
+        slow = self.fault is not None or self.delay_s or self.faults is not None or overridden
+        if isinstance(batch, np.ndarray) or slow:
             return super()._run_on_worker(batch)
         # No model, so no stacking copy either: this is the batcher's own ceiling, not memory bandwidth's.
         self.batch_sizes.append(len(batch))
@@ -86,6 +87,9 @@ class FaultInjectingRuntime:
 
     def close(self) -> None:
         self.inner.close()
+
+    def abandon(self) -> None:
+        self.inner.abandon()
 
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "device": self.device, "fault_injection": True}

@@ -196,9 +196,16 @@ class EngineEndpoint:
             return
         self.send(peer, Reply(query.id, value=value))
 
+    def announce(self) -> None:
+        """Beat now, out of turn: the catalog changed (a model's state), and readiness should not wait for the
+        next beat to say so. Call on the engine's event loop."""
+        if getattr(self, "_handler", None) is None:
+            return
+        beat = Beat(self._handler.catalog_version())
+        for peer in list(self._arenas):
+            self.send(peer, beat)
+
     async def _beat(self) -> None:
         while True:
             await asyncio.sleep(BEAT_S)
-            beat = Beat(self._handler.catalog_version())
-            for peer in list(self._arenas):
-                self.send(peer, beat)
+            self.announce()

@@ -365,3 +365,65 @@ def test_runtime_calls_stay_on_one_worker_thread() -> None:
 
     run(scenario())
     assert len(threads) == 1 and threading.get_ident() not in threads
+
+
+def test_a_stuck_instance_is_abandoned_its_batch_fails_and_queued_work_waits_for_the_replacement() -> None:
+    from service.core.config import Faults
+    from service.core.errors import InstanceStuckError
+    from service.runtime import FaultPlan
+
+    async def scenario() -> None:
+        plan = FaultPlan(Faults(hang_at_batch=0))
+        wedged = LoggingFake()
+        wedged.faults = plan
+        spare = LoggingFake()
+        changes: list[tuple[int, int]] = []
+        replaced: list[Any] = []
+
+        async def replace(instance: Any, error: Exception) -> list[Any]:
+            replaced.append(instance)
+            await asyncio.sleep(0.2)  # a replacement takes a while to load
+            return [spare]
+
+        def changed() -> None:
+            changes.append((len(batcher.instances), batcher.replacing))
+
+        config = BatcherConfig(max_batch_size=4, max_queue_delay_ms=0, stuck_after_s=0.3)
+        batcher = Batcher([wedged], config, on_instance_stuck=replace, on_state_change=changed)
+        first = asyncio.create_task(batcher.submit(request([1])))
+        await asyncio.sleep(0.1)
+        second = asyncio.create_task(batcher.submit(request([2])))  # queued behind the hung batch
+        stuck = (await first).errors[0]
+        assert isinstance(stuck, InstanceStuckError) and "gave no answer in 0.3 s" in str(stuck)
+        assert replaced == [wedged] and batcher.replacing == 1 and batcher.instances == []
+        third = asyncio.create_task(batcher.submit(request([3])))  # accepted while the replacement loads
+        results = await asyncio.gather(second, third)
+        assert [ident(r.logits[0].astype(np.uint8)) for r in results] == [2, 3]
+        assert changes == [(0, 1), (1, 0)]  # not ready while replacing, then ready
+        assert batcher.stuck_total == 1 and batcher.instances == [spare]
+        plan.release()
+        await batcher.close()
+
+    run(scenario())
+
+
+def test_batches_that_all_fail_make_the_model_unhealthy_until_one_succeeds() -> None:
+    async def scenario() -> None:
+        failing = {"on": True}
+        rt = LoggingFake(fault=lambda batch: RuntimeFailure("broken") if failing["on"] else None)
+        changes: list[bool] = []
+        batcher = Batcher(
+            [rt], BatcherConfig(max_batch_size=4, max_queue_delay_ms=0, unhealthy_after_failed_batches=2),
+            on_state_change=lambda: changes.append(batcher.healthy),
+        )  # fmt: skip
+        for i in range(2):
+            result = await batcher.submit(request([i]))
+            assert isinstance(result.errors[0], RuntimeFailure)
+        assert not batcher.healthy and batcher.last_failure is not None and "broken" in batcher.last_failure
+        failing["on"] = False
+        result = await batcher.submit(request([9]))
+        assert result.errors == [None] and batcher.healthy
+        assert changes == [False, True]
+        await batcher.close()
+
+    run(scenario())

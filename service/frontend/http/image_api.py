@@ -143,6 +143,8 @@ async def _classify(
         preds = predictions(softmax(result.logits), slot.spec.labels, top_k)
         for row, i in enumerate(good):
             error = result.errors[row]
+            if error is not None and single:
+                raise error  # a raw body is the whole request: its status says what happened (500, 504, ...)
             if error is not None:
                 results[i].error = str(error)
             else:

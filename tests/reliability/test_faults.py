@@ -1,0 +1,137 @@
+"""Faults inside the server, against a real server process: a runtime whose forward never returns, a runtime that
+raises on every batch. Both are the trained digits model with a ``[faults]`` table (service/runtime/faults.py).
+
+Run with ``-s`` to see the figures.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.reliability.conftest import add_variant, start_server, stop_server
+
+DIGIT = (Path(__file__).parents[2] / "examples" / "digit-3.png").read_bytes()
+PNG = {"Content-Type": "image/png"}
+
+
+def classify(client: httpx.Client, model: str, **params: Any) -> httpx.Response:
+    return client.post(f"/v1/models/{model}/classify", content=DIGIT, headers=PNG, params=params)
+
+
+def state_of(client: httpx.Client, model: str) -> dict[str, Any]:
+    return dict(client.get(f"/v2/models/{model}").json()["parameters"]["state"])
+
+
+def test_a_hung_forward_times_out_is_replaced_and_readiness_tells_the_truth(repo_copy: Path, tmp_path: Path) -> None:
+    add_variant(
+        repo_copy, "wedged", "max_queue_delay_ms = 0\ninstance_stuck_after_s = 1.5\n[faults]\nhang_at_batch = 0\n"
+    )
+    server = start_server(repo_copy, tmp_path / "server.log")
+    try:
+        with server.client() as client:
+            assert client.get("/v2/models/wedged/ready").status_code == 200
+            # The first batch hangs: a request with a deadline gets 504 at its deadline.
+            started = time.monotonic()
+            hung = classify(client, "wedged", timeout_ms=400)
+            deadline_answer_s = time.monotonic() - started
+            assert hung.status_code == 504, hung.text
+            # A request without a deadline, sent while the instance is wedged, waits for the replacement.
+            queued: dict[str, Any] = {}
+
+            def send_queued() -> None:
+                with server.client() as other:
+                    t0 = time.monotonic()
+                    queued["response"] = classify(other, "wedged")
+                    queued["s"] = time.monotonic() - t0
+
+            sender = threading.Thread(target=send_queued)
+            sender.start()
+            # Readiness while stuck and replaced: poll every 20 ms for up to 30 s; the other model keeps serving.
+            seen: list[tuple[float, int, str]] = []
+            other_statuses: list[int] = []
+            poll_deadline = time.monotonic() + 30
+            while time.monotonic() < poll_deadline:
+                ready = client.get("/v2/models/wedged/ready").status_code
+                state = state_of(client, "wedged")
+                seen.append((time.monotonic() - started, ready, state["state"]))
+                other_statuses.append(classify(client, "digits").status_code)
+                if state.get("replaced") == 1 and ready == 200:
+                    break
+                time.sleep(0.02)
+            sender.join(30)
+            assert "response" in queued, "the queued request got no answer within 30 s"
+            not_ready = [t for t, ready, s in seen if ready != 200]
+            print(
+                f"\nhung forward: 504 after {deadline_answer_s * 1000:.0f} ms (deadline 400 ms); not ready from "
+                f"{min(not_ready, default=float('nan')):.2f} s to {max(not_ready, default=float('nan')):.2f} s "
+                f"after the hang began (stuck bound 1.5 s); states seen: {sorted({s for _, _, s in seen})}; "
+                f"queued request {queued['response'].status_code} after {queued['s']:.2f} s; "
+                f"digits during it: {len(other_statuses)} requests, statuses {sorted(set(other_statuses))}"
+            )
+            assert 0.3 <= deadline_answer_s < 1.4
+            assert not_ready, "readiness never reported the stuck instance"
+            assert min(not_ready) >= 1.4, "not ready before the stuck bound passed"
+            assert "REPLACING" in {s for _, _, s in seen}
+            assert seen[-1][1] == 200 and seen[-1][2] == "READY"
+            assert queued["response"].status_code == 200, queued["response"].text
+            assert set(other_statuses) == {200}
+            # The replacement serves; the metadata counts the replacement.
+            assert classify(client, "wedged").status_code == 200
+            assert state_of(client, "wedged")["replaced"] == 1
+        assert stop_server(server) == 0  # the engine exits although a runtime thread was abandoned
+    finally:
+        stop_server(server)
+    assert "gave no answer in 1.5 s" in (tmp_path / "server.log").read_text()
+
+
+def test_a_runtime_that_raises_fails_its_items_alone_and_reports_unhealthy(repo_copy: Path, tmp_path: Path) -> None:
+    add_variant(
+        repo_copy,
+        "broken",
+        "max_queue_delay_ms = 0\nunhealthy_after_failed_batches = 3\n[faults]\nfail_after_batches = 0\n",
+    )
+    server = start_server(repo_copy, tmp_path / "server.log")
+    try:
+        with server.client() as client:
+            assert client.get("/v2/models/broken/ready").status_code == 200
+            statuses = []
+            for _ in range(3):
+                answer = classify(client, "broken")
+                statuses.append(answer.status_code)
+                assert "injected fault" in answer.json()["error"]
+                assert "Traceback" not in answer.text
+            # Several files in one request: each fails alone (200 with an error in each file's place).
+            files = [("file", (f"d{i}.png", DIGIT, "image/png")) for i in range(3)]
+            multi = client.post("/v1/models/broken/classify", files=files)
+            assert multi.status_code == 200
+            assert all("injected fault" in r["error"] for r in multi.json()["results"])
+            time.sleep(0.6)  # the catalog reaches the front ends with the engine's next beat (0.5 s)
+            ready = client.get("/v2/models/broken/ready").status_code
+            state = state_of(client, "broken")
+            digits = [classify(client, "digits").status_code for _ in range(20)]
+            server_ready = client.get("/v2/health/ready").status_code
+            print(
+                f"\nraising runtime: statuses {statuses}; model ready -> {ready}, state {state['state']} "
+                f"({state['note']}); digits {sorted(set(digits))} x{len(digits)}; server ready {server_ready}"
+            )
+            assert statuses == [500, 500, 500]
+            assert ready != 200 and state["state"] == "UNHEALTHY"
+            assert "injected fault" in state["note"]
+            assert set(digits) == {200}
+            assert client.get("/v2/models/digits/ready").status_code == 200
+            assert server_ready == 200
+            errors = [
+                float(line.rsplit(" ", 1)[1])
+                for line in client.get("/metrics").text.splitlines()
+                if line.startswith("visionserve_requests_total{")
+                and 'model="broken"' in line
+                and 'outcome="error"' in line
+            ]
+            assert sum(errors) == 3  # the single-image requests (the multipart one is a 200 carrying each file's error)
+    finally:
+        assert stop_server(server) == 0
