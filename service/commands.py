@@ -165,6 +165,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pixels", type=int, default=40_000_000, help="most pixels in one image")
     p.add_argument("--drain-timeout-s", type=float, default=10.0, help="how long SIGTERM waits for queued work")
     p.add_argument(
+        "--max-header-kb", type=float, default=64.0, help="largest request head (request line and headers), KiB; 431"
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="a request head must arrive within this of the connection opening or the request starting; else 408",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=10.0,
+        help="a request body that stalls this long, or is slower than --min-body-bytes-per-s after it, is a 408",
+    )
+    p.add_argument(
+        "--min-body-bytes-per-s",
+        type=int,
+        default=1024,
+        help="slowest average a request body may arrive at once --body-timeout-s has passed (0: no minimum)",
+    )
+    p.add_argument(
         "--log-format", default="text", choices=["text", "json"], help="json: one access-log line per request"
     )
     p.add_argument("--no-metrics", action="store_true", help="turn /metrics and its recording off")
@@ -187,6 +208,10 @@ def run_serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         metrics=not args.no_metrics,
         engine_timeout_s=args.engine_timeout_s,
+        max_header_bytes=int(args.max_header_kb * 1024),
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        min_body_bytes_per_s=args.min_body_bytes_per_s,
     )
     if args.workers < 0 or args.shm_mb < 1:
         raise ConfigError(f"--workers must be >= 0 and --shm-mb >= 1, got {args.workers} and {args.shm_mb}")

@@ -23,9 +23,16 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     decode_workers: int | None = None
     metrics: bool = True
     engine_timeout_s: float = 120.0  # a request the engine has not answered by then is a 504 (a wedged engine)
+    # Slow and hostile clients (service/frontend/http/connection.py): a request head over max_header_bytes is a 431;
+    # a head not complete header_timeout_s after the connection opened or the request began is a 408; a body that
+    # stalls for body_timeout_s, or averages under min_body_bytes_per_s after it, is a 408.
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    min_body_bytes_per_s: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_images_per_request", "max_pixels"):
+        for name in ("max_body_bytes", "max_images_per_request", "max_pixels", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
@@ -36,5 +43,10 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"grpc_port and port must differ, both are {self.port}")
         if self.engine_timeout_s <= 0:
             raise ConfigError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.min_body_bytes_per_s < 0:
+            raise ConfigError(f"min_body_bytes_per_s must be >= 0, got {self.min_body_bytes_per_s}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

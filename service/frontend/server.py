@@ -48,12 +48,31 @@ def uvicorn_options(settings: ServerSettings, log_level: str) -> dict[str, Any]:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
+        "http": _http_protocol(settings),
+        # h11's own limit on a head; the httptools protocol counts its head itself (see _http_protocol).
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
         "lifespan": "on",
         "log_level": log_level,
         "access_log": False,
         "timeout_graceful_shutdown": max(1, int(settings.drain_timeout_s)),
     }
+
+
+def _http_protocol(settings: ServerSettings) -> Any:
+    """httptools with the connection limits (a head's size and time, a body's pace) where installed, else h11."""
+    if not importlib.util.find_spec("httptools"):
+        return "h11"
+    # Imported here: the module imports httptools, which is optional (the "fast" extra).
+    from service.frontend.http.connection import ConnectionLimits, limited_protocol
+
+    return limited_protocol(
+        ConnectionLimits(
+            max_header_bytes=settings.max_header_bytes,
+            header_timeout_s=settings.header_timeout_s,
+            body_timeout_s=settings.body_timeout_s,
+            min_body_bytes_per_s=settings.min_body_bytes_per_s,
+        )
+    )
 
 
 def _json_access_log() -> None:
