@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import io
 import re
-import warnings
 from typing import Final
 
 import msgspec
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
+from service.core.errors import BadInputError, ConfigError, PayloadTooLargeError, UnsupportedMediaError
 from service.core.spec import ModelSpec
 
 DEFAULT_FORMATS: Final = ("JPEG", "PNG", "WEBP", "BMP")
@@ -39,6 +38,22 @@ class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
 
     max_pixels: int = 40_000_000
     formats: tuple[str, ...] = DEFAULT_FORMATS
+
+    def __post_init__(self) -> None:
+        ceiling = pil_max_pixels()
+        if not 1 <= self.max_pixels <= ceiling:
+            raise ConfigError(
+                f"max_pixels must be an integer between 1 and {ceiling} (PIL refuses larger images while opening "
+                f"them, as decompression bombs), got {self.max_pixels}"
+            )
+
+
+def pil_max_pixels() -> int:
+    """The most pixels PIL opens at all: twice its process-wide ``Image.MAX_IMAGE_PIXELS``, past which it raises
+    ``DecompressionBombError`` before our own check runs. PIL's limit stays in force, since some of its plugins (GIF,
+    animated WebP) allocate a canvas while opening a file; a configured ``max_pixels`` may not exceed it."""
+    pil = Image.MAX_IMAGE_PIXELS
+    return 2 * pil if pil is not None else 2**63 - 1
 
 
 DEFAULT_LIMITS: Final = ImageLimits()
@@ -63,13 +78,14 @@ def open_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image
     if not data:
         raise BadInputError("empty image: the file has 0 bytes")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+        # PIL only warns (DecompressionBombWarning) between its MAX_IMAGE_PIXELS and twice that: the check below is
+        # the one that refuses. (Turning the warning into an error here took the process-wide warnings filters,
+        # which the decode threads raced on, and refused images within a larger configured limit.)
+        img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as exc:
         allowed = ", ".join(limits.formats)
         raise BadInputError(f"not a recognised image: the data is none of {allowed}") from exc
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except Image.DecompressionBombError as exc:  # over pil_max_pixels(), so over any configured limit too
         found = re.search(r"\((\d+) pixels\)", str(exc))
         size = f"{found.group(1)} pixels" if found else "too many pixels"
         raise PayloadTooLargeError(

@@ -43,6 +43,10 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"grpc_port and port must differ, both are {self.port}")
         if self.engine_timeout_s <= 0:
             raise ConfigError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s}")
+        from service.core.preprocess import pil_max_pixels  # PIL only once settings are checked
+
+        if self.max_pixels > pil_max_pixels():
+            raise ConfigError(f"max_pixels must be at most {pil_max_pixels()} (PIL's own limit), got {self.max_pixels}")
         for name in ("header_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -197,7 +197,8 @@ def _element(item: Any, marked: bool) -> bytes:
     return data
 
 
-def _images_from(tensor: Tensor) -> list[bytes]:
+def images_from(tensor: Tensor) -> list[bytes]:
+    """The encoded image files of an ``IMAGE`` input (BYTES ``[N]`` or ``[N, 1]``)."""
     shape = tensor.shape
     if tensor.datatype != "BYTES" or not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)):
         raise BadInputError(f"input IMAGE must be BYTES with shape [N], got {tensor.datatype} {shape}")
@@ -220,28 +221,35 @@ def _json_hint(tensor: Tensor) -> str:
     )
 
 
-def _pixels_from(tensor: Tensor, slot: ModelSlot) -> np.ndarray:
-    expected = _dims(slot)
+def pixels_from(tensor: Tensor, dims: list[int]) -> np.ndarray:
+    """The uint8 ``[N, C, H, W]`` pixels of an ``INPUT`` tensor whose ``[C, H, W]`` must be ``dims``."""
+    expected = dims
     if tensor.datatype not in ("UINT8", "FP32") or len(tensor.shape) != 4 or tensor.shape[1:] != expected:
         raise BadInputError(
             f"input INPUT must be UINT8 or FP32 with shape [N, {', '.join(map(str, expected))}], "
             f"got {tensor.datatype} {tensor.shape}"
         )
-    dtype = np.uint8 if tensor.datatype == "UINT8" else np.float32
+    if tensor.shape[0] < 1:  # checked first: numpy would read a -1 as "whatever fits the data"
+        raise BadInputError(f"INPUT holds no images: its shape {tensor.shape} says N = {tensor.shape[0]}, not >= 1")
     try:
         if isinstance(tensor.payload, bytes):
-            array = np.frombuffer(tensor.payload, dtype=np.dtype(dtype).newbyteorder("<")).reshape(tensor.shape)
+            dtype = np.dtype(np.uint8 if tensor.datatype == "UINT8" else "<f4")
+            array = np.frombuffer(tensor.payload, dtype=dtype).reshape(tensor.shape)
         else:
-            array = np.asarray(tensor.payload, dtype=dtype).reshape(tensor.shape)
-    except (ValueError, TypeError) as exc:
+            # float64 holds every JSON number without wrapping it (numpy refuses 300 as uint8 with an
+            # OverflowError, and casts 300.0 to 44); the range checks below refuse what is not a pixel value.
+            array = np.asarray(tensor.payload, dtype=np.float64).reshape(tensor.shape)
+    except (ValueError, TypeError, OverflowError) as exc:
         raise BadInputError(f"input INPUT data does not fit shape {tensor.shape}: {exc}") from exc
-    if dtype == np.float32:
-        if array.size and (not np.isfinite(array).all() or array.min() < 0 or array.max() > 255):
-            raise BadInputError("FP32 INPUT holds pixel values, which must be finite and within 0..255")
-        array = np.rint(array).astype(np.uint8)
-    if array.shape[0] < 1:
-        raise BadInputError("INPUT holds no images")
-    return array
+    if array.dtype == np.uint8:
+        return array
+    if not np.isfinite(array).all() or array.min() < 0 or array.max() > 255:
+        raise BadInputError(f"{tensor.datatype} INPUT holds pixel values, which must be finite and within 0..255")
+    if tensor.datatype == "UINT8":
+        if (array != np.rint(array)).any():
+            raise BadInputError("UINT8 INPUT holds pixel values, which must be integers within 0..255")
+        return array.astype(np.uint8)
+    return np.rint(array.astype(np.float32)).astype(np.uint8)
 
 
 def _check_batch(slot: ModelSlot, count: int) -> None:
@@ -268,7 +276,7 @@ async def infer(
         raise BadInputError(f"send exactly one input, IMAGE or INPUT; got {[i.name for i in inputs]}")
     tensor = inputs[0]
     if tensor.name == IMAGE:
-        files = _images_from(tensor)
+        files = images_from(tensor)
         if not files:
             raise BadInputError("input IMAGE holds no images")
         limit = server.settings.max_images_per_request
@@ -281,7 +289,7 @@ async def infer(
                 raise type(item)(f"image {i}: {item}{_json_hint(tensor)}")
         batch = np.stack(decoded)  # type: ignore[arg-type]
     elif tensor.name == TENSOR:
-        batch = _pixels_from(tensor, slot)
+        batch = pixels_from(tensor, _dims(slot))
         _check_batch(slot, batch.shape[0])
     else:
         raise BadInputError(f"unknown input {tensor.name!r}: this model takes IMAGE (BYTES) or INPUT (UINT8/FP32)")

@@ -32,28 +32,43 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
     wbits = _WBITS[encoding]
     if encoding == "deflate" and body[:1] and (body[0] & 0x0F) != 8:
         wbits = -zlib.MAX_WBITS
-    inflater = zlib.decompressobj(wbits)
     parts: list[bytes] = []
     size = 0
+    rest = body
     try:
-        data = inflater.decompress(body, _CHUNK)
         while True:
-            size += len(data)
+            inflater = zlib.decompressobj(wbits)
+            data = inflater.decompress(rest, _CHUNK)
+            while True:
+                size += len(data)
+                if size > limit:
+                    raise _too_large(limit, encoding)
+                parts.append(data)
+                if not inflater.unconsumed_tail:
+                    break
+                data = inflater.decompress(inflater.unconsumed_tail, _CHUNK)
+            tail = inflater.flush()
+            size += len(tail)
             if size > limit:
-                raise PayloadTooLargeError(f"request body too large: over {limit} bytes once decompressed ({encoding})")
-            parts.append(data)
-            if not inflater.unconsumed_tail:
-                break
-            data = inflater.decompress(inflater.unconsumed_tail, _CHUNK)
-        tail = inflater.flush()
+                raise _too_large(limit, encoding)
+            if not inflater.eof:
+                raise BadInputError(f"request body is not valid {encoding} data: the stream is truncated")
+            parts.append(tail)
+            rest = inflater.unused_data
+            if not rest:
+                return b"".join(parts)
+            # Whatever follows the end of the stream is never dropped unseen: gzip bodies may be several members
+            # (RFC 1952, as `cat a.gz b.gz` or pigz writes them); after a deflate stream it is an error.
+            if wbits != _WBITS["gzip"]:
+                raise BadInputError(
+                    f"request body is not valid {encoding} data: {len(rest)} bytes follow the end of the stream"
+                )
     except zlib.error as exc:
         raise BadInputError(f"request body is not valid {encoding} data: {exc}") from exc
-    if size + len(tail) > limit:
-        raise PayloadTooLargeError(f"request body too large: over {limit} bytes once decompressed ({encoding})")
-    if not inflater.eof:
-        raise BadInputError(f"request body is not valid {encoding} data: the stream is truncated")
-    parts.append(tail)
-    return b"".join(parts)
+
+
+def _too_large(limit: int, encoding: str) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"request body too large: over {limit} bytes once decompressed ({encoding})")
 
 
 async def read_body(request: Request[Any, Any, Any], limit: int) -> bytes:

@@ -13,9 +13,9 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 from litestar import Request, post
-from litestar.datastructures import UploadFile
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
+from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser  # type: ignore[import-untyped]
 
 from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
 from service.frontend.results import predictions, softmax
@@ -75,23 +75,56 @@ def timing_of(request: Request[Any, Any, Any]) -> Timing:
     return timing
 
 
-async def _read_images(request: Request[Any, Any, Any], limit: int) -> tuple[list[bytes], list[str | None], bool]:
-    """(images, filenames, single) from a raw image body or a multipart form."""
-    ctype, _ = request.content_type
+async def read_images(request: Request[Any, Any, Any], limit: int) -> tuple[list[bytes], list[str | None], bool]:
+    """(images, filenames, single) from a raw image body or a multipart form of at most ``limit`` files."""
+    ctype, options = request.content_type
     if ctype == "multipart/form-data":
-        form = await request.form()
-        files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
-        if not files:
+        images, names = await _form_files(request, options.get("boundary"))
+        if not images:
             raise BadInputError("the multipart request holds no files: send each image as a file part")
-        if len(files) > limit:
-            raise PayloadTooLargeError(f"{len(files)} images in one request, over the limit of {limit}")
-        return [await f.read() for f in files], [f.filename for f in files], False
+        if len(images) > limit:
+            raise PayloadTooLargeError(f"{len(images)} images in one request, over the limit of {limit}")
+        return images, names, False
     if ctype in IMAGE_TYPES:
         return [await request.body()], [None], True
     raise UnsupportedMediaError(
         f"Content-Type {ctype or '(none)'} is not taken: send image/jpeg, image/png, image/webp or image/bmp as "
         "the body, or multipart/form-data with one or more files"
     )
+
+
+async def _form_files(request: Request[Any, Any, Any], boundary: str | None) -> tuple[list[bytes], list[str | None]]:
+    """The file parts of a multipart form, in the order they were sent, with their filenames; other parts are skipped
+    unread. (litestar's ``request.form()`` groups parts by field name, which reorders files sent under different
+    names, and decodes every text part, failing on one that is not UTF-8: both found by tests/fuzz.)"""
+    if not boundary:
+        raise BadInputError(
+            "multipart/form-data needs a boundary: send Content-Type: multipart/form-data; boundary=..."
+        )
+    images: list[bytes] = []
+    names: list[str | None] = []
+    part: bytearray | None = None  # the file being read; None inside a text part
+    try:
+        limit = request.app.multipart_form_part_limit
+        # Leaving the block closes the parser, which refuses a form cut short.
+        with PushMultipartParser(boundary.encode("latin-1"), max_segment_count=limit) as parser:
+            async for chunk in request.stream():
+                for event in parser.parse(chunk):
+                    if isinstance(event, MultipartSegment):
+                        part = bytearray() if event.filename else None
+                        if part is not None:
+                            names.append(event.filename)
+                    elif event is None:  # the end of a part
+                        if part is not None:
+                            images.append(bytes(part))
+                        part = None
+                    elif part is not None:
+                        part.extend(event)
+    except ParserLimitReached as exc:
+        raise PayloadTooLargeError(f"multipart/form-data over the limits: {exc}") from exc
+    except ParserError as exc:
+        raise BadInputError(f"invalid multipart/form-data: {exc}") from exc
+    return images, names
 
 
 @post(
@@ -127,7 +160,7 @@ async def _classify(
     priority: int,
     timeout_ms: float | None,
 ) -> ClassifyResponse:
-    images, names, single = await _read_images(request, server.settings.max_images_per_request)
+    images, names, single = await read_images(request, server.settings.max_images_per_request)
     decoded = await slot.decode(images, timing)
     if single and isinstance(decoded[0], VisionServeError):
         raise decoded[0]

@@ -183,8 +183,14 @@ async def model_stats(
 # ---- inference --------------------------------------------------------------------------------------------------
 
 
-def _split_body(request: Request[Any, Any, Any], body: bytes) -> tuple[V2Request, bytes]:
-    header = request.headers.get(HEADER)
+def parse_infer(body: bytes, header_length: str | None) -> tuple[V2Request, list[Tensor]]:
+    """An inference request's JSON and its inputs, from the (decompressed) body and the value of its
+    ``Inference-Header-Content-Length`` header (None: JSON only). Refuses with :class:`BadInputError`."""
+    req, binary = _split_body(body, header_length)
+    return req, _tensors(req, binary)
+
+
+def _split_body(body: bytes, header: str | None) -> tuple[V2Request, bytes]:
     json_part, binary = body, b""
     if header is not None:
         try:
@@ -200,6 +206,8 @@ def _split_body(request: Request[Any, Any, Any], body: bytes) -> tuple[V2Request
         raise BadInputError(f"inference request does not follow the v2 protocol: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise BadInputError(f"inference request is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:  # msgspec 0.22 raises this, not DecodeError, for a string that is not UTF-8
+        raise BadInputError(f"inference request is not valid JSON: a string is not UTF-8 ({exc.reason})") from exc
 
 
 def _tensors(req: V2Request, binary: bytes) -> list[Tensor]:
@@ -234,9 +242,10 @@ async def _infer(request: Request[Any, Any, Any], model: str, version: str | Non
 async def _infer_on(
     request: Request[Any, Any, Any], server: ServerState, slot: ModelSlot, timing: Timing
 ) -> Response[Any]:
-    req, binary = _split_body(request, await read_body(request, server.settings.max_body_bytes))
+    body = await read_body(request, server.settings.max_body_bytes)
+    req, inputs = parse_infer(body, request.headers.get(HEADER))
     priority, timeout_ms = protocol.request_options(req.parameters or {})
-    logits = await protocol.infer(server, slot, _tensors(req, binary), timing, priority=priority, timeout_ms=timeout_ms)
+    logits = await protocol.infer(server, slot, inputs, timing, priority=priority, timeout_ms=timeout_ms)
     started = time.perf_counter()
     response = _encode_outputs(req, slot, logits, accepted_encoding(request))
     timing.postprocess_s += time.perf_counter() - started
@@ -335,7 +344,7 @@ async def repository_load(request: Request[Any, Any, Any], model: str) -> dict[s
     if body.strip():
         try:
             parameters = msgspec.json.decode(body).get("parameters") or {}
-        except (msgspec.DecodeError, AttributeError):
+        except (msgspec.DecodeError, UnicodeDecodeError, AttributeError):
             raise BadInputError('a load request\'s body must be a JSON object like {"parameters": {...}}') from None
         unknown = sorted(set(parameters) - {"config"})
         if unknown:
