@@ -67,7 +67,7 @@ class Http1Client:
             conn.close()
         return None
 
-    async def _exchange(self, data: bytes, held: list[_Connection]) -> tuple[int, bool]:
+    async def _exchange(self, data: bytes, held: list[_Connection]) -> tuple[int, bool, dict[str, str]]:
         """Send and read one answer; ``held`` names the connection in use, for the caller to drop on failure."""
         conn = self._reusable()
         if conn is not None:
@@ -86,10 +86,14 @@ class Http1Client:
         return await _read_response(held[-1].reader)
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
+        return (await self.exchange(path, body, headers))[0]
+
+    async def exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+        """POST and return (status, response header fields, names lower-cased); raises as :meth:`post`."""
         held: list[_Connection] = []
         try:
             async with asyncio.timeout(self.timeout_s):
-                status, keep_alive = await self._exchange(self.head(path, headers, len(body)) + body, held)
+                status, keep_alive, fields = await self._exchange(self.head(path, headers, len(body)) + body, held)
         except TimeoutError:
             self._drop_held(held)
             raise
@@ -104,7 +108,7 @@ class Http1Client:
             self.idle.append(held[-1])
         else:
             self._drop_held(held)
-        return status
+        return status, fields
 
     def _drop_held(self, held: list[_Connection]) -> None:
         while held:
@@ -115,7 +119,7 @@ class Http1Client:
             self.idle.pop().close()
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, dict[str, str]]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     version, code, *_ = lines[0].split(" ", 2)
@@ -124,11 +128,11 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
     for line in lines[1:]:
         if line:
             name, _, value = line.partition(":")
-            fields[name.strip().lower()] = value.strip().lower()
-    keep_alive = fields.get("connection") != "close" and version == "HTTP/1.1"
+            fields[name.strip().lower()] = value.strip()
+    keep_alive = fields.get("connection", "").lower() != "close" and version == "HTTP/1.1"
     if "content-length" in fields:
         await reader.readexactly(int(fields["content-length"]))
-    elif fields.get("transfer-encoding") == "chunked":
+    elif fields.get("transfer-encoding", "").lower() == "chunked":
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
             await reader.readexactly(size + 2)  # the chunk and its CRLF (the last: no data, then the CRLF)
@@ -137,4 +141,4 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
     elif status >= 200 and status not in (204, 304):
         await reader.read()  # the body runs to the end of the connection
         keep_alive = False
-    return status, keep_alive
+    return status, keep_alive, fields

@@ -2,12 +2,14 @@
 
 The supervisor starts it with ``python -m service.frontend.server`` and its launch record (the settings, its
 name, its shared-memory arena, the engines' endpoints and the listening socket it inherits) in the environment.
-On SIGTERM readiness turns false and new inference is refused with 503 at once; uvicorn stops accepting
-connections and waits for requests in flight up to ``drain_timeout_s``, and the process exits 0.
+On SIGTERM readiness turns false and new inference is refused with 503 at once, while connections are still
+accepted; once every accepted request is answered (or ``drain_timeout_s`` passed) uvicorn stops accepting, waits
+for what is left, and the process exits 0. A second SIGTERM skips the wait for accepted requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
@@ -31,12 +33,36 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: Any) -> None:
         super().__init__(config)
         self.visionserve_app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         state = getattr(self.visionserve_app.state, "server", None)
-        if state is not None and not state.draining:
-            state.draining = True  # readiness false, new inference refused; in-flight requests finish
+        if sig == signal.SIGTERM and state is not None and not state.draining and self._loop is not None:
+            # First the drain, with the socket still open: a request that arrives now is answered 503 at once
+            # (rather than finding the port closed), and every accepted one is answered. Then uvicorn's shutdown.
+            # Measured at 70% load: before, every request sent after the signal met a closed port.
+            state.draining = True  # readiness false, new inference refused from here on
             log.warning("signal %s: draining (up to %.1f s), then exiting", sig, state.settings.drain_timeout_s)
+            self._loop.call_soon_threadsafe(self._start_drain, state, sig, frame)
+            return
+        if state is not None:
+            state.draining = True
+        self._shutdown(sig, frame)
+
+    def _start_drain(self, state: Any, sig: int, frame: Any) -> None:
+        assert self._loop is not None
+        self._drain_task = self._loop.create_task(self._drain_then_exit(state, sig, frame))
+
+    async def _drain_then_exit(self, state: Any, sig: int, frame: Any) -> None:
+        if not await state.drain(state.settings.drain_timeout_s):
+            log.error("drain timeout: %d requests still in flight", state.requests_inflight)
+        self._shutdown(sig, frame)
+
+    def _shutdown(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM and sig in self._captured_signals:
             # uvicorn re-raises the signal once it has shut down; a clean drain on SIGTERM exits 0 instead.

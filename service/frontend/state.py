@@ -121,12 +121,17 @@ class ModelSlot:
         recorder = self._recorders[protocol] if self._recorders is not None else None
         started = time.perf_counter()
         outcome = "success"
+        server = self._server
+        server.requests_inflight += 1
         try:
             yield
         except BaseException as exc:
             outcome = outcome_of(exc)
             raise
         finally:
+            server.requests_inflight -= 1
+            if server.requests_inflight == 0 and server.draining and server.idle is not None:
+                server.idle.set()
             if recorder is not None:
                 done = outcome == "success"
                 recorder.record(
@@ -225,6 +230,20 @@ class ServerState:
         self._stats: dict[tuple[str, int], ModelCounts] = {}
         self.clients: list[EngineClient] = []
         self._ready_event: asyncio.Event | None = None
+        self.requests_inflight = 0  # inference requests past ``slot()`` and not yet answered
+        self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new inference (503) and wait until every request already accepted has been answered, or
+        ``timeout_s`` has passed; True when nothing is left in flight. The front end keeps accepting
+        connections meanwhile, so that a request that arrives during the drain gets its 503 at once."""
+        self.draining = True
+        if self.requests_inflight == 0:
+            return True
+        self.idle = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+        return self.requests_inflight == 0
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -1,0 +1,165 @@
+"""Overload and drain, against a real server whose capacity is fixed and measured first.
+
+``paced`` is the trained digits model with a 40 ms delay injected into every batch (``[faults] delay_ms``) and
+batches of at most 4: about 95 requests/s however fast the machine, so that three times its capacity stays within
+what one Python client process can send on two cores. Run with ``-s`` to see the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+from loadtest.http1 import Http1Client
+from loadtest.openloop import Record, Request, percentile, run_open_loop
+from tests.reliability.clients import children, rss_mb
+from tests.reliability.conftest import RunningServer, add_variant, start_server, stop_server
+
+DIGIT = (Path(__file__).parents[2] / "examples" / "digit-3.png").read_bytes()
+PATH = "/v1/models/paced/classify"
+REQUEST = Request(PATH, DIGIT, {"Content-Type": "image/png"}, "good")
+MAX_BATCH, QUEUE, DELAY_MS = 4, 32, 40.0
+PACED = (
+    f"max_batch_size = {MAX_BATCH}\nmax_queue_delay_ms = 0\nmax_queue_size = {QUEUE}\n[faults]\ndelay_ms = {DELAY_MS}\n"
+)
+
+
+def server_rss_mb(server: RunningServer) -> float:
+    """The resident memory of the supervisor and every process it started."""
+    pid = server.process.pid
+    return rss_mb(pid) + sum(rss_mb(child) for child in children(pid))
+
+
+async def closed_loop(url: str, *, concurrency: int, duration_s: float) -> float:
+    """Answered requests per second from ``concurrency`` clients that send as soon as they are answered."""
+    client = Http1Client(url, timeout_s=30)
+    answered = 0
+    end = time.perf_counter() + duration_s
+
+    async def loop() -> None:
+        nonlocal answered
+        while time.perf_counter() < end:
+            if await client.post(PATH, DIGIT, REQUEST.headers) == 200:
+                answered += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    await client.aclose()
+    return answered / (time.perf_counter() - started)
+
+
+def capacity(server: RunningServer) -> float:
+    asyncio.run(closed_loop(server.url, concurrency=8, duration_s=2))  # warm up connections and the batcher
+    return asyncio.run(closed_loop(server.url, concurrency=16, duration_s=4))
+
+
+def summary(records: list[Record]) -> Counter[str]:
+    return Counter(r.outcome for r in records)
+
+
+def test_three_times_capacity_is_refused_early_and_accepted_work_stays_within_the_queue_bound(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    add_variant(repo_copy, "paced", PACED)
+    server = start_server(repo_copy, tmp_path / "server.log")
+    try:
+        measured = capacity(server)
+        time.sleep(1)
+        rss_before = server_rss_mb(server)
+        rate = 3 * measured
+        records = asyncio.run(run_open_loop(server.url, [REQUEST], rate=rate, duration_s=30, timeout_s=20))
+        time.sleep(2)
+        rss_after = server_rss_mb(server)
+        outcomes = summary(records)
+        accepted = [r for r in records if r.outcome == "200"]
+        refused = [r for r in records if r.outcome in ("503", "429")]
+        # The queue's own bound: what is queued ahead (max_queue_size images), the batch computing and the one
+        # forming, at the measured rate (images/s = requests/s here: one image per request).
+        bound_s = (QUEUE + 2 * MAX_BATCH) / measured
+        p99_s = percentile([r.latency_s for r in accepted], 0.99)
+        refusal_p50_s = percentile([r.service_s for r in refused], 0.5)
+        refusal_p99_s = percentile([r.service_s for r in refused], 0.99)
+        lag_p99_s = percentile([r.sent_s - r.due_s for r in records], 0.99)
+        print(
+            f"\noverload: capacity {measured:.1f} req/s (closed loop, 16 clients), offered {rate:.1f} req/s for 30 s "
+            f"({len(records)} requests): {dict(outcomes)}; accepted {len(accepted) / 30:.1f} req/s, p50 "
+            f"{percentile([r.latency_s for r in accepted], 0.5) * 1e3:.0f} ms, p99 {p99_s * 1e3:.0f} ms against the "
+            f"queue's bound of {bound_s * 1e3:.0f} ms; refusals p50 {refusal_p50_s * 1e3:.2f} ms, p99 "
+            f"{refusal_p99_s * 1e3:.2f} ms, Retry-After {sorted({r.retry_after for r in refused}, key=str)}; "
+            f"client send lag p99 {lag_p99_s * 1e3:.1f} ms; server RSS {rss_before:.0f} -> {rss_after:.0f} MiB"
+        )
+        assert set(outcomes) <= {"200", "503"}, outcomes  # no timeouts, no 504, no dropped connections
+        assert len(refused) > len(records) / 3  # two thirds of the offer is over capacity
+        assert all(r.retry_after for r in refused)
+        assert refusal_p50_s < 0.005
+        assert p99_s <= bound_s
+        assert rss_after - rss_before < 30
+        with server.client() as client:
+            assert client.get("/v2/health/ready").status_code == 200
+            assert client.post(PATH, content=DIGIT, headers=REQUEST.headers).status_code == 200
+    finally:
+        assert stop_server(server) == 0
+
+
+def test_sigterm_at_70_percent_load_answers_everything_accepted_and_refuses_the_rest_at_once(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    add_variant(repo_copy, "paced", PACED)
+    server = start_server(repo_copy, tmp_path / "server.log", "--drain-timeout-s", "10")
+    signalled: dict[str, float] = {}
+
+    def watch_exit() -> None:
+        server.process.wait(30)
+        signalled["exited"] = time.monotonic()
+
+    def tick(elapsed_s: float) -> None:
+        if elapsed_s >= 4 and not signalled:
+            server.process.send_signal(signal.SIGTERM)
+            signalled["at_s"] = elapsed_s
+            signalled["wall"] = time.monotonic()
+            threading.Thread(target=watch_exit, daemon=True).start()
+
+    try:
+        measured = capacity(server)
+        rate = 0.7 * measured
+        records = asyncio.run(run_open_loop(server.url, [REQUEST], rate=rate, duration_s=8, timeout_s=20, on_tick=tick))
+        code = server.process.wait(20)
+        time.sleep(0.1)  # the watcher's own wake-up
+        exited_s = signalled["exited"] - signalled["wall"]
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        raise
+    finally:
+        stop_server(server)
+    at = signalled["at_s"]
+    before = [r for r in records if r.done_s < at or r.sent_s < at - 0.05]  # out well before the signal
+    after = [r for r in records if r.sent_s > at + 0.05]
+    before_outcomes, after_outcomes = summary(before), summary(after)
+    refusals = [r.service_s for r in after if r.outcome == "503"]
+    print(
+        f"\ndrain: capacity {measured:.1f} req/s, offered {rate:.1f} req/s, SIGTERM at {at:.1f} s; sent before it: "
+        f"{dict(before_outcomes)}; after it: {dict(after_outcomes)} (503 p50 "
+        f"{percentile(refusals, 0.5) * 1e3:.2f} ms); exit code {code} {exited_s:.2f} s after the signal "
+        f"(drain timeout 10 s)"
+    )
+    assert code == 0
+    assert exited_s < 10
+    assert set(before_outcomes) == {"200"}, before_outcomes  # nothing accepted was dropped
+    # After the signal: refused with 503 at once while the server drains; once it has gone, connections are
+    # refused by the kernel (nobody listens) -- never a timeout or an answer cut short.
+    assert set(after_outcomes) <= {"503", "connection"}, after_outcomes
+    assert after_outcomes["503"] > 0
+    assert percentile(refusals, 0.5) < 0.005
+    with httpx.Client() as client:  # the port is closed: the server has gone
+        try:
+            client.get(server.url + "/v2/health/live", timeout=1)
+            raise AssertionError("the server still answers after exiting")
+        except httpx.TransportError:
+            pass
