@@ -163,6 +163,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body (MiB)")
     p.add_argument("--max-images", type=int, default=64, help="most images in one request")
     p.add_argument("--max-pixels", type=int, default=40_000_000, help="most pixels in one image")
+    p.add_argument(
+        "--large-image-pixels",
+        type=int,
+        default=4_000_000,
+        help="images that decode to more pixels than this are decoded in a lane of their own (half the decode "
+        "workers, a short bounded queue, 503 past it), so that they never hold up small ones",
+    )
     p.add_argument("--drain-timeout-s", type=float, default=10.0, help="how long SIGTERM waits for queued work")
     p.add_argument(
         "--max-header-kb", type=float, default=64.0, help="largest request head (request line and headers), KiB; 431"
@@ -209,6 +216,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics=not args.no_metrics,
         engine_timeout_s=args.engine_timeout_s,
         max_header_bytes=int(args.max_header_kb * 1024),
+        large_image_pixels=args.large_image_pixels,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         min_body_bytes_per_s=args.min_body_bytes_per_s,

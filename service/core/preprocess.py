@@ -129,7 +129,24 @@ def preprocess_image(data: bytes, spec: ModelSpec, limits: ImageLimits = DEFAULT
 
     Raises :class:`BadInputError` (or a subclass) for this image alone.
     """
-    img = open_image(data, limits)
+    return decode_opened(open_image(data, limits), spec)
+
+
+def decode_cost(img: Image.Image, spec: ModelSpec) -> int:
+    """About how many pixels decoding ``img`` (opened, not loaded) for ``spec`` will produce: its size, less what
+    JPEG draft mode skips (it decodes at 1/2, 1/4 or 1/8 scale when the image is much larger than needed)."""
+    w, h = img.size
+    if img.format != "JPEG":
+        return w * h
+    scale = spec.resize_size * _DRAFT_GAP / min(w, h)
+    reduction = 1
+    while reduction < 8 and reduction * 2 * scale <= 1:
+        reduction *= 2
+    return (w // reduction) * (h // reduction)
+
+
+def decode_opened(img: Image.Image, spec: ModelSpec) -> np.ndarray:
+    """Decode and preprocess an image :func:`open_image` has checked; :class:`BadInputError` for a corrupt one."""
     if img.format == "JPEG":
         # Decode at a reduced scale when the image is much larger than needed: far fewer pixels to decode.
         w, h = img.size

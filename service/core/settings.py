@@ -21,6 +21,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: float = 10.0
     log_format: Literal["text", "json"] = "text"
     decode_workers: int | None = None
+    large_image_pixels: int = 4_000_000  # decoded pixels past which an image takes the large-image lane
     metrics: bool = True
     engine_timeout_s: float = 120.0  # a request the engine has not answered by then is a 504 (a wedged engine)
     # Slow and hostile clients (service/frontend/http/connection.py): a request head over max_header_bytes is a 431;
@@ -32,7 +33,8 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     min_body_bytes_per_s: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_images_per_request", "max_pixels", "max_header_bytes"):
+        positive = ("max_body_bytes", "max_images_per_request", "max_pixels", "max_header_bytes", "large_image_pixels")
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:

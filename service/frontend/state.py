@@ -293,7 +293,10 @@ class ServerState:
                 spec = decode_spec(info.spec_json, source=f"{info.model} v{info.version}")
                 pool = self._pools.get(key)
                 if pool is None or pool.spec != spec:
-                    pool = self._pools[key] = Preprocessor(spec, self.limits, workers=self.settings.decode_workers)
+                    pool = self._pools[key] = Preprocessor(
+                        spec, self.limits, workers=self.settings.decode_workers,
+                        large_pixels=self.settings.large_image_pixels,
+                    )  # fmt: skip
                 old = self.slots.get(info.model, {}).get(info.version)
                 slot = ModelSlot(self, info, spec, pool) if old is None or _changed(old, info) else old
                 slots.setdefault(info.model, {})[info.version] = slot

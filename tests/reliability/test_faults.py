@@ -135,3 +135,84 @@ def test_a_runtime_that_raises_fails_its_items_alone_and_reports_unhealthy(repo_
             assert sum(errors) == 3  # the single-image requests (the multipart one is a 200 carrying each file's error)
     finally:
         assert stop_server(server) == 0
+
+
+def huge_png(side: int = 6000) -> bytes:
+    """A 36-megapixel PNG of one colour: about 120 KB to send, over 100 MB of pixels to decode."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 60, 200)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+async def _saturate_decoding(url: str, huge: bytes, *, clients: int, duration_s: float) -> dict[str, Any]:
+    import asyncio
+    from collections import Counter
+
+    from loadtest.http1 import ConnectionFailed, Http1Client
+    from loadtest.openloop import percentile
+
+    hostile = Http1Client(url, timeout_s=60)
+    prober = Http1Client(url, timeout_s=60)
+    end = time.perf_counter() + duration_s
+    huge_outcomes: Counter[str] = Counter()
+    small_outcomes: Counter[str] = Counter()
+    small_latency: list[float] = []
+
+    async def flood() -> None:
+        while time.perf_counter() < end:
+            try:
+                huge_outcomes[str(await hostile.post("/v1/models/digits/classify", huge, PNG))] += 1
+            except (TimeoutError, ConnectionFailed) as exc:
+                huge_outcomes[type(exc).__name__] += 1
+
+    async def probe() -> None:
+        await asyncio.sleep(1.0)  # the flood has filled the pool
+        while time.perf_counter() < end - 1.0:
+            started = time.perf_counter()
+            status = await prober.post("/v1/models/digits/classify?timeout_ms=1000", DIGIT, PNG)
+            small_latency.append(time.perf_counter() - started)
+            small_outcomes[str(status)] += 1
+            await asyncio.sleep(0.05)
+
+    await asyncio.gather(probe(), *(flood() for _ in range(clients)))
+    await hostile.aclose()
+    await prober.aclose()
+    return {
+        "huge": dict(huge_outcomes),
+        "small": dict(small_outcomes),
+        "p50_ms": percentile(small_latency, 0.5) * 1e3,
+        "p99_ms": percentile(small_latency, 0.99) * 1e3,
+        "max_ms": max(small_latency) * 1e3,
+    }
+
+
+def test_huge_images_saturating_the_decoders_do_not_hold_up_small_ones(repo_copy: Path, tmp_path: Path) -> None:
+    import asyncio
+
+    huge = huge_png()
+    server = start_server(repo_copy, tmp_path / "server.log")
+    try:
+        with server.client() as client:
+            started = time.monotonic()
+            assert classify_bytes(client, huge).status_code == 200
+            one_huge_s = time.monotonic() - started
+        seen = asyncio.run(_saturate_decoding(server.url, huge, clients=8, duration_s=12))
+        print(
+            f"\nhuge images: one 36 MP PNG takes {one_huge_s * 1e3:.0f} ms alone; 8 clients sending them for 12 s: "
+            f"huge {seen['huge']}; small (deadline 1000 ms) {seen['small']}, p50 {seen['p50_ms']:.0f} ms, "
+            f"p99 {seen['p99_ms']:.0f} ms, max {seen['max_ms']:.0f} ms"
+        )
+        assert seen["small"] == {"200": sum(seen["small"].values())} and sum(seen["small"].values()) >= 20
+        assert seen["max_ms"] < 1000  # every small request answered within its deadline
+        assert seen["huge"].get("200", 0) > 0  # huge images are still served, at their own pace
+        assert set(seen["huge"]) <= {"200", "503"}
+    finally:
+        assert stop_server(server) == 0
+
+
+def classify_bytes(client: httpx.Client, data: bytes) -> httpx.Response:
+    return client.post("/v1/models/digits/classify", content=data, headers=PNG)

@@ -120,6 +120,25 @@ def test_the_pool_refuses_each_bad_image_alone() -> None:
     assert all(np.array_equal(results[0], r) for r in (results[2], results[4]))
 
 
+def test_large_images_take_their_own_bounded_lane_and_small_ones_never_wait_for_it() -> None:
+    from service.core.errors import OverloadedError
+    from service.core.preprocess import decode_cost, open_image
+
+    big = encode_image(random_image(2000, 2000), "PNG")  # decodes in tens of milliseconds
+    small = encode_image(random_image(64, 64), "PNG")
+    assert decode_cost(open_image(big), RESNET) == 4_000_000
+    jpeg = open_image(encode_image(random_image(3000, 4000), "JPEG"))
+    assert decode_cost(jpeg, RESNET) == 750 * 1000  # draft mode decodes it at a quarter of each side
+    pool = Preprocessor(RESNET, workers=2, large_pixels=1_000_000, large_queue=0)  # one large at a time
+    both = [pool.submit(big), pool.submit(big)]
+    assert isinstance(pool.submit(small).result(timeout=10), np.ndarray)
+    refused = [f for f in both if f.exception(timeout=10) is not None]
+    assert len(refused) == 1  # whichever reached the lane second
+    assert isinstance(refused[0].exception(), OverloadedError) and "being decoded already" in str(refused[0].exception())
+    assert next(f for f in both if f not in refused).result().shape == (3, 224, 224)
+    pool.close()
+
+
 @pytest.mark.gpu
 def test_gpu_jpeg_decoding_matches_the_cpu_path() -> None:
     from service.core.decoding import GpuJpegDecoder
