@@ -134,7 +134,8 @@ def test_large_images_take_their_own_bounded_lane_and_small_ones_never_wait_for_
     assert isinstance(pool.submit(small).result(timeout=10), np.ndarray)
     refused = [f for f in both if f.exception(timeout=10) is not None]
     assert len(refused) == 1  # whichever reached the lane second
-    assert isinstance(refused[0].exception(), OverloadedError) and "being decoded already" in str(refused[0].exception())
+    error = refused[0].exception()
+    assert isinstance(error, OverloadedError) and "being decoded already" in str(error)
     assert next(f for f in both if f not in refused).result().shape == (3, 224, 224)
     pool.close()
 
