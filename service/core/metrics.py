@@ -17,6 +17,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -268,8 +269,8 @@ class Metrics:
 
         return on_fallback
 
-    def watch(self, source: Callable[[], Iterable[tuple[tuple[str, str, str], int, int]]]) -> None:
-        """``source()`` yields ((model, version, device), queue_depth, inflight_batches) at scrape time."""
+    def watch(self, source: Callable[[], Iterable[LiveState]]) -> None:
+        """``source()`` yields a :class:`LiveState` per model version at scrape time."""
         self._live.sources.append(source)
 
     def request_snapshot(self) -> list[RequestState]:
@@ -329,11 +330,22 @@ class _RecordedCollector(Collector):
         yield sizes
 
 
+class LiveState(NamedTuple):
+    """A model version's state at scrape time."""
+
+    labels: tuple[str, str, str]  # model, version, device
+    queue_depth: int
+    inflight_batches: int
+    ready: bool
+    instances_replaced: int
+
+
 class _LiveCollector(Collector):
-    """Gauges read at scrape time: queue depth, batches in flight, GPU memory and utilisation."""
+    """Read at scrape time: queue depth, batches in flight, readiness, stuck instances replaced, GPU memory and
+    utilisation."""
 
     def __init__(self) -> None:
-        self.sources: list[Callable[[], Iterable[tuple[tuple[str, str, str], int, int]]]] = []
+        self.sources: list[Callable[[], Iterable[LiveState]]] = []
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -341,12 +353,23 @@ class _LiveCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily("visionserve_queue_depth", "Images waiting in the queue", labels=LABELS)
         inflight = GaugeMetricFamily("visionserve_inflight_batches", "Batches being computed", labels=LABELS)
+        ready = GaugeMetricFamily(
+            "visionserve_model_ready", "1 while the model serves (READY or DEGRADED), else 0", labels=LABELS
+        )
+        replaced = CounterMetricFamily(
+            "visionserve_instances_replaced", "Runtime instances abandoned as stuck and replaced", labels=LABELS
+        )
         for source in self.sources:
-            for labels, queued, running in source():
-                depth.add_metric(list(labels), queued)
-                inflight.add_metric(list(labels), running)
+            for state in source():
+                labels = list(state.labels)
+                depth.add_metric(labels, state.queue_depth)
+                inflight.add_metric(labels, state.inflight_batches)
+                ready.add_metric(labels, 1.0 if state.ready else 0.0)
+                replaced.add_metric(labels, state.instances_replaced)
         yield depth
         yield inflight
+        yield ready
+        yield replaced
         yield from _gpu_metrics()
 
 

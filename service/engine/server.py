@@ -20,10 +20,11 @@ import numpy as np
 
 from service.core.config import parse_config
 from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError
-from service.core.metrics import Metrics, ModelCounts, merge_request_states
+from service.core.metrics import LiveState, Metrics, ModelCounts, merge_request_states
 from service.core.repository import ModelEntry, ModelRepository
 from service.core.settings import ServerSettings
 from service.core.spec import encode_spec
+from service.core.status import SERVING_STATES
 from service.engine.batcher import InferRequest, InferResult
 from service.engine.model import ModelEngine, cuda_devices, plan_devices
 from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Submit, WireError
@@ -290,8 +291,10 @@ class EngineServer:
         for name, versions in list(self.models.items()):
             for number, engine in versions.items():
                 batcher = engine.batcher
-                labels = (name, str(number), ",".join(engine.state().devices))
-                yield labels, batcher.queue_depth, batcher.inflight_batches
+                state = engine.state()
+                labels = (name, str(number), ",".join(state.devices))
+                yield LiveState(labels, batcher.queue_depth, batcher.inflight_batches,
+                                state.state in SERVING_STATES, batcher.stuck_total)  # fmt: skip
 
     def abandoned_instances(self) -> int:
         """Runtime instances abandoned as stuck (their threads may still be running)."""

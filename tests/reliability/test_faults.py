@@ -23,6 +23,14 @@ def classify(client: httpx.Client, model: str, **params: Any) -> httpx.Response:
     return client.post(f"/v1/models/{model}/classify", content=DIGIT, headers=PNG, params=params)
 
 
+def metric(client: httpx.Client, name: str, model: str) -> float:
+    """The value of ``name`` for ``model`` in the server's /metrics text (summed over its other labels)."""
+    lines = client.get("/metrics").text.splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") and f'model="{model}"' in line
+    )
+
+
 def state_of(client: httpx.Client, model: str) -> dict[str, Any]:
     return dict(client.get(f"/v2/models/{model}").json()["parameters"]["state"])
 
@@ -83,6 +91,8 @@ def test_a_hung_forward_times_out_is_replaced_and_readiness_tells_the_truth(repo
             # The replacement serves; the metadata counts the replacement.
             assert classify(client, "wedged").status_code == 200
             assert state_of(client, "wedged")["replaced"] == 1
+            assert metric(client, "visionserve_instances_replaced_total", "wedged") == 1
+            assert metric(client, "visionserve_model_ready", "wedged") == 1
         assert stop_server(server) == 0  # the engine exits although a runtime thread was abandoned
     finally:
         stop_server(server)
@@ -125,6 +135,8 @@ def test_a_runtime_that_raises_fails_its_items_alone_and_reports_unhealthy(repo_
             assert set(digits) == {200}
             assert client.get("/v2/models/digits/ready").status_code == 200
             assert server_ready == 200
+            assert metric(client, "visionserve_model_ready", "broken") == 0
+            assert metric(client, "visionserve_model_ready", "digits") == 1
             errors = [
                 float(line.rsplit(" ", 1)[1])
                 for line in client.get("/metrics").text.splitlines()

@@ -81,15 +81,17 @@ def test_three_times_capacity_is_refused_early_and_accepted_work_stays_within_th
         accepted = [r for r in records if r.outcome == "200"]
         refused = [r for r in records if r.outcome in ("503", "429")]
         # The queue's own bound: what is queued ahead (max_queue_size images), the batch computing and the one
-        # forming, at the measured rate (images/s = requests/s here: one image per request).
-        bound_s = (QUEUE + 2 * MAX_BATCH) / measured
+        # forming, at the rate the server computed meanwhile (images/s = requests/s: one image per request), plus
+        # 50 ms for the front end and the transport on a busy 2-core machine.
+        served = len(accepted) / 30
+        bound_s = (QUEUE + 2 * MAX_BATCH) / served + 0.05
         p99_s = percentile([r.latency_s for r in accepted], 0.99)
         refusal_p50_s = percentile([r.service_s for r in refused], 0.5)
         refusal_p99_s = percentile([r.service_s for r in refused], 0.99)
         lag_p99_s = percentile([r.sent_s - r.due_s for r in records], 0.99)
         print(
             f"\noverload: capacity {measured:.1f} req/s (closed loop, 16 clients), offered {rate:.1f} req/s for 30 s "
-            f"({len(records)} requests): {dict(outcomes)}; accepted {len(accepted) / 30:.1f} req/s, p50 "
+            f"({len(records)} requests): {dict(outcomes)}; accepted {served:.1f} req/s, p50 "
             f"{percentile([r.latency_s for r in accepted], 0.5) * 1e3:.0f} ms, p99 {p99_s * 1e3:.0f} ms against the "
             f"queue's bound of {bound_s * 1e3:.0f} ms; refusals p50 {refusal_p50_s * 1e3:.2f} ms, p99 "
             f"{refusal_p99_s * 1e3:.2f} ms, Retry-After {sorted({r.retry_after for r in refused}, key=str)}; "
