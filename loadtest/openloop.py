@@ -59,10 +59,12 @@ async def run_open_loop(
     timeout_s: float = 30.0,
     max_inflight: int = 2048,
     on_tick: Callable[[float], None] | None = None,
+    on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """Send ``requests`` in turn at ``rate`` per second for ``duration_s``; wait for every answer (each bounded by
     ``timeout_s``) and return the records in the order the requests were due. ``on_tick(elapsed_s)`` is called
-    about once a second (progress, or a signal sent at a chosen moment)."""
+    about once a second (progress, or a signal sent at a chosen moment); ``on_record`` with each record as its
+    request ends (live counts for a long run)."""
     if rate <= 0 or duration_s <= 0 or not requests:
         raise ValueError("an open loop needs a rate > 0, a duration > 0 and at least one request")
     client = Http1Client(url, timeout_s)
@@ -82,7 +84,9 @@ async def run_open_loop(
             outcome = "timeout"
         except ConnectionFailed:
             outcome = "connection"
-        records[index] = Record(request.tag, due, sent, time.perf_counter() - start, outcome, retry_after)
+        record = records[index] = Record(request.tag, due, sent, time.perf_counter() - start, outcome, retry_after)
+        if on_record is not None:
+            on_record(record)
 
     count = int(rate * duration_s)
     for i in range(count):
