@@ -147,6 +147,7 @@ default_timeout_ms = 0        # 0: no deadline unless the request sets one
 warmup = true                 # run every batch-size bucket once before reporting ready
 instance_stuck_after_s = 60   # a batch unanswered this long: its instance is abandoned and replaced (0: never)
 unhealthy_after_failed_batches = 3  # this many batches in a row failing every image: the model reports not ready
+# [faults]                    # fault drills only (README, "Reliability"): delay_ms, hang_at_batch, fail_after_batches
 """
 
 
