@@ -267,6 +267,25 @@ def test_stalled_heads_and_bodies_are_timed_out(reliability_repo: Path, tmp_path
             writer.close()
         return (status if status is not None else "closed"), time.perf_counter() - started
 
+    async def blank_lines_after_an_answer(limit_s: float) -> tuple[object, float]:
+        """A keep-alive request answered, then a CRLF a second (which the parser skips, beginning no request)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await read_status(reader, 10) == 200
+            await reader.readuntil(b"\r\n\r\n")  # the rest of the head; the body is empty
+            started = time.perf_counter()
+            while time.perf_counter() - started < limit_s:
+                writer.write(b"\r\n")
+                with contextlib.suppress(TimeoutError):
+                    if await asyncio.wait_for(reader.read(1), 1.0) == b"":
+                        return "closed", time.perf_counter() - started
+            return "still open", time.perf_counter() - started
+        except (ConnectionError, OSError):
+            return "reset", time.perf_counter() - started
+        finally:
+            writer.close()
+
     body_head = head(CLASSIFY, port, ["Content-Type: image/png", "Content-Length: 100000"])
     limit_s = 4 * timeout_s + 3
     cases = {
@@ -278,13 +297,16 @@ def test_stalled_heads_and_bodies_are_timed_out(reliability_repo: Path, tmp_path
     try:
 
         async def all_at_once() -> dict[str, tuple[object, float]]:
-            done = await asyncio.gather(*(trickle(*case, limit_s=limit_s) for case in cases.values()))
-            return dict(zip(cases, done, strict=True))
+            done = await asyncio.gather(
+                *(trickle(*case, limit_s=limit_s) for case in cases.values()), blank_lines_after_an_answer(limit_s)
+            )
+            return dict(zip([*cases, "blank lines after an answer"], done, strict=True))
 
         results = asyncio.run(all_at_once())
         for name, (status, elapsed) in results.items():
             print(f"{name}: {status} after {elapsed:.1f} s (timeouts {timeout_s:g} s)")
         assert results["idle connection (no byte sent)"][0] in ("closed", 408)
+        assert results["blank lines after an answer"][0] in ("closed", "reset")
         for name in ("head trickled 1 byte/s", "body trickled 1 byte/s", "body stalled after 1 KiB"):
             assert results[name][0] in (408, "closed"), name
         for name, (_, elapsed) in results.items():

@@ -120,6 +120,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
         if self._body_pending and self._body_timer is None and not self.transport.is_closing():
             self._body_timer = self.loop.call_later(self._body_tick_s(), self._check_body)
+        elif self._head_timer is None and self._idle() and not self.transport.is_closing():
+            # Data that began no request (blank lines between keep-alive requests, which the parser skips) has
+            # stopped uvicorn's keep-alive timer: the head clock runs instead, or CRLFs would hold it for ever.
+            self._arm_head_timer()
 
     # Parser callbacks
 
@@ -183,8 +187,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._in_head:
             self._refuse(408, f"request head not received within {self.limits.header_timeout_s:g} s")
-        elif self.cycle is None:  # connected and never sent a byte
+        elif self._idle():  # connected (or answered) and never sent a request since
             self.transport.close()
+
+    def _idle(self) -> bool:
+        """No request in progress: none begun, none being answered, none waiting in the pipeline."""
+        cycle = self.cycle
+        return (
+            not self._in_head
+            and not self._body_pending
+            and not self.pipeline
+            and (cycle is None or cycle.response_complete)
+        )
 
     def _body_tick_s(self) -> float:
         return min(1.0, self.limits.body_timeout_s / 4)
