@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 
 import msgspec
 import numpy as np
@@ -59,6 +60,7 @@ class BatcherConfig(msgspec.Struct, frozen=True, kw_only=True):
     default_timeout_ms: float = 0.0
     device_failures_before_removal: int = 3
     stuck_after_s: float = 0.0  # 0: a batch may take as long as it takes
+    replace_timeout_s: float = 120.0  # the least time a stuck instance's replacement gets to load and warm up
     unhealthy_after_failed_batches: int = 3
 
 
@@ -341,17 +343,24 @@ class Batcher:
     async def _run(self, instance: RuntimeLike, items: list[_Item]) -> np.ndarray:
         # The runtime stacks the images into its own reused buffer on its worker thread: the copy (about 0.6 ms
         # for 32 images at 224x224) then overlaps the event loop's work instead of adding to it.
-        future = asyncio.wrap_future(instance.submit([item.image for item in items]))
+        running = instance.submit([item.image for item in items])
         if not self._stuck_after_s:
-            return await future
-        done, _ = await asyncio.wait((future,), timeout=self._stuck_after_s)
-        if not done:
-            future.add_done_callback(_consume)  # it may yet answer, long after we stopped listening
-            raise InstanceStuckError(
-                f"model {self.name}: the runtime instance on {instance.device} gave no answer in "
-                f"{self._stuck_after_s:g} s (instance_stuck_after_s); it was abandoned and replaced"
+            return await asyncio.wrap_future(running)
+        # One timer per batch, cancelled when the answer comes (asyncio.wait cost several times more per batch).
+        loop = self._loop
+        waiter: asyncio.Future[np.ndarray] = loop.create_future()
+        timer = loop.call_later(self._stuck_after_s, self._declare_stuck, waiter, instance)
+        running.add_done_callback(lambda done: loop.call_soon_threadsafe(_settle, waiter, done, timer))
+        return await waiter
+
+    def _declare_stuck(self, waiter: asyncio.Future[np.ndarray], instance: RuntimeLike) -> None:
+        if not waiter.done():
+            waiter.set_exception(
+                InstanceStuckError(
+                    f"model {self.name}: the runtime instance on {instance.device} gave no answer in "
+                    f"{self._stuck_after_s:g} s (instance_stuck_after_s); it was abandoned and replaced"
+                )
             )
-        return future.result()
 
     async def _execute(self, instance: RuntimeLike, items: list[_Item]) -> None:
         started = time.monotonic()
@@ -428,7 +437,7 @@ class Batcher:
             for item in live:
                 self._deliver(item, None, error, now - started, len(batch), started)
             await self._replace_stuck(instance, error)
-            return False, len(live)
+            return False, len(batch)  # the whole batch failed (items whose deadline passed first included)
         if isinstance(error, DeviceFailure):
             # Out of memory on a batch that can still be halved is the batch's size, not the device: only the
             # other device failures, and out of memory on a single image, count toward taking it out of service.
@@ -495,9 +504,12 @@ class Batcher:
         except Exception:
             log.exception("abandoning a stuck instance of %s", self.name)
         replacements: list[RuntimeLike] = []
+        bound_s = max(self.config.replace_timeout_s, 2 * self._stuck_after_s)
         try:
             if self.on_instance_stuck is not None:
-                replacements = await self.on_instance_stuck(instance, error)
+                replacements = await asyncio.wait_for(self.on_instance_stuck(instance, error), bound_s)
+        except TimeoutError:  # the device itself may be wedged: the model fails rather than wait for ever
+            log.error("%s: no replacement for a stuck instance within %.0f s", self.name, bound_s)
         except Exception:
             log.exception("%s: the replacement of a stuck instance could not start", self.name)
         finally:
@@ -549,6 +561,17 @@ class Batcher:
         self._count = 0
 
 
-def _consume(future: asyncio.Future[np.ndarray]) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved, so asyncio does not log it as never retrieved
+def _settle(waiter: asyncio.Future[np.ndarray], done: Future[np.ndarray], timer: asyncio.TimerHandle) -> None:
+    """A runtime's answer, on the loop: into ``waiter`` unless the instance was declared stuck meanwhile."""
+    timer.cancel()
+    if done.cancelled():
+        if not waiter.done():
+            waiter.cancel()
+        return
+    error = done.exception()
+    if waiter.done():  # declared stuck; the late answer is dropped
+        return
+    if error is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(done.result())

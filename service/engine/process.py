@@ -19,6 +19,7 @@ import msgspec
 from service.core.lifetime import die_with_parent
 from service.core.settings import ServerSettings
 from service.engine.server import EngineServer
+from service.runtime import Runtime
 from service.transport.server import EngineEndpoint
 
 log = logging.getLogger("visionserve.engine")
@@ -55,10 +56,11 @@ async def run_engine(launch: EngineLaunch) -> None:
     log.warning("engine %s: draining (up to %.1f s), then exiting", launch.name, launch.settings.drain_timeout_s)
     await server.drain()
     await endpoint.close()
-    if server.abandoned_instances():
+    if Runtime.abandoned:
         # A stuck instance's worker thread may never return, and the interpreter joins every executor thread at
-        # exit: leave without waiting for it (everything this process owes was answered above).
-        log.warning("engine %s: exiting past %d abandoned instance(s)", launch.name, server.abandoned_instances())
+        # exit: leave without waiting for it (everything this process owes was answered above). Counted per
+        # process, so that instances of models since unloaded or reloaded count too.
+        log.warning("engine %s: exiting past %d abandoned instance(s)", launch.name, Runtime.abandoned)
         logging.shutdown()
         os._exit(0)
 

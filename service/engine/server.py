@@ -296,10 +296,6 @@ class EngineServer:
                 yield LiveState(labels, batcher.queue_depth, batcher.inflight_batches,
                                 state.state in SERVING_STATES, batcher.stuck_total)  # fmt: skip
 
-    def abandoned_instances(self) -> int:
-        """Runtime instances abandoned as stuck (their threads may still be running)."""
-        return sum(e.batcher.stuck_total for versions in self.models.values() for e in versions.values())
-
     # ---- shutdown -------------------------------------------------------------------------------------------
     async def drain(self) -> None:
         """Refuse new work, finish what is queued (within the drain timeout), close every model."""

@@ -58,8 +58,13 @@ class _Server(uvicorn.Server):
         self._drain_task = self._loop.create_task(self._drain_then_exit(state, sig, frame))
 
     async def _drain_then_exit(self, state: Any, sig: int, frame: Any) -> None:
-        if not await state.drain(state.settings.drain_timeout_s):
+        bound_s = state.settings.drain_timeout_s
+        started = time.monotonic()
+        if not await state.drain(bound_s):
             log.error("drain timeout: %d requests still in flight", state.requests_inflight)
+        # uvicorn's own graceful wait gets what is left of the one drain bound (the supervisor kills a front end
+        # that takes more than drain_timeout_s + 10 s).
+        self.config.timeout_graceful_shutdown = max(1, int(bound_s - (time.monotonic() - started)))
         self._shutdown(sig, frame)
 
     def _shutdown(self, sig: int, frame: Any) -> None:

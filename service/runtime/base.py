@@ -91,9 +91,13 @@ class Runtime:
         finally:
             self._executor.shutdown(wait=True)
 
+    abandoned = 0  # instances abandoned in this process (their threads may never return: see engine/process.py)
+
     def abandon(self) -> None:
         """Give up on an instance whose worker thread is stuck: refuse new batches and let the thread go without
         waiting for it (a forward cannot be interrupted; the thread and what it holds stay until it returns)."""
+        if not self._closed:
+            Runtime.abandoned += 1
         self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -427,3 +427,35 @@ def test_batches_that_all_fail_make_the_model_unhealthy_until_one_succeeds() -> 
         await batcher.close()
 
     run(scenario())
+
+
+def test_a_replacement_that_never_loads_fails_the_model_instead_of_waiting_for_ever() -> None:
+    from service.core.config import Faults
+    from service.core.errors import DeviceFailure
+    from service.runtime import FaultPlan
+
+    async def scenario() -> None:
+        plan = FaultPlan(Faults(hang_at_batch=0))
+        wedged = LoggingFake()
+        wedged.faults = plan
+
+        async def never(instance: Any, error: Exception) -> list[Any]:
+            await asyncio.sleep(30)  # the device is wedged too
+            return []
+
+        config = BatcherConfig(max_batch_size=4, max_queue_delay_ms=0, stuck_after_s=0.2, replace_timeout_s=0.3)
+        batcher = Batcher([wedged], config, on_instance_stuck=never)
+        first = asyncio.create_task(batcher.submit(request([1])))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        with pytest.raises(DeviceFailure, match="no working instance left"):
+            await batcher.submit(request([2]))  # queued behind the hang, then failed with the model
+        assert time.monotonic() - started < 2
+        assert (await first).errors[0] is not None
+        assert batcher.instances == [] and batcher.replacing == 0
+        with pytest.raises(DeviceFailure):
+            await batcher.submit(request([3]))  # refused at once now
+        plan.release()
+        await batcher.close()
+
+    run(scenario())
