@@ -26,6 +26,7 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     delay_ms: float = 0.0  # added to every batch, on the runtime's worker thread (fixes a model's capacity)
     hang_at_batch: int = -1  # that batch (0 = the first) never returns: a wedged forward
     fail_after_batches: int = -1  # every batch from that one on raises
+    load_delay_ms: float = 0.0  # added to loading each instance (a slow load, or a slow replacement)
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,6 +64,7 @@ _FAULT_RULES: dict[str, tuple[Any, str]] = {
     "delay_ms": (lambda v: v >= 0, "a number >= 0"),
     "hang_at_batch": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
     "fail_after_batches": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
+    "load_delay_ms": (lambda v: v >= 0, "a number >= 0"),
 }
 
 _ALLOWED_TEXT = {
@@ -72,7 +74,7 @@ _ALLOWED_TEXT = {
     "queue_full_status": "503 or 429",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
-    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches",
+    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms",
     **{k: v[1] for k, v in _RULES.items()},
 }
 
@@ -147,7 +149,8 @@ default_timeout_ms = 0        # 0: no deadline unless the request sets one
 warmup = true                 # run every batch-size bucket once before reporting ready
 instance_stuck_after_s = 60   # a batch unanswered this long: its instance is abandoned and replaced (0: never)
 unhealthy_after_failed_batches = 3  # this many batches in a row failing every image: the model reports not ready
-# [faults]                    # fault drills only (README, "Reliability"): delay_ms, hang_at_batch, fail_after_batches
+# [faults]                    # fault drills only (README, "Reliability"): delay_ms, hang_at_batch,
+                              # fail_after_batches, load_delay_ms
 """
 
 

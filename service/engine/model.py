@@ -123,6 +123,8 @@ class ModelEngine:
 
     def _start(self, device: str) -> RuntimeLike:
         """A loaded, warmed-up instance on ``device`` (blocking), with the model's injected faults armed."""
+        if self._faults is not None:
+            self._faults.before_load()
         instance = self._factory(device)
         try:
             if self.config.warmup:

@@ -37,7 +37,10 @@ def state_of(client: httpx.Client, model: str) -> dict[str, Any]:
 
 def test_a_hung_forward_times_out_is_replaced_and_readiness_tells_the_truth(repo_copy: Path, tmp_path: Path) -> None:
     add_variant(
-        repo_copy, "wedged", "max_queue_delay_ms = 0\ninstance_stuck_after_s = 1.5\n[faults]\nhang_at_batch = 0\n"
+        repo_copy,
+        "wedged",
+        # A replacement that takes a second to load (as a large model's would): readiness must say so meanwhile.
+        "max_queue_delay_ms = 0\ninstance_stuck_after_s = 1.5\n[faults]\nhang_at_batch = 0\nload_delay_ms = 1000\n",
     )
     server = start_server(repo_copy, tmp_path / "server.log")
     try:
