@@ -79,6 +79,13 @@ _ALLOWED_TEXT = {
 }
 
 
+def _check_rules(settings: Any, rules: dict[str, tuple[Any, str]], source: str, prefix: str = "") -> None:
+    for field, (check, allowed) in rules.items():
+        value = getattr(settings, field)
+        if isinstance(value, bool) or not check(value):
+            raise ConfigError(f"{prefix}{field} must be {allowed}, got {value!r} ({source})")
+
+
 def _fail(field: str, value: Any, source: str) -> ConfigError:
     return ConfigError(f"{field} must be {_ALLOWED_TEXT.get(field, 'valid')}, got {value!r} ({source})")
 
@@ -98,14 +105,8 @@ def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
         match = re.search(r"at `\$\.(\w+)", str(exc))
         field = match.group(1) if match else "?"
         raise _fail(field, raw.get(field), source) from exc
-    for field, (check, _) in _RULES.items():
-        value = getattr(config, field)
-        if isinstance(value, bool) or not check(value):
-            raise _fail(field, value, source)
-    for field, (check, allowed) in _FAULT_RULES.items():
-        value = getattr(config.faults, field)
-        if isinstance(value, bool) or not check(value):
-            raise ConfigError(f"faults.{field} must be {allowed}, got {value!r} ({source})")
+    _check_rules(config, _RULES, source)
+    _check_rules(config.faults, _FAULT_RULES, source, prefix="faults.")
     for size in config.preferred_batch_sizes:
         if not 1 <= size <= config.max_batch_size:
             raise ConfigError(
