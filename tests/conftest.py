@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _server_registry():  # type: ignore[no-untyped-def]
+    """tests/http/conftest.py, where every test server starts, if anything has imported it yet."""
+    return sys.modules.get("tests.http.conftest")
+
+
+@pytest.fixture(autouse=True)
+def _no_server_outlives_its_test() -> Iterator[None]:
+    """Every server a test (or a function-scoped fixture) started is stopped when it ends, passed or failed."""
+    servers = _server_registry()
+    since = len(servers._STARTED) if servers is not None else 0
+    yield
+    servers = _server_registry()
+    if servers is not None:
+        servers.stop_leftover_servers(since)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    servers = _server_registry()
+    if servers is not None:  # a session fixture's own teardown failed: still nothing left running
+        servers.stop_leftover_servers(0)
 
 
 def encode_image(array: np.ndarray, fmt: str = "PNG", **params: object) -> bytes:

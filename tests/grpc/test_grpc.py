@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 from service.core.protocol import method_path, pb
 from tests.conftest import encode_image, random_image
 from tests.grpc.conftest import ADMIN_TOKEN, GrpcServer
+from tests.http.conftest import busy_model
 from tests.http.test_image_api import digit_png
 
 PIXELS = np.random.default_rng(1).integers(0, 256, (3, 3, 32, 32), dtype=np.uint8)
@@ -179,21 +180,22 @@ def _flood(both: GrpcServer, model: str, n: int = 8) -> list[str]:
     """n concurrent single-image requests on a slow model with a queue of 2: the status of each."""
     image = encode_image(random_image(224, 224), "JPEG")
 
-    def one(_: int) -> str:
+    def one(_: int = 0) -> str:
         try:
             client(both).infer(model, [images_input([image])])
             return "OK"
         except InferenceServerException as exc:
             return str(exc.status()).removeprefix("StatusCode.")
 
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
+    with busy_model(both.http.url, model, one) as first, concurrent.futures.ThreadPoolExecutor(n) as pool:
+        rest = list(pool.map(one, range(n)))  # n at once while the model's only instance computes the first
+        return [first.result(), *rest]
 
 
 @pytest.mark.parametrize(("model", "refused"), [("slow", "UNAVAILABLE"), ("slow429", "RESOURCE_EXHAUSTED")])
 def test_a_full_queue_is_refused_with_the_configured_code(both: GrpcServer, model: str, refused: str) -> None:
     seen = _flood(both, model)
-    assert "OK" in seen and refused in seen, seen
+    assert seen[0] == "OK" and refused in seen, seen
     assert set(seen) <= {"OK", refused}, seen
 
 
@@ -208,9 +210,13 @@ def test_a_deadline_passed_in_the_queue_is_deadline_exceeded(both: GrpcServer) -
         except InferenceServerException as exc:
             return str(exc.status()).removeprefix("StatusCode.")
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        seen = list(pool.map(late, range(3)))
-    assert "DEADLINE_EXCEEDED" in seen, seen
+    def busy() -> None:
+        c.infer("slow", [images_input([image])])
+
+    with busy_model(both.http.url, "slow", busy) as first:  # the instance busy: the late one waits in the queue
+        seen = late(0)
+        first.result()
+    assert seen == "DEADLINE_EXCEEDED", seen
 
 
 def test_statistics_and_metrics_count_grpc_requests(both: GrpcServer) -> None:

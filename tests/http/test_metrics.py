@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.core.metrics import GPU_METRIC_NAMES
 from tests.conftest import encode_image, random_image
-from tests.http.conftest import RunningServer, start_server, stop_server
+from tests.http.conftest import RunningServer, busy_model, slow_config, start_server, stop_server
 from tests.http.test_image_api import digit_png
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,7 @@ def fresh(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     root = tmp_path_factory.mktemp("metrics-repo")
     for name in ("digits", "slow"):
         shutil.copytree(served_repo / name, root / name)
-    (root / "slow" / "config.toml").write_text("max_batch_size = 1\nmax_queue_size = 2\nmax_queue_delay_ms = 0\n")
+    (root / "slow" / "config.toml").write_text(slow_config(max_queue_size=2))
     running = start_server(root, tmp_path_factory.mktemp("logs") / "metrics.log")
     yield running
     stop_server(running)
@@ -74,13 +74,13 @@ def test_counters_and_histograms_equal_what_was_sent(fresh: RunningServer) -> No
         with fresh.client() as c:
             return c.post("/v1/models/slow/classify", content=image, headers={"content-type": "image/jpeg"}).status_code
 
-    with concurrent.futures.ThreadPoolExecutor(10) as pool:
-        flood = list(pool.map(slow, range(10)))
+    with busy_model(fresh.url, "slow", lambda: slow(0)) as first, concurrent.futures.ThreadPoolExecutor(10) as pool:
+        rest = list(pool.map(slow, range(10)))  # ten at once while the instance is busy
+        flood = [first.result(), *rest]
     ok, rejected = flood.count(200), flood.count(503)
-    assert ok + rejected == 10 and rejected > 0
+    assert ok + rejected == 11 and rejected > 0
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        busy = pool.submit(slow, 0)
+    with busy_model(fresh.url, "slow", lambda: slow(0)) as busy:
         tensor = {"name": "INPUT", "datatype": "UINT8", "shape": [1, 3, 224, 224],
                   "parameters": {"binary_data_size": 3 * 224 * 224}}  # fmt: skip
         head = json.dumps({"parameters": {"timeout": 1}, "inputs": [tensor]}).encode()
@@ -99,7 +99,7 @@ def test_counters_and_histograms_equal_what_was_sent(fresh: RunningServer) -> No
     assert value(m, "visionserve_requests_total", outcome="rejected", **slow_labels) == rejected
     assert value(m, "visionserve_requests_total", outcome="timeout", **slow_labels) == 1
     assert value(m, "visionserve_request_duration_seconds_count", **digits) == 10
-    assert value(m, "visionserve_request_duration_seconds_count", **slow_labels) == 10 + 2
+    assert value(m, "visionserve_request_duration_seconds_count", **slow_labels) == 11 + 2
     assert value(m, "visionserve_preprocess_duration_seconds_count", **digits) == 5 + 3  # the raw images decoded
     assert value(m, "visionserve_queue_duration_seconds_count", **digits) == 7
     assert value(m, "visionserve_images_total", **digits) == 5 + 2 * 2

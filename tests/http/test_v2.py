@@ -13,7 +13,7 @@ import pytest
 import tritonclient.http as triton
 
 from tests.conftest import encode_image, random_image
-from tests.http.conftest import ADMIN_TOKEN, RunningServer
+from tests.http.conftest import ADMIN_TOKEN, RunningServer, busy_model
 from tests.http.test_image_api import digit_png
 
 PIXELS = np.random.default_rng(0).integers(0, 256, (2, 3, 32, 32), dtype=np.uint8)
@@ -205,14 +205,16 @@ def test_repository_routes_need_the_admin_token(server: RunningServer) -> None:
 
 
 def _flood(server: RunningServer, model: str, n: int = 12) -> list[httpx.Response]:
+    """``n`` concurrent requests while the slow model's only instance computes another: a queue of 2 overflows."""
     image = encode_image(random_image(224, 224), "JPEG")
 
-    def one(_: int) -> httpx.Response:
+    def one(_: int = 0) -> httpx.Response:
         with server.client() as c:
             return c.post(f"/v1/models/{model}/classify", content=image, headers={"content-type": "image/jpeg"})
 
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
+    with busy_model(server.url, model, one) as first, concurrent.futures.ThreadPoolExecutor(n) as pool:
+        flood = list(pool.map(one, range(n)))
+        return [first.result(), *flood]
 
 
 @pytest.mark.parametrize(("model", "status"), [("slow", 503), ("slow429", 429)])
@@ -220,19 +222,19 @@ def test_overload_is_refused_at_once_with_retry_after(server: RunningServer, mod
     responses = _flood(server, model)
     refused = [r for r in responses if r.status_code == status]
     assert refused, [r.status_code for r in responses]
+    assert responses[0].status_code == 200  # what kept the instance busy was computed
     assert all(r.headers["retry-after"] == "1" and "queue full" in r.json()["error"] for r in refused)
     assert {r.status_code for r in responses} <= {200, status}  # nothing else: no 500, no hang
 
 
 def test_a_request_whose_deadline_passes_in_the_queue_is_504(server: RunningServer) -> None:
     image = encode_image(random_image(224, 224), "JPEG")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
 
-        def busy() -> httpx.Response:
-            with server.client() as c:  # keeps the slow model's only instance busy
-                return c.post("/v1/models/slow/classify", content=image, headers={"content-type": "image/jpeg"})
+    def busy() -> httpx.Response:
+        with server.client() as c:  # keeps the slow model's only instance busy
+            return c.post("/v1/models/slow/classify", content=image, headers={"content-type": "image/jpeg"})
 
-        first = pool.submit(busy)
+    with busy_model(server.url, "slow", busy) as first:
         with server.client() as c:
             body = {"parameters": {"timeout": 1},  # one microsecond
                     "inputs": [{"name": "INPUT", "datatype": "UINT8", "shape": [1, 3, 224, 224],

@@ -123,8 +123,9 @@ def test_a_runtime_that_raises_fails_its_items_alone_and_reports_unhealthy(repo_
             multi = client.post("/v1/models/broken/classify", files=files)
             assert multi.status_code == 200
             assert all("injected fault" in r["error"] for r in multi.json()["results"])
-            time.sleep(0.6)  # the catalog reaches the front ends with the engine's next beat (0.5 s)
-            ready = client.get("/v2/models/broken/ready").status_code
+            deadline = time.monotonic() + 10  # the engine announces the state change; the front ends hear it
+            while (ready := client.get("/v2/models/broken/ready").status_code) == 200 and time.monotonic() < deadline:
+                time.sleep(0.02)
             state = state_of(client, "broken")
             digits = [classify(client, "digits").status_code for _ in range(20)]
             server_ready = client.get("/v2/health/ready").status_code
