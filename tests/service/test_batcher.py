@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,29 @@ class LoggingFake(FakeRuntime):
             self.spans.append((started, time.monotonic()))
 
 
+class GatedFake(LoggingFake):
+    """Holds every batch inside forward until the test opens ``gate``: a busy instance by construction, so no test
+    depends on how long a sleep takes on this machine. ``entered`` tells that a batch reached forward."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        super().__init__(**kw)
+
+    def _forward(self, batch: np.ndarray) -> np.ndarray:
+        self.entered.set()
+        if not self.gate.wait(10):
+            raise RuntimeError("the gate was never opened")
+        return super()._forward(batch)
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until ``check()`` holds: a state the test can observe, not a guess at how long it takes."""
+    async with asyncio.timeout(timeout_s):
+        while not check():
+            await asyncio.sleep(0.001)
+
+
 def request(ids: list[int], **kw: Any) -> InferRequest:
     priority = kw.pop("priority", 0)
     return InferRequest(
@@ -95,15 +119,18 @@ def test_a_request_larger_than_the_maximum_is_split_and_reassembled_in_order() -
 def test_the_delay_counts_from_the_oldest_item() -> None:
     async def scenario() -> None:
         rt = LoggingFake()
-        batcher = Batcher([rt], BatcherConfig(max_batch_size=8, max_queue_delay_ms=300))
-        first = asyncio.create_task(batcher.submit(request([1])))
-        await asyncio.sleep(0.05)
-        second = asyncio.create_task(batcher.submit(request([2])))
-        started = time.monotonic()
+        batcher = Batcher([rt], BatcherConfig(max_batch_size=8, max_queue_delay_ms=1000))
+        before_first = time.monotonic()
+        first = batcher.enqueue(request([1]))
+        await asyncio.sleep(0.5)
+        second = batcher.enqueue(request([2]))
+        after_second = time.monotonic()
         await asyncio.gather(first, second)
-        # One batch of both, dispatched when the first item's delay ran out (not 300 ms after the second).
+        # One batch of both, dispatched when the first item's delay ran out, not 1 s after the second: the margin
+        # is the gap between them (0.5 s or more), so only a stall of that size could make this fail.
         assert rt.log == [[1, 2]]
-        assert time.monotonic() - started < 0.3
+        dispatched = rt.spans[0][0]
+        assert before_first + 1.0 <= dispatched < after_second + 1.0
         await batcher.close()
 
     run(scenario())
@@ -138,16 +165,16 @@ def test_priority_levels_are_served_first_and_fifo_within_a_level() -> None:
 
 def test_a_full_queue_refuses_at_once() -> None:
     async def scenario() -> None:
-        rt = LoggingFake(delay_s=0.2)
+        rt = GatedFake()
         batcher = Batcher([rt], BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=3))
         running = asyncio.create_task(batcher.submit(request([0])))
-        await asyncio.sleep(0.02)
+        await until(rt.entered.is_set)
         queued = asyncio.create_task(batcher.submit(request([1, 2, 3])))
-        await asyncio.sleep(0)
-        started = time.monotonic()
+        await until(lambda: batcher.queue_depth == 3)
+        refused = batcher.submit(request([4]))
         with pytest.raises(OverloadedError, match="queue full"):
-            await batcher.submit(request([4]))
-        assert time.monotonic() - started < 0.05
+            refused.send(None)  # at once: on submit's first step, before it awaits anything
+        rt.gate.set()
         await asyncio.gather(running, queued)
         await batcher.close()
 
@@ -156,14 +183,17 @@ def test_a_full_queue_refuses_at_once() -> None:
 
 def test_an_expired_request_fails_with_a_deadline_error_and_is_never_computed() -> None:
     async def scenario() -> None:
-        rt = LoggingFake(delay_s=0.3)
+        rt = GatedFake()
         batcher = Batcher([rt], BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
         busy = asyncio.create_task(batcher.submit(request([0])))
-        await asyncio.sleep(0.02)
-        started = time.monotonic()
-        with pytest.raises(DeadlineExceededError):
-            await batcher.submit(request([7], timeout_ms=50))
-        assert time.monotonic() - started < 0.25  # answered at its deadline, not after the busy batch
+        try:
+            await until(lambda: rt.entered.is_set() and batcher.inflight_batches == 1)
+            with pytest.raises(DeadlineExceededError):
+                async with asyncio.timeout(10):
+                    await batcher.submit(request([7], timeout_ms=50))
+            assert not busy.done()  # answered at its deadline, while the busy batch still holds the instance
+        finally:
+            rt.gate.set()
         await busy
         await batcher.close()
         assert all(7 not in b for b in rt.log)
@@ -173,14 +203,16 @@ def test_an_expired_request_fails_with_a_deadline_error_and_is_never_computed() 
 
 def test_a_caller_that_goes_away_is_not_computed() -> None:
     async def scenario() -> None:
-        rt = LoggingFake(delay_s=0.2)
+        rt = GatedFake()
         batcher = Batcher([rt], BatcherConfig(max_batch_size=4, max_queue_delay_ms=0))
         busy = asyncio.create_task(batcher.submit(request([0])))
-        await asyncio.sleep(0.02)
+        await until(rt.entered.is_set)
         gone = asyncio.create_task(batcher.submit(request([9])))
-        await asyncio.sleep(0.02)
+        await until(lambda: batcher.queue_depth == 1)  # queued behind the busy batch
         gone.cancel()
         after = asyncio.create_task(batcher.submit(request([10])))
+        await until(lambda: batcher.queue_depth == 2)
+        rt.gate.set()
         await asyncio.gather(busy, after)
         await batcher.close()
         assert gone.cancelled()
@@ -208,12 +240,20 @@ def test_one_poison_image_fails_alone() -> None:
 
 def test_instances_overlap() -> None:
     async def scenario() -> None:
-        rts = [LoggingFake(delay_s=0.15), LoggingFake(delay_s=0.15)]
-        batcher = Batcher(rts, BatcherConfig(max_batch_size=2, max_queue_delay_ms=0))
-        await asyncio.gather(*(batcher.submit(request([i])) for i in range(4)))
-        spans = sorted(s for rt in rts for s in rt.spans)
-        assert all(len(rt.log) >= 1 for rt in rts)
-        assert spans[1][0] < spans[0][1]  # the second batch started before the first ended
+        # Each forward waits at the barrier until the other instance is inside forward too: unless the two batches
+        # run at the same time, the barrier breaks (after 10 s) and the batches fail.
+        both_inside = threading.Barrier(2, timeout=10)
+
+        class MeetingFake(LoggingFake):
+            def _forward(self, batch: np.ndarray) -> np.ndarray:
+                both_inside.wait()
+                return super()._forward(batch)
+
+        rts = [MeetingFake(), MeetingFake()]
+        batcher = Batcher(rts, BatcherConfig(max_batch_size=1, max_queue_delay_ms=0))
+        results = await asyncio.gather(*(batcher.submit(request([i])) for i in range(2)))
+        assert [r.errors for r in results] == [[None], [None]] and not both_inside.broken
+        assert [len(rt.log) for rt in rts] == [1, 1]
         await batcher.close()
 
     run(scenario())

@@ -120,23 +120,45 @@ def test_the_pool_refuses_each_bad_image_alone() -> None:
     assert all(np.array_equal(results[0], r) for r in (results[2], results[4]))
 
 
-def test_large_images_take_their_own_bounded_lane_and_small_ones_never_wait_for_it() -> None:
+def test_large_images_take_their_own_bounded_lane_and_small_ones_never_wait_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    from service.core import decoding
     from service.core.errors import OverloadedError
     from service.core.preprocess import decode_cost, open_image
+    from service.core.spec import ModelSpec
 
-    big = encode_image(random_image(2000, 2000), "PNG")  # decodes in tens of milliseconds
+    big = encode_image(random_image(2000, 2000), "PNG")
     small = encode_image(random_image(64, 64), "PNG")
     assert decode_cost(open_image(big), RESNET) == 4_000_000
     jpeg = open_image(encode_image(random_image(3000, 4000), "JPEG"))
     assert decode_cost(jpeg, RESNET) == 750 * 1000  # draft mode decodes it at a quarter of each side
+
+    # A big image's decode is held until the test opens the gate, wherever it is decoded: the first one is still
+    # decoding when the second arrives by construction, however fast this machine decodes.
+    gate = threading.Event()
+    decode = decoding.decode_opened
+
+    def held_when_big(img: Image.Image, spec: ModelSpec) -> np.ndarray:
+        if img.width * img.height > 1_000_000 and not gate.wait(10):
+            raise RuntimeError("the gate was never opened")
+        return decode(img, spec)
+
+    monkeypatch.setattr(decoding, "decode_opened", held_when_big)
     pool = Preprocessor(RESNET, workers=2, large_pixels=1_000_000, large_queue=0)  # one large at a time
-    both = [pool.submit(big), pool.submit(big)]
-    assert isinstance(pool.submit(small).result(timeout=10), np.ndarray)
-    refused = [f for f in both if f.exception(timeout=10) is not None]
-    assert len(refused) == 1  # whichever reached the lane second
-    error = refused[0].exception()
-    assert isinstance(error, OverloadedError) and "being decoded already" in str(error)
-    assert next(f for f in both if f not in refused).result().shape == (3, 224, 224)
+    try:
+        both = [pool.submit(big), pool.submit(big)]
+        assert isinstance(pool.submit(small).result(timeout=10), np.ndarray)  # while a big one is held
+        done, held = wait(both, timeout=10, return_when=FIRST_COMPLETED)
+        assert len(done) == 1 and len(held) == 1  # whichever reached the lane second was refused at once
+        error = next(iter(done)).exception()
+        assert isinstance(error, OverloadedError) and "being decoded already" in str(error)
+    finally:
+        gate.set()
+    assert next(iter(held)).result(timeout=10).shape == (3, 224, 224)
     pool.close()
 
 

@@ -57,11 +57,9 @@ async def connected(tmp: Path, arena: shm.Arena) -> tuple[EngineEndpoint, Engine
     await endpoint.start(Handler(endpoint))
     client = EngineClient(address, arena, "fe0", snapshot=lambda t: Snapshot(t, [], []), on_change=lambda: None)
     await client.start()
-    for _ in range(200):
-        if client.up:
-            break
-        await asyncio.sleep(0.02)
-    assert client.up
+    async with asyncio.timeout(30):  # a bound in time, not a count of polls: a loaded machine connects late
+        while not client.up:
+            await asyncio.sleep(0.02)
     return endpoint, client
 
 
