@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import re
+from typing import Any
+
+# A help text that already states its default ("(default: ImageNet)", "default: the next free one").
+_STATES_DEFAULT = re.compile(r"\(default\b|\bdefault\s*:", re.IGNORECASE)
 
 
 def comma_ints(text: str) -> tuple[int, ...]:
@@ -36,3 +41,33 @@ def size_pair(text: str) -> tuple[int, int]:
     if min(width, height) < 1:
         raise argparse.ArgumentTypeError(f"width and height must be >= 1, got {text!r}")
     return width, height
+
+
+def default_text(action: argparse.Action) -> str | None:
+    """``action``'s default as a user would type it (``1,4,16``, ``500x375``), or None when there is none to show:
+    no default, a flag (store_true), or a help text that already says it."""
+    default: Any = action.default
+    if default is None or default is argparse.SUPPRESS or default == "" or action.nargs == 0:
+        return None
+    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+        return None  # a required positional
+    if _STATES_DEFAULT.search(action.help or ""):
+        return None
+    if isinstance(default, tuple | list):
+        return ("x" if action.type is size_pair else ",").join(str(v) for v in default)
+    return str(default)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help states its default once, written as it would be typed: ``(default: 1,4,16)``, not Python's
+    ``(1, 4, 16)``; nothing for flags without a value or a default (argparse's ArgumentDefaultsHelpFormatter printed
+    ``(default: None)`` and ``(default: False)``, and a second default after help that already gave one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.help is argparse.SUPPRESS:
+            return action.help
+        shown = default_text(action)
+        if shown is None:
+            return text
+        return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted by argparse

@@ -37,8 +37,8 @@ import msgspec
 import numpy as np
 
 from service.core.errors import BadInputError, PayloadTooLargeError, VisionServeError
+from service.core.scores import classification_strings
 from service.core.status import SERVING_STATES
-from service.frontend.results import classification_strings
 from service.frontend.state import ModelSlot, ServerState, Timing
 
 SERVER_NAME = "visionserve"

@@ -142,6 +142,12 @@ class ModelSlot:
                     timing.postprocess_s if done else NOT_OBSERVED,
                 )
 
+    def record_refused(self, request_s: float, protocol: str = "http") -> None:
+        """A request refused before its handler ran (a query parameter out of range): a ``bad_input`` outcome that
+        reached no stage."""
+        if self._recorders is not None:
+            self._recorders[protocol].record("bad_input", request_s, NOT_OBSERVED, NOT_OBSERVED, NOT_OBSERVED)
+
     async def decode(self, images: list[bytes], timing: Timing) -> list[Decoded]:
         """Decode each image in the pool; a refused image becomes its own error."""
         started = time.perf_counter()

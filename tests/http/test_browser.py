@@ -1,18 +1,42 @@
-"""The demo page in real headless Chromium: load it, pick an image, read the classes and the timings."""
+"""The demo page in real headless Chromium: pick, paste or drop several images, read each one's classes, error and
+timings, change the model and top-k, and use it from the keyboard. Its server serves ``digits`` and ``tricky`` (the
+same model, its labels HTML that must show as text)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.http.conftest import RunningServer
+from tests.http.conftest import RunningServer, start_server, stop_server
 from tests.http.test_image_api import digit_png
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
+# The labels of ``tricky``: markup and a script that would run if a label were ever inserted as HTML.
+TRICKY_LABELS = [f"<b>{i}</b>" if i % 2 else f'<img src=x onerror="window.pwned={i}">{i}' for i in range(10)]
+WAIT_S = 30  # bounded waits on what the page shows; a real model answers in milliseconds
+
+
+@pytest.fixture(scope="module")
+def page_server(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    root = tmp_path_factory.mktemp("page-repo")
+    shutil.copytree(served_repo / "digits", root / "digits")
+    shutil.copytree(served_repo / "digits", root / "tricky")
+    for spec_path in (root / "tricky").glob("*/spec.json"):
+        spec = json.loads(spec_path.read_text())
+        assert len(spec["labels"]) == len(TRICKY_LABELS)
+        spec["labels"] = TRICKY_LABELS
+        spec_path.write_text(json.dumps(spec))
+    running = start_server(root, tmp_path_factory.mktemp("logs") / "page-server.log", real_models=("digits", "tricky"))
+    yield running
+    stop_server(running)
 
 
 @pytest.fixture
@@ -38,35 +62,170 @@ def browser(tmp_path: Path):  # type: ignore[no-untyped-def]
         driver.quit()
 
 
-def test_the_demo_page_classifies_a_picked_image(server: RunningServer, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _open(browser: Any, server: RunningServer, model: str = "digits") -> None:
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser.get(server.url + "/")
+    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, f"#model option[value='{model}']"))
+    Select(browser.find_element(By.ID, "model")).select_by_value(model)
+
+
+def _cards(
+    browser: Any, count: int, rows: int | None = None, errors: int = 0, labels_from: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Wait until the grid holds ``count`` finished cards (``rows`` predictions each where no error, ``errors``
+    of them failed, every label one of ``labels_from``); what each shows."""
     from selenium.webdriver.support.ui import WebDriverWait
 
-    png, label = digit_png(3)
-    picture = tmp_path / "digit.png"
-    picture.write_bytes(png)
-    browser.get(server.url + "/")
-    WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#model option[value='digits']"))
-    browser.find_element(By.CSS_SELECTOR, "#model option[value='digits']").click()
-    browser.find_element(By.ID, "file").send_keys(str(picture))
-    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "results").is_displayed())
-    rows = browser.find_elements(By.CSS_SELECTOR, "tr.prediction")
-    assert len(rows) == 5
-    assert rows[0].find_element(By.CSS_SELECTOR, ".label").text == str(label)
-    assert rows[0].find_element(By.CSS_SELECTOR, ".score").text.endswith("%")
-    timing = browser.find_element(By.ID, "timing").text
-    assert "queue" in timing and "preprocess" in timing and "compute" in timing and "round trip" in timing
+    script = """return [...document.querySelectorAll('#grid .card')].map(c => ({
+        busy: c.getAttribute('aria-busy'), name: c.querySelector('.name').textContent,
+        labels: [...c.querySelectorAll('tr.prediction td.label')].map(td => td.textContent),
+        scores: [...c.querySelectorAll('tr.prediction td.score')].map(td => td.textContent),
+        markup: c.querySelectorAll('td.label *').length, error: c.querySelector('.error').textContent,
+        timing: c.querySelector('.timing').textContent,
+        thumbnail: c.querySelector('img').complete && c.querySelector('img').naturalWidth > 0}))"""
+
+    def ready(driver: Any) -> list[dict[str, Any]] | None:
+        cards: list[dict[str, Any]] = driver.execute_script(script)
+        if len(cards) != count or any(c["busy"] != "false" for c in cards):
+            return None
+        if sum(bool(c["error"]) for c in cards) != errors:
+            return None
+        if rows is not None and any(len(c["labels"]) != rows for c in cards if not c["error"]):
+            return None
+        if labels_from is not None and any(label not in labels_from for c in cards for label in c["labels"]):
+            return None
+        return cards
+
+    try:
+        cards: list[dict[str, Any]] = WebDriverWait(browser, WAIT_S).until(ready)
+    except Exception as exc:
+        raise AssertionError(
+            f"the grid never showed {count} cards of {rows} rows: {browser.execute_script(script)}"
+        ) from exc
+    return cards
+
+
+def test_two_images_chosen_at_once_rerun_when_top_k_and_model_change(
+    page_server: RunningServer, browser, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    paths = []
+    for index in (3, 5):
+        png, _ = digit_png(index)
+        paths.append(tmp_path / f"digit-{index}.png")
+        paths[-1].write_bytes(png)
+    _open(browser, page_server)
+    browser.find_element(By.ID, "file").send_keys("\n".join(str(p) for p in paths))
+    cards = _cards(browser, 2, rows=5)
+    assert [c["name"] for c in cards] == ["digit-3.png", "digit-5.png"]
+    assert cards[0]["labels"][0] == str(digit_png(3)[1])
+    for card in cards:
+        assert card["thumbnail"], "the thumbnail did not load"
+        assert sorted(card["labels"]) == sorted(set(card["labels"])) and all(s.endswith("%") for s in card["scores"])
+        for stage in ("queue", "preprocess", "compute", "total", "round trip"):
+            assert stage in card["timing"], card["timing"]
+    # The chart and its summary come from the server's own Server-Timing totals, one point per request.
+    points = browser.find_element(By.CSS_SELECTOR, "#chart polyline").get_attribute("points").split()
+    assert len(points) == 2
+    assert "Last 2 requests, server total" in browser.find_element(By.ID, "latency").text
+
+    # top-k changed from the keyboard: the same two images are classified again, with fewer rows.
+    topk = browser.find_element(By.ID, "topk")
+    topk.send_keys(Keys.CONTROL, "a")
+    topk.send_keys("2")
+    _cards(browser, 2, rows=2)
+    topk.send_keys(Keys.ARROW_UP)
+    _cards(browser, 2, rows=3)
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: len(d.find_element(By.CSS_SELECTOR, "#chart polyline").get_attribute("points").split()) == 6
+    )
+
+    # Another model: the images are classified again, and its labels (HTML) appear as text, never as markup.
+    Select(browser.find_element(By.ID, "model")).select_by_value("tricky")
+    cards = _cards(browser, 2, rows=3, labels_from=TRICKY_LABELS)
+    assert cards[0]["labels"][0] == TRICKY_LABELS[digit_png(3)[1]]
+    assert all(c["markup"] == 0 for c in cards), "a label was inserted as HTML"
+    assert browser.execute_script("return window.pwned === undefined")
     assert browser.find_element(By.ID, "error").text == ""
 
 
-def test_the_demo_page_shows_the_error_of_a_bad_file(server: RunningServer, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_corrupt_file_shows_its_error_beside_it(page_server: RunningServer, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    good = tmp_path / "digit.png"
+    good.write_bytes(digit_png(3)[0])
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"\x89PNG not really")
+    _open(browser, page_server)
+    browser.find_element(By.ID, "file").send_keys(f"{bad}\n{good}")
+    cards = _cards(browser, 2, rows=5, errors=1)
+    assert cards[0]["name"] == "broken.png" and "image" in cards[0]["error"] and cards[0]["labels"] == []
+    assert "compute" in cards[0]["timing"]  # the server's timing of the request that refused it
+    assert cards[1]["name"] == "digit.png" and cards[1]["error"] == "" and len(cards[1]["labels"]) == 5
+    assert browser.find_element(By.ID, "error").text == ""
+
+    # A request the server refuses whole (top-k out of range) shows its message beside each image.
+    topk = browser.find_element(By.ID, "topk")
+    topk.send_keys(Keys.CONTROL, "a")
+    topk.send_keys("0")
+    cards = _cards(browser, 2, errors=2)
+    assert all("top_k must be an integer from 1 to 1000" in c["error"] for c in cards)
+
+
+def test_pasted_and_dropped_images_are_classified(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
+    _open(browser, page_server)
+    encoded = [base64.b64encode(digit_png(i)[0]).decode() for i in (1, 2, 3)]
+    make_files = """const files = arguments[0].map((b64, i) => new File(
+        [Uint8Array.from(atob(b64), ch => ch.charCodeAt(0))], `image-${i}.png`, {type: 'image/png'}));
+      const dt = new DataTransfer(); files.forEach(f => dt.items.add(f));"""
+    browser.execute_script(
+        make_files + "document.dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt}));", encoded[:1]
+    )
+    assert [c["name"] for c in _cards(browser, 1, rows=5)] == ["image-0.png"]
+    browser.execute_script(
+        make_files + "document.getElementById('drop').dispatchEvent("
+        "new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true}));",
+        encoded,
+    )
+    assert [c["name"] for c in _cards(browser, 3, rows=5)] == ["image-0.png", "image-1.png", "image-2.png"]
+
+
+def test_every_control_is_labelled_and_reached_by_the_keyboard(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    _open(browser, page_server)
+    unlabelled = browser.execute_script(
+        "return [...document.querySelectorAll('input, select, button, textarea')]"
+        ".filter(e => !(e.labels && e.labels.length) && !e.getAttribute('aria-label')).map(e => e.id)"
+    )
+    assert unlabelled == []
+    assert browser.find_element(By.ID, "file").get_attribute("multiple") is not None
+    browser.find_element(By.TAG_NAME, "body").click()
+    reached = []
+    for _ in range(8):
+        ActionChains(browser).send_keys(Keys.TAB).perform()
+        reached.append(browser.execute_script("return document.activeElement.id"))
+    first = reached.index("model") if "model" in reached else -1
+    assert reached[first : first + 3] == ["model", "topk", "file"], reached  # Tab goes through them in order
+
+
+def test_the_openapi_ui_renders_from_this_server_alone(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    bad = tmp_path / "broken.png"
-    bad.write_bytes(b"\x89PNG not really")
-    browser.get(server.url + "/")
-    WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#model option"))
-    browser.find_element(By.ID, "file").send_keys(str(bad))
-    WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "error").text)
-    assert "image" in browser.find_element(By.ID, "error").text
+    browser.get(page_server.url + "/docs")
+    title = WebDriverWait(browser, WAIT_S).until(
+        lambda d: d.find_elements(By.CSS_SELECTOR, ".swagger-ui .info .title")
+    )[0]
+    assert "visionserve" in title.text
+    assert browser.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock"), "no operation was rendered"
+    loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert loaded and all(url.startswith(page_server.url) or url.startswith("data:") for url in loaded), loaded

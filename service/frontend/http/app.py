@@ -12,7 +12,6 @@ from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from service.core.errors import VisionServeError
 from service.core.metrics import CONTENT_TYPE
@@ -20,6 +19,7 @@ from service.core.settings import ServerSettings
 from service.frontend.grpc import start_grpc
 from service.frontend.http.errors import handle_http, handle_ours, handle_unexpected
 from service.frontend.http.image_api import classify
+from service.frontend.http.openapi_ui import swagger_asset, swagger_plugin
 from service.frontend.http.page import docs, index, list_models
 from service.frontend.http.timing import ServerTimingMiddleware
 from service.frontend.http.v2 import ROUTES, SERVER_VERSION
@@ -37,7 +37,9 @@ def operation_id(handler: Any, method: Any, components: list[Any]) -> str:
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False, media_type=CONTENT_TYPE)
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     server: ServerState = request.app.state.server
-    return Response(await server.render_metrics(), media_type=CONTENT_TYPE)
+    # The header given whole: litestar appends "; charset=utf-8" to any text/* media type, and CONTENT_TYPE (the
+    # Prometheus exposition format's) already names its charset, so it went out twice.
+    return Response(await server.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def create_app(
@@ -61,7 +63,15 @@ def create_app(
             await server.close()
 
     app = Litestar(
-        route_handlers=[classify, index, docs, list_models, *ROUTES, *([metrics] if settings.metrics else [])],
+        route_handlers=[
+            classify,
+            index,
+            docs,
+            swagger_asset,
+            list_models,
+            *ROUTES,
+            *([metrics] if settings.metrics else []),
+        ],
         lifespan=[lifespan],
         exception_handlers={
             VisionServeError: handle_ours,
@@ -75,7 +85,7 @@ def create_app(
             title="visionserve",
             version=SERVER_VERSION,
             path="/schema",
-            render_plugins=[SwaggerRenderPlugin(path="/")],
+            render_plugins=[swagger_plugin()],
             operation_id_creator=operation_id,
         ),
         request_max_body_size=settings.max_body_bytes,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, ValidationException
 
 from service.core.errors import (
     BadInputError,
@@ -16,6 +16,7 @@ from service.core.errors import (
     UnsupportedMediaError,
     VisionServeError,
 )
+from service.frontend.http.validation import record_refused, validation_message
 
 log = logging.getLogger("visionserve.http")
 
@@ -55,6 +56,9 @@ def handle_ours(request: Request, exc: VisionServeError) -> Response:
 
 def handle_http(request: Request, exc: HTTPException) -> Response:
     detail = exc.detail or "error"
+    if isinstance(exc, ValidationException):
+        detail = validation_message(request, exc)
+        record_refused(request)
     if exc.status_code == 413:
         detail = f"request body too large: {detail}"
     headers = dict(exc.headers or {})

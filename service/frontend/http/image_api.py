@@ -18,7 +18,7 @@ from litestar.params import Parameter
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser  # type: ignore[import-untyped]
 
 from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
-from service.frontend.results import predictions, softmax
+from service.core.scores import predictions, softmax
 from service.frontend.state import ModelSlot, ServerState, Timing
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp")
@@ -135,6 +135,7 @@ async def _form_files(request: Request[Any, Any, Any], boundary: str | None) -> 
     status_code=200,
     tags=["image API"],
     responses=ERROR_RESPONSES,
+    opt={"records_requests": True},  # a request refused by parameter validation still counts (validation.py)
 )
 async def classify(
     request: Request[Any, Any, Any],

@@ -28,6 +28,7 @@ class ServerTimingMiddleware:
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         timing = state.setdefault("timing", Timing())
+        state.setdefault("started_s", started)  # perf_counter at arrival, for requests refused before a handler
         request_id = ""
         for name, value in scope.get("headers", []):
             if name == b"x-request-id":

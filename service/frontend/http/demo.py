@@ -1,0 +1,181 @@
+"""The demo page's HTML, CSS and script, all inline: no external script, style or font, so the page works with no
+network (a served machine often has none).
+
+What it does: pick, drop or paste several images; each is classified in a request of its own (so each shows the
+server's own ``Server-Timing`` for it) and shown as a thumbnail with its top-k, or with its own error. Changing the
+model or top-k re-runs the images on screen. Labels, file names and error messages are inserted as text, never as
+HTML: a model's labels come from its ``spec.json``, which the page does not trust. A small SVG chart draws the
+server's ``total`` duration of recent requests.
+"""
+
+from __future__ import annotations
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>visionserve</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+ body { font: 15px/1.4 system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
+ .controls { display: flex; flex-wrap: wrap; gap: 1rem; align-items: center; }
+ #drop { border: 2px dashed #888; border-radius: 8px; padding: 1.5rem; text-align: center; margin-top: 1rem; }
+ #drop.over, #drop:focus-within { background: #eef; }
+ :focus-visible { outline: 3px solid #36c; outline-offset: 2px; }
+ #grid { list-style: none; padding: 0; display: grid; gap: 1rem;
+         grid-template-columns: repeat(auto-fill, minmax(14rem, 1fr)); }
+ .card { border: 1px solid #ddd; border-radius: 8px; padding: .5rem; }
+ .card img { display: block; width: 100%; height: 8rem; object-fit: contain; image-rendering: pixelated;
+             background: #f4f4f4; }
+ .name { font-size: .85rem; color: #555; overflow-wrap: anywhere; margin: .25rem 0; }
+ table { border-collapse: collapse; width: 100%; }
+ td { padding: .1rem .3rem; border-bottom: 1px solid #eee; font-size: .9rem; }
+ td.score { text-align: right; white-space: nowrap; }
+ .bar { background: #4a7; height: .5rem; display: block; }
+ .error, #error { color: #b00; }
+ .timing, #latency { font-size: .8rem; color: #555; }
+ #chart { width: 100%; max-width: 30rem; height: 4.5rem; background: #fafafa; border: 1px solid #ddd; }
+ #chart polyline { fill: none; stroke: #36c; stroke-width: 1.5; }
+</style></head>
+<body>
+<h1>visionserve</h1>
+<div class="controls">
+ <label for="model">Model</label> <select id="model"></select>
+ <label for="topk">Classes per image (top-k)</label>
+ <input id="topk" type="number" value="5" min="1" max="1000" inputmode="numeric">
+</div>
+<div id="drop">
+ <p id="drop-help">Drop images here, paste them (Ctrl+V or Cmd+V), or choose files.</p>
+ <label for="file">Choose images</label>
+ <input id="file" type="file" accept="image/*" multiple aria-describedby="drop-help">
+</div>
+<p id="error" role="alert"></p>
+<ul id="grid" aria-label="classified images" aria-live="polite"></ul>
+<h2>Server latency of recent requests</h2>
+<svg id="chart" viewBox="0 0 300 60" preserveAspectRatio="none" role="img" aria-labelledby="latency">
+ <polyline points=""></polyline></svg>
+<p id="latency">No requests yet.</p>
+<script>
+'use strict';
+const $ = (id) => document.getElementById(id);
+const el = (tag, props = {}, ...children) => {
+  const node = Object.assign(document.createElement(tag), props);
+  for (const child of children) node.append(child);  // strings become text nodes, never markup
+  return node;
+};
+let images = [];          // [{file, card, run}]: what is on screen, re-run when the model or top-k changes
+const recent = [];        // the server's total duration (ms) of the last requests, for the chart
+const CHART_POINTS = 50;
+
+async function loadModels() {
+  try {
+    const r = await fetch('/v1/models');
+    const models = await r.json();
+    if (!r.ok) throw new Error(models.error || r.statusText);
+    $('model').replaceChildren(...models.map(m =>
+      new Option(`${m.name} (v${m.version}, ${m.device}, ${m.precision})`, m.name)));
+    if (!models.length) $('error').textContent = 'No model is served.';
+  } catch (e) {
+    $('error').textContent = `Could not list the models: ${e.message}`;
+  }
+}
+
+function serverTiming(header) {
+  const out = {};
+  for (const part of (header || '').split(',')) {
+    const [name, ...params] = part.trim().split(';');
+    const dur = params.map(p => p.trim()).find(p => p.startsWith('dur='));
+    if (name && dur) out[name] = parseFloat(dur.slice(4));
+  }
+  return out;
+}
+
+function drawChart() {
+  const points = recent.slice(-CHART_POINTS);
+  if (!points.length) return;
+  const top = Math.max(...points) * 1.1 || 1;
+  const step = points.length > 1 ? 300 / (points.length - 1) : 0;
+  $('chart').querySelector('polyline').setAttribute('points',
+    points.map((v, i) => `${(i * step).toFixed(1)},${(60 - 58 * v / top).toFixed(1)}`).join(' '));
+  const sorted = [...points].sort((a, b) => a - b);
+  const median = sorted[Math.floor((sorted.length - 1) / 2)];
+  $('latency').textContent = `Last ${points.length} requests, server total: latest ` +
+    `${points[points.length - 1].toFixed(1)} ms, median ${median.toFixed(1)} ms, max ` +
+    `${sorted[sorted.length - 1].toFixed(1)} ms (0 to ${top.toFixed(1)} ms shown).`;
+}
+
+function newCard(file) {
+  const img = el('img', {alt: file.name || 'pasted image', src: URL.createObjectURL(file)});
+  const card = el('li', {className: 'card'}, img, el('p', {className: 'name'}, file.name || 'pasted image'),
+    el('table', {className: 'predictions'}, el('tbody')),
+    el('p', {className: 'error', role: 'alert'}), el('p', {className: 'timing'}));
+  card.setAttribute('aria-busy', 'true');
+  return card;
+}
+
+async function classify(item) {
+  const run = ++item.run;  // an answer to an older run (before the model or top-k changed) is dropped
+  const card = item.card;
+  card.setAttribute('aria-busy', 'true');
+  const url = `/v1/models/${encodeURIComponent($('model').value)}/classify?top_k=` +
+    encodeURIComponent($('topk').value);
+  const form = new FormData();
+  form.append('file', item.file, item.file.name || 'pasted');
+  let predictions = [], error = '', timing = '';
+  try {
+    const started = performance.now();
+    const r = await fetch(url, {method: 'POST', body: form});
+    const roundTrip = performance.now() - started;
+    const text = await r.text();
+    let body;
+    try { body = JSON.parse(text); } catch { body = {error: `${r.status} ${r.statusText}: ${text.slice(0, 200)}`}; }
+    const st = serverTiming(r.headers.get('Server-Timing'));
+    if ('total' in st) { recent.push(st.total); drawChart(); }
+    timing = ['queue', 'preprocess', 'compute', 'postprocess', 'total'].filter(k => k in st)
+      .map(k => `${k} ${st[k].toFixed(1)} ms`).join(', ') + `; round trip ${roundTrip.toFixed(1)} ms`;
+    if (!r.ok) error = body.error || `${r.status} ${r.statusText}`;
+    else if (body.results[0].error) error = body.results[0].error;
+    else predictions = body.results[0].predictions;
+  } catch (e) {
+    error = `The request failed: ${e.message}`;
+  }
+  if (run !== item.run) return;
+  card.querySelector('tbody').replaceChildren(...predictions.map(p => {
+    const pct = (100 * p.score).toFixed(1) + '%';
+    const bar = el('span', {className: 'bar'});
+    bar.style.width = `${Math.max(1, Math.round(100 * p.score))}%`;
+    return el('tr', {className: 'prediction'}, el('td', {className: 'label'}, String(p.label)),
+      el('td', {className: 'score'}, pct), el('td', {className: 'bar-cell'}, bar));
+  }));
+  card.querySelector('.error').textContent = error;
+  card.querySelector('.timing').textContent = timing ? `server: ${timing}` : '';
+  card.setAttribute('aria-busy', 'false');
+}
+
+function show(files) {
+  files = [...files].filter(f => f instanceof File);
+  if (!files.length) return;
+  for (const old of images) URL.revokeObjectURL(old.card.querySelector('img').src);
+  images = files.map(file => ({file, card: newCard(file), run: 0}));
+  $('grid').replaceChildren(...images.map(i => i.card));
+  rerun();
+}
+
+function rerun() {
+  $('error').textContent = '';
+  for (const item of images) classify(item);
+}
+
+let topkTimer = 0;
+$('topk').addEventListener('input', () => { clearTimeout(topkTimer); topkTimer = setTimeout(rerun, 250); });
+$('model').addEventListener('change', rerun);
+$('file').addEventListener('change', (e) => show(e.target.files));
+const drop = $('drop');
+drop.addEventListener('dragover', (e) => { e.preventDefault(); drop.classList.add('over'); });
+drop.addEventListener('dragleave', () => drop.classList.remove('over'));
+drop.addEventListener('drop', (e) => { e.preventDefault(); drop.classList.remove('over');
+  show(e.dataTransfer.files); });
+document.addEventListener('paste', (e) => {
+  const files = [...(e.clipboardData ? e.clipboardData.files : [])];
+  if (files.length) { e.preventDefault(); show(files); }
+});
+loadModels();
+</script></body></html>
+"""
