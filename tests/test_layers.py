@@ -4,6 +4,7 @@ wrong import fails here, not in review.
     frontend -> transport -> core          engine -> transport, runtime -> core
     supervisor, cli, commands: on top of everything
     models -> core;  export -> core, runtime;  loadtest -> core at most
+    client -> core (and runtime, in its in-process module alone)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOMS = ("service.frontend", "service.engine", "service.transport", "service.runtime", "service.core")
+ROOMS = ("service.frontend", "service.engine", "service.transport", "service.runtime", "service.core", "service.client")
 TOP = ("service.supervisor", "service.cli", "service.commands")
 
 # room -> the service rooms it may import (besides itself)
@@ -27,6 +28,9 @@ ALLOWED = {
     "models": ("service.core",),
     "export": ("service.core", "service.runtime"),
     "loadtest": ("service.core",),
+    # The client speaks HTTP to a server and never reaches into one; only its in-process mode (client/local.py,
+    # `visionserve classify` without --url) loads a model, through the runtimes (see the test below).
+    "service/client": ("service.core", "service.runtime"),
 }
 
 
@@ -101,3 +105,27 @@ def test_the_load_tester_talks_only_to_a_server() -> None:
     for path in modules("loadtest"):
         bad = reaches(imports(path), "models", "export", "torch")
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_client_stands_on_core_alone_but_for_its_in_process_mode() -> None:
+    """Only client/local.py may load runtimes; everything else the client imports is core, httpx and the like."""
+    for path in modules("service/client"):
+        if path.name == "local.py":
+            continue
+        # commands.py imports local.py inside the command, for the mode without --url, and nowhere else
+        lazy_local = path.name == "commands.py"
+        bad = reaches(imports(path, top_level_only=lazy_local), "service.runtime", "service.client.local", "torch")
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_importing_the_client_loads_no_server_and_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, service.client, service.client.commands; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'litestar', 'onnxruntime') "
+        "or m.startswith(('service.runtime', 'service.engine', 'service.frontend', 'service.transport'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,266 @@
+"""The Python client of the image API, synchronous and asynchronous, over httpx.
+
+Images go as ``multipart/form-data`` files, several per request, in order; every image gets its own
+:class:`ImageResult`. A list larger than the server's ``--max-images`` is split: the client starts from
+``max_images_per_request`` and, when the server refuses a request as holding too many images (413 "... over the
+limit of N"), it learns N and splits again, so nothing needs configuring to match a server. Overload answers and
+dropped connections are retried under a :class:`RetryPolicy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Sequence
+from urllib.parse import quote
+
+import httpx
+import msgspec
+
+from service.client.images import ImageInput, encode
+from service.client.results import ClassifyResponse, ClientError, ImageResult
+from service.client.retry import Attempts, RetryPolicy
+
+File = tuple[str, bytes, str]  # (filename, data, media type)
+
+# A safe start under any server (its --max-images defaults to 64); a server with a lower limit says so in a 413,
+# and the client learns it.
+DEFAULT_MAX_IMAGES_PER_REQUEST = 8
+_LIMIT_MESSAGE = re.compile(r"images in one request, over the limit of (\d+)")
+
+
+class _Base:
+    """What the sync and async clients share: the routes, splitting, and reading answers."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None,
+        version: int | None,
+        retry: RetryPolicy | None,
+        max_images_per_request: int,
+    ) -> None:
+        if max_images_per_request < 1:
+            raise ValueError(f"max_images_per_request must be >= 1, got {max_images_per_request}")
+        self.url = url.rstrip("/")
+        self.model = model
+        self.version = version
+        self.retry = retry or RetryPolicy()
+        self.max_images_per_request = max_images_per_request
+        self.requests_sent = 0  # counting every attempt, retries included
+        self.retries = 0
+
+    def _route(self, model: str | None, version: int | None) -> str:
+        model = model or self.model
+        if not model:
+            raise ValueError("no model named: pass model= to the client or to classify()")
+        version = version if version is not None else self.version
+        where = f"/v1/models/{quote(model, safe='')}"
+        return where + (f"/versions/{int(version)}" if version is not None else "") + "/classify"
+
+    @staticmethod
+    def _files(images: ImageInput | Sequence[ImageInput]) -> list[File]:
+        many = images if isinstance(images, list | tuple) else [images]
+        return [encode(image, i) for i, image in enumerate(many)]
+
+    def _chunks(self, files: list[File]) -> list[list[File]]:
+        n = self.max_images_per_request
+        return [files[i : i + n] for i in range(0, len(files), n)]
+
+    def _retry_or_raise(self, attempts: Attempts, response: httpx.Response | None, exc: Exception | None) -> float:
+        """The wait before trying again, or raise :class:`ClientError` when the policy is spent."""
+        retry_after = response.headers.get("retry-after") if response is not None else None
+        delay = attempts.next_delay_s(retry_after)
+        if delay is not None:
+            self.retries += 1
+            return delay
+        tries = f"{attempts.tried} attempt{'s' if attempts.tried > 1 else ''}"
+        if response is not None:
+            raise ClientError(
+                f"{self.url} answered {response.status_code} ({_message(response)}) to each of {tries}",
+                status=response.status_code,
+                retries=attempts.retries,
+            )
+        raise ClientError(f"cannot reach {self.url}: {exc} (after {tries})", retries=attempts.retries) from exc
+
+    def _read(self, response: httpx.Response, files: list[File]) -> tuple[list[ImageResult], list[list[File]]]:
+        """(results, []) from a request's answer, or ([], the smaller requests to send instead of a refused one)."""
+        status = response.status_code
+        if status == 200:
+            try:
+                answer = msgspec.json.decode(response.content, type=ClassifyResponse)
+            except msgspec.DecodeError as exc:
+                raise ClientError(f"{self.url} answered 200 with an unexpected body: {exc}", status=200) from exc
+            if len(answer.results) != len(files):
+                raise ClientError(f"sent {len(files)} images, got {len(answer.results)} results", status=200)
+            for result in answer.results:
+                result.model, result.version = answer.model, answer.version
+            return answer.results, []
+        message = _message(response)
+        if status == 413 and len(files) > 1:
+            found = _LIMIT_MESSAGE.search(message)
+            limit = int(found.group(1)) if found else len(files) // 2  # a body too large: halve
+            limit = min(limit, len(files) - 1)  # every split makes progress, whatever the message said
+            self.max_images_per_request = max(1, min(self.max_images_per_request, limit))
+            return [], self._chunks(files)
+        if status in (400, 413, 415) and len(files) == 1:  # the one image is the whole request: its own failure
+            return [ImageResult(error=message, filename=files[0][0])], []
+        raise ClientError(f"{self.url} answered {status}: {message}", status=status)
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        if isinstance(body, dict) and isinstance(body.get("error"), str):
+            return str(body["error"])
+    except ValueError:
+        pass
+    return response.text[:300] or response.reason_phrase
+
+
+class Client(_Base):
+    """A blocking client of the image API.
+
+    >>> with Client("http://127.0.0.1:8000", model="digits") as client:  # doctest: +SKIP
+    ...     results = client.classify(["examples/digit-3.png"], top_k=3)
+    ...     print(results[0].top1.label)
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        version: int | None = None,
+        timeout_s: float = 60.0,
+        retry: RetryPolicy | None = None,
+        max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(url, model=model, version=version, retry=retry, max_images_per_request=max_images_per_request)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+
+    def classify(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        top_k: int = 5,
+        model: str | None = None,
+        version: int | None = None,
+    ) -> list[ImageResult]:
+        """One :class:`ImageResult` per image, in order. ``images``: a list or tuple of images, or one image; each a
+        path, bytes of an encoded file, a PIL image or a uint8 numpy array (HxW or HxWxC).
+
+        Raises :class:`ClientError` when a request is refused as a whole (an unknown model: 404) or the server
+        cannot be reached within the retry policy; an image the server cannot use gets its own ``error``."""
+        route = self._route(model, version)
+        out: list[ImageResult] = []
+        for chunk in self._chunks(self._files(images)):
+            out.extend(self._classify_files(route, chunk, top_k))
+        return out
+
+    def _classify_files(self, route: str, files: list[File], top_k: int) -> list[ImageResult]:
+        results, resend = self._read(self._post(route, files, top_k), files)
+        for chunk in resend:
+            results.extend(self._classify_files(route, chunk, top_k))
+        return results
+
+    def _post(self, route: str, files: list[File], top_k: int) -> httpx.Response:
+        attempts = self.retry.start()
+        while True:
+            self.requests_sent += 1
+            try:
+                response = self._http.post(route, params={"top_k": top_k}, files=[("file", f) for f in files])
+            except httpx.TransportError as exc:
+                time.sleep(self._retry_or_raise(attempts, None, exc))
+                continue
+            if response.status_code not in self.retry.statuses:
+                return response
+            time.sleep(self._retry_or_raise(attempts, response, None))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """The asyncio client of the image API: the same calls as :class:`Client`, awaited. The requests of one
+    :meth:`classify` call go out ``max_concurrency`` at a time."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        version: int | None = None,
+        timeout_s: float = 60.0,
+        retry: RetryPolicy | None = None,
+        max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
+        max_concurrency: int = 4,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(url, model=model, version=version, retry=retry, max_images_per_request=max_images_per_request)
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.max_concurrency = max_concurrency
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=timeout_s,
+            headers=headers,
+            limits=httpx.Limits(max_connections=max(max_concurrency, 10), max_keepalive_connections=max_concurrency),
+        )
+
+    async def classify(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        top_k: int = 5,
+        model: str | None = None,
+        version: int | None = None,
+    ) -> list[ImageResult]:
+        """As :meth:`Client.classify`."""
+        route = self._route(model, version)
+        chunks = self._chunks(self._files(images))
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(chunk: list[File]) -> list[ImageResult]:
+            async with gate:
+                return await self._classify_files(route, chunk, top_k)
+
+        done = await asyncio.gather(*(one(chunk) for chunk in chunks))
+        return [r for results in done for r in results]
+
+    async def _classify_files(self, route: str, files: list[File], top_k: int) -> list[ImageResult]:
+        results, resend = self._read(await self._post(route, files, top_k), files)
+        for chunk in resend:
+            results.extend(await self._classify_files(route, chunk, top_k))
+        return results
+
+    async def _post(self, route: str, files: list[File], top_k: int) -> httpx.Response:
+        attempts = self.retry.start()
+        while True:
+            self.requests_sent += 1
+            try:
+                response = await self._http.post(route, params={"top_k": top_k}, files=[("file", f) for f in files])
+            except httpx.TransportError as exc:
+                await asyncio.sleep(self._retry_or_raise(attempts, None, exc))
+                continue
+            if response.status_code not in self.retry.statuses:
+                return response
+            await asyncio.sleep(self._retry_or_raise(attempts, response, None))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
