@@ -10,6 +10,10 @@ Nothing reaches the repository before its parity is proved: artifacts are writte
 beside the version, checked, and only the ones that pass are moved into ``<repository>/<name>/<version>/`` with
 ``spec.json`` (which records each artifact's measured error). A failing artifact is not written, and the report
 says by how much it failed.
+
+With ``int8`` the fp32 ``model.onnx`` that passed its parity check is quantized in the staging folder
+(:mod:`export.quantize`) and ``model.int8.onnx`` joins it only if it passes its own gate against fp32 on held-out
+images (or is written marked ungated with ``int8_ungated``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import nn
 
 from export.artifacts import DEFAULT_OPSET, example_input, half_model, to_aoti, to_onnx, to_torchscript
 from export.parity import FP16, FP32, ParityResult, compare, eager_outputs, parity_batches
+from export.quantize import INT8_FILE, Int8Data, Int8Options, Int8Verdict, quantize_model
 from service.core.config import CONFIG_FILE, default_config_text, load_config
 from service.core.errors import ConfigError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
@@ -40,6 +45,13 @@ from service.runtime import AotiRuntime, OnnxRuntime, Runtime, TorchScriptRuntim
 FORMATS = ("onnx", "torchscript", "aoti")
 DEFAULT_FORMATS = ("onnx", "torchscript")
 Progress = Callable[[str], None]
+Int8Source = Callable[[ModelSpec], Int8Data]  # the calibration and held-out images, preprocessed for the spec
+NO_INT8_DATA = (
+    "--int8 needs real images to calibrate on and to gate against fp32 (on held-out ones): pass "
+    "--calibration-images DIR (half calibrate, half are held out; class sub-folders named as the labels add an "
+    "accuracy check), or export a checkpoint whose dataset is at hand; for speed work on a model whose predictions "
+    "mean nothing, --int8-ungated calibrates on generated images and marks the artifact ungated"
+)
 
 
 class ExportRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +65,10 @@ class ExportRequest(msgspec.Struct, frozen=True, kw_only=True):
     latency: bool = True
     device: str = "auto"
     aoti_devices: tuple[str, ...] = ()  # where AOTInductor packages are compiled for: () is the CPU, and CUDA if usable
+    int8: bool = False  # also model.int8.onnx, gated on agreement with fp32 on held-out images
+    int8_ungated: bool = False  # write it whatever the gate says, marked ungated in spec.json
+    int8_method: str = "auto"  # calibration: auto (measured) | minmax | percentile | entropy
+    int8_exclude: tuple[str, ...] = ()  # graph nodes kept in float
 
 
 @dataclass
@@ -62,7 +78,7 @@ class ArtifactReport:
     file: str
     size_bytes: int
     export_s: float
-    parity: ParityResult
+    parity: ParityResult | Int8Verdict
     latency_ms: dict[int, float] = field(default_factory=dict)
     written: bool = False
 
@@ -95,6 +111,8 @@ def _check_request(request: ExportRequest) -> None:
         raise ConfigError(f"--aoti-devices takes cpu and/or cuda, got {','.join(request.aoti_devices)}")
     if request.opset < 18:
         raise ConfigError(f"--opset must be >= 18 (torch's ONNX exporter), got {request.opset}")
+    if request.int8 and "onnx" not in request.formats:
+        raise ConfigError("--int8 quantizes the ONNX artifact: add onnx to --formats")
 
 
 def _device(name: str) -> str:
@@ -204,6 +222,7 @@ def export_model(
     source_sha256: str | None = None,
     artifact_model: nn.Module | None = None,
     progress: Progress | None = None,
+    int8_data: Int8Source | None = None,
 ) -> ExportReport:
     """Export ``eager`` (a uint8 classifier) in each requested format, gate on parity, write what passes.
 
@@ -226,6 +245,7 @@ def export_model(
         real_source=real_source,
         source_sha256=source_sha256,
         progress=progress,
+        int8_data=int8_data,
     )
 
 
@@ -240,11 +260,18 @@ def publish(
     source_sha256: str | None = None,
     progress: Progress | None = None,
     notes: list[str] | None = None,
+    int8_data: Int8Source | None = None,
 ) -> ExportReport:
     """Produce each candidate in a staging folder, prove its parity against ``reference``, and move the ones that
-    pass into the repository with ``spec.json``."""
+    pass into the repository with ``spec.json``; with ``request.int8``, quantize the fp32 ONNX artifact on
+    ``int8_data(spec)`` and add it if it passes its gate."""
     _check_request(request)
     say = progress or (lambda _msg: None)
+    int8 = None
+    if request.int8:
+        if int8_data is None:
+            raise ConfigError(NO_INT8_DATA)
+        int8 = int8_data(spec)  # before any export: unusable images are refused at once
     repo = ModelRepository(request.repository)
     model_dir = Path(request.repository) / request.name
     version = request.version or repo.next_version(request.name)
@@ -308,6 +335,10 @@ def publish(
                     created_at=datetime.now(UTC).isoformat(timespec="seconds"),
                 )
             )
+        if int8 is not None:
+            record = _int8_artifact(staging, spec, request, int8, reports, say, device, max_batch)
+            if record is not None:
+                records.append(msgspec.structs.replace(record, source_sha256=source_sha256))
         if records:
             final_spec = msgspec.structs.replace(spec, name=request.name, exports=tuple(records))
             write_spec(final_spec, staging / SPEC_FILE)
@@ -330,4 +361,50 @@ def publish(
         artifacts=reports,
         spec=final_spec,
         notes=list(notes or []),
+    )
+
+
+def _int8_artifact(
+    staging: Path,
+    spec: ModelSpec,
+    request: ExportRequest,
+    data: Int8Data,
+    reports: list[ArtifactReport],
+    say: Progress,
+    device: str,
+    max_batch: int,
+) -> ExportRecord | None:
+    """Quantize the staged fp32 ``model.onnx`` into ``model.int8.onnx`` and gate it; its record if it is kept."""
+    fp32 = staging / MODEL_FILES["onnx"]
+    if not fp32.is_file():  # its own parity failed: there is nothing trustworthy to quantize
+        return None
+    target = staging / INT8_FILE
+    options = Int8Options(method=request.int8_method, ungated=request.int8_ungated, exclude=request.int8_exclude)
+    started = time.perf_counter()
+    verdict = quantize_model(fp32, target, data, options, progress=say)
+    report = ArtifactReport("onnx", "int8", INT8_FILE, 0, time.perf_counter() - started, verdict)
+    reports.append(report)
+    if not target.is_file():
+        return None
+    report.size_bytes = target.stat().st_size
+    if request.latency:
+        # INT8 is onnxruntime's CPU path here; on CUDA it needs TensorRT, which export does not assume.
+        say("latency onnx int8 on cpu")
+        runtime = OnnxRuntime(spec, target, device="cpu", name=spec.name)
+        try:
+            report.latency_ms = measure_latency(runtime, spec, sorted({1, min(8, max_batch), max_batch}))
+        finally:
+            runtime.close()
+    gate = verdict.record
+    return ExportRecord(
+        format="onnx",
+        file=INT8_FILE,
+        precision="int8",
+        opset=request.opset,
+        versions=_versions(),
+        parity_max_rel_error=verdict.max_rel_error,
+        parity_top1_agreement=gate.top1_agreement,
+        parity_checked_on=f"{gate.held_out_source}; {gate.held_out_images} held-out images, against model.onnx",
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        int8=gate,
     )

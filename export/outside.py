@@ -22,7 +22,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.exporter import DEFAULT_FORMATS, Candidate, ExportReport, ExportRequest, Progress, export_model, publish
+from export.exporter import (
+    DEFAULT_FORMATS,
+    Candidate,
+    ExportReport,
+    ExportRequest,
+    Int8Source,
+    Progress,
+    export_model,
+    publish,
+)
 from export.sources import calibration_images
 from models.checkpoint import file_sha256
 from models.normalize import Uint8Classifier
@@ -216,6 +225,7 @@ def place_outside_model(
     description: InputDescription,
     calibration: str | None = None,
     progress: Progress | None = None,
+    int8_data: Int8Source | None = None,
 ) -> ExportReport:
     """Wrap an outside ONNX or TorchScript model for uint8 input, check it runs, prove parity, and publish it."""
     say = progress or (lambda _msg: None)
@@ -268,6 +278,7 @@ def place_outside_model(
                 source_sha256=sha,
                 progress=progress,
                 notes=notes,
+                int8_data=int8_data,
             )
     if "onnx" in request.formats and request.formats != DEFAULT_FORMATS:
         raise ConfigError("a TorchScript model goes into the repository as TorchScript: use --formats torchscript")
@@ -280,5 +291,12 @@ def place_outside_model(
         raise ConfigError(f"{src} does not run on a batch of the described input: {exc}") from exc
     _check_width(first, labels, src)
     return export_model(
-        eager, spec, request, real_images=images, real_source=real_source, source_sha256=sha, progress=progress
+        eager,
+        spec,
+        request,
+        real_images=images,
+        real_source=real_source,
+        source_sha256=sha,
+        progress=progress,
+        int8_data=int8_data,
     )

@@ -46,7 +46,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="onnxruntime, torchscript or aoti, or a comma-separated list to compare; None: config.toml's",
     )
     p.add_argument(
-        "--precision", default=None, choices=["fp32", "fp16", "bf16"], help="GPU precision; None: config.toml's"
+        "--precision",
+        default=None,
+        choices=["fp32", "fp16", "bf16", "int8"],
+        help="fp16/bf16 on GPU, int8 (model.int8.onnx, onnxruntime) anywhere; None: config.toml's",
     )
     p.add_argument(
         "--cuda-graphs", default="on", choices=["on", "off"], help="torch runtimes on CUDA: a graph per batch bucket"
@@ -65,7 +68,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _print_run(out: Any, result: dict[str, Any]) -> None:
-    precision = f", {result['precision']}" if result["device"].startswith("cuda") else ""
+    shown = result["device"].startswith("cuda") or result["precision"] == "int8"
+    precision = f", {result['precision']}" if shown else ""
     graphs = ", CUDA graphs" if result.get("cuda_graphs") else ""
     out.print(f"{result['model']} v{result['version']} on {result['device']} ({result['runtime']}{precision}{graphs})")
     for size, rate in result["engine_images_per_s"].items():

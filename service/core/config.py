@@ -35,7 +35,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     backend: Literal["auto", "onnxruntime", "torchscript", "aoti", "noop"] = "auto"
     device: str = "auto"
     fallback: Literal["cpu", "none"] = "cpu"
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     instances: int = 1
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
@@ -70,7 +70,7 @@ _FAULT_RULES: dict[str, tuple[Any, str]] = {
 _ALLOWED_TEXT = {
     "backend": "auto, onnxruntime, torchscript, aoti or noop",
     "fallback": "cpu or none",
-    "precision": "fp32, fp16 or bf16",
+    "precision": "fp32, fp16, bf16 (GPU only) or int8 (model.int8.onnx, from `export --int8`)",
     "queue_full_status": "503 or 429",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
@@ -113,7 +113,7 @@ def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
                 f"preferred_batch_sizes entries must be between 1 and max_batch_size ({config.max_batch_size}), "
                 f"got {list(config.preferred_batch_sizes)} ({source})"
             )
-    if config.precision != "fp32" and config.device == "cpu":
+    if config.precision in ("fp16", "bf16") and config.device == "cpu":
         raise ConfigError(f"precision {config.precision} needs a GPU, but device is 'cpu' ({source})")
     return config
 
@@ -139,7 +139,8 @@ backend = "auto"              # auto (the fastest measured runtime for the devic
                               # | noop (no model work, nonsense answers: measures the server's own capacity)
 device = "auto"               # auto (cuda when a usable GPU exists, else cpu) | cpu | cuda | cuda:N
 fallback = "cpu"              # cpu: keep serving from CPU when the GPU fails | none: fail instead
-precision = "fp32"            # fp32 | fp16 | bf16 (GPU only)
+precision = "fp32"            # fp32 | fp16 | bf16 (GPU only) | int8 (model.int8.onnx from `export --int8`,
+                              # onnxruntime; on CUDA only with its TensorRT or CUDA execution provider)
 instances = 1                 # runtime instances per device
 max_batch_size = {max_batch_size}
 max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a fuller batch

@@ -338,6 +338,8 @@ class LiveState(NamedTuple):
     inflight_batches: int
     ready: bool
     instances_replaced: int
+    backend: str = ""
+    precision: str = ""  # fp32, fp16, bf16, int8 (or "int8-ungated")
 
 
 class _LiveCollector(Collector):
@@ -359,6 +361,12 @@ class _LiveCollector(Collector):
         replaced = CounterMetricFamily(
             "visionserve_instances_replaced", "Runtime instances abandoned as stuck and replaced", labels=LABELS
         )
+        # What is served, as labels of a constant 1 (Prometheus's info idiom), so the hot-path series keep their
+        # three labels and a dashboard joins on them.
+        info = GaugeMetricFamily(
+            "visionserve_model_info", "1 per served model version: its runtime and precision",
+            labels=(*LABELS, "backend", "precision"),
+        )  # fmt: skip
         for source in self.sources:
             for state in source():
                 labels = list(state.labels)
@@ -366,10 +374,12 @@ class _LiveCollector(Collector):
                 inflight.add_metric(labels, state.inflight_batches)
                 ready.add_metric(labels, 1.0 if state.ready else 0.0)
                 replaced.add_metric(labels, state.instances_replaced)
+                info.add_metric([*labels, state.backend, state.precision], 1.0)
         yield depth
         yield inflight
         yield ready
         yield replaced
+        yield info
         yield from _gpu_metrics()
 
 

@@ -8,7 +8,8 @@
         1/
           model.onnx         and/or model.pt (TorchScript) and/or model.pt2 (AOTInductor, compiled for the CPU);
                              model.fp16.onnx / model.fp16.pt beside them; model.cuda.pt2 and
-                             model.fp16.cuda.pt2 (AOTInductor compiled for CUDA) where export ran on a GPU
+                             model.fp16.cuda.pt2 (AOTInductor compiled for CUDA) where export ran on a GPU;
+                             model.int8.onnx (`export --int8`: quantized, gated against model.onnx)
           spec.json          the ModelSpec
 
 KServe's storage initializer leaves one model's files directly in the folder it is given (``/mnt/models/1/...``,
@@ -46,6 +47,8 @@ MODEL_NAME_ENV = "VISIONSERVE_MODEL_NAME"
 # packages are two files ("aoti" and "aoti-cuda"); an fp16 package exists only for CUDA.
 MODEL_FILES = {"onnx": "model.onnx", "torchscript": "model.pt", "aoti": "model.pt2", "aoti-cuda": "model.cuda.pt2"}
 FP16_FILES = {"onnx": "model.fp16.onnx", "torchscript": "model.fp16.pt", "aoti-cuda": "model.fp16.cuda.pt2"}
+# INT8 is onnxruntime's static quantization (QDQ): served by onnxruntime only (``precision = "int8"``).
+INT8_FILES = {"onnx": "model.int8.onnx"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,13 @@ class ModelVersion:
     spec: ModelSpec
     files: dict[str, Path]
     fp16_files: dict[str, Path]
+    int8_files: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def int8_ungated(self) -> bool:
+        """Whether the INT8 artifact was written with ``--int8-ungated`` (its agreement with fp32 unproven)."""
+        record = self.spec.export_record(INT8_FILES["onnx"])
+        return record is None or record.int8 is None or not record.int8.gated
 
 
 @dataclass(frozen=True)
@@ -198,9 +208,11 @@ def read_version(model: str, path: Path, *, deep: bool = True) -> ModelVersion:
     spec = load_spec(spec_path)
     files = {fmt: path / name for fmt, name in MODEL_FILES.items() if (path / name).is_file()}
     fp16 = {fmt: path / name for fmt, name in FP16_FILES.items() if (path / name).is_file()}
-    if not files and not fp16:
+    int8 = {fmt: path / name for fmt, name in INT8_FILES.items() if (path / name).is_file()}
+    if not files and not fp16 and not int8:
         raise ConfigError(f"{path} holds no model file (expected {' or '.join(MODEL_FILES.values())})")
-    for fmt, file in {**files, **{f"{k}-fp16": v for k, v in fp16.items()}}.items():
+    others = {**{f"{k}-fp16": v for k, v in fp16.items()}, **{f"{k}-int8": v for k, v in int8.items()}}
+    for fmt, file in {**files, **others}.items():
         if file.stat().st_size == 0:
             raise ConfigError(f"{file} is empty")
         if fmt.startswith("onnx"):
@@ -209,7 +221,9 @@ def read_version(model: str, path: Path, *, deep: bool = True) -> ModelVersion:
             _check_aoti(file, spec, deep and fmt == "aoti")  # a CUDA package cannot be loaded to check it here
         else:
             _check_torchscript(file, spec, deep)
-    return ModelVersion(model=model, version=number, path=path, spec=spec, files=files, fp16_files=fp16)
+    return ModelVersion(
+        model=model, version=number, path=path, spec=spec, files=files, fp16_files=fp16, int8_files=int8
+    )
 
 
 def read_model(path: Path, *, deep: bool = True, name: str | None = None) -> ModelEntry:

@@ -30,12 +30,36 @@ class InputSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     layout: Literal["NCHW"] = "NCHW"
 
 
+class Int8Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How an INT8 artifact was calibrated, and its gate against fp32 on held-out images (never the calibration
+    set). ``gated`` is False for an artifact written with ``--int8-ungated`` whatever its figures."""
+
+    gated: bool
+    passed: bool  # the figures met the gate (recorded for ungated artifacts too)
+    top1_agreement: float  # with fp32, on the held-out images
+    fp32_accuracy: float | None = None  # where the held-out images' labels are known
+    int8_accuracy: float | None = None
+    min_top1_agreement: float
+    max_accuracy_drop: float  # a fraction: 0.01 is one point
+    held_out_images: int
+    held_out_source: str
+    calibration_images: int
+    calibration_source: str
+    calibration_method: Literal["minmax", "entropy", "percentile"]
+    methods_tried: dict[str, float] = {}  # method -> top-1 agreement with fp32 on the calibration images
+    per_channel: bool = True
+    activation_type: str = "QUInt8"
+    weight_type: str = "QInt8"
+    excluded_nodes: tuple[str, ...] = ()  # left in float: the input's uint8 -> normalised float front, and any asked
+    quantize_s: float = 0.0
+
+
 class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How one artifact was made and how closely it matches eager PyTorch."""
+    """How one artifact was made and how closely it matches eager PyTorch (or, for INT8, its fp32 source)."""
 
     format: Literal["onnx", "torchscript", "aoti"]
     file: str
-    precision: Literal["fp32", "fp16"] = "fp32"
+    precision: Literal["fp32", "fp16", "int8"] = "fp32"
     opset: int | None = None
     versions: dict[str, str] = {}
     source_sha256: str | None = None
@@ -43,6 +67,7 @@ class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     parity_top1_agreement: float | None = None
     parity_checked_on: str | None = None
     created_at: str | None = None
+    int8: Int8Record | None = None  # INT8 artifacts only (absent from spec.json files written before INT8)
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -83,6 +108,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     @property
     def num_classes(self) -> int:
         return len(self.labels)
+
+    def export_record(self, file: str) -> ExportRecord | None:
+        """The export record of artifact ``file`` (e.g. ``model.int8.onnx``), if spec.json has one."""
+        return next((e for e in self.exports if e.file == file), None)
 
 
 def encode_spec(spec: ModelSpec) -> bytes:

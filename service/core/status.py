@@ -24,6 +24,7 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     backend: str
     devices: tuple[str, ...]
     precision: str
+    ungated: bool = False  # an INT8 artifact written with --int8-ungated: its agreement with fp32 unproven
     note: str | None = None
     fallbacks: int = 0
     replaced: int = 0  # stuck instances abandoned and replaced

@@ -37,7 +37,7 @@ from service.core.repository import ModelRepository, random_batch
 from service.core.samples import image_files, photo_like_jpegs
 from service.core.spec import ModelSpec
 from service.engine.batcher import Batcher, InferRequest
-from service.engine.model import batcher_config, cuda_devices, plan_devices
+from service.engine.model import batcher_config, cuda_devices, plan_devices, serving_precision
 from service.runtime import FakeRuntime, RuntimeLike, choose_backend, make_runtime, warm_up
 
 Say = Callable[[str], None]
@@ -136,7 +136,7 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
         "version": version.version,
         "device": device,
         "runtime": backend,
-        "precision": config.precision if device.startswith("cuda") else "fp32",
+        "precision": serving_precision(config, [device]),
         "cuda_graphs": options.cuda_graphs and device.startswith("cuda"),
         "figures": list(options.figures),
         "input": [spec.input.channels, spec.input.height, spec.input.width],
@@ -279,7 +279,7 @@ def compare_backends(options: BenchOptions, backends: Sequence[str], say: Say | 
     return {
         "model": options.model,
         "device": device,
-        "precision": config.precision if device.startswith("cuda") else "fp32",
+        "precision": serving_precision(config, [device]),
         "batch_sizes": list(options.batch_sizes),
         "seconds_per_figure": options.seconds,
         "rounds": ROUNDS,

@@ -60,6 +60,13 @@ def plan_devices(config: ModelConfig, available: list[str]) -> tuple[list[str], 
     return ["cpu"], True, f"{reason}: serving on CPU (fallback)"
 
 
+def serving_precision(config: ModelConfig, devices: tuple[str, ...] | list[str]) -> str:
+    """The precision served: int8 anywhere; fp16 and bf16 only on CUDA (the CPU runs those models in fp32)."""
+    if config.precision == "int8" or any(d.startswith("cuda") for d in devices):
+        return config.precision
+    return "fp32"
+
+
 def batcher_config(config: ModelConfig) -> BatcherConfig:
     return BatcherConfig(
         max_batch_size=config.max_batch_size,
@@ -157,7 +164,8 @@ class ModelEngine:
             state=state,
             backend=self.backend,
             devices=devices,
-            precision=self.config.precision if any(d.startswith("cuda") for d in devices) else "fp32",
+            precision=serving_precision(self.config, devices),
+            ungated=self.config.precision == "int8" and self.version.int8_ungated,
             note=note,
             fallbacks=self._fallbacks,
             replaced=batcher.stuck_total,

@@ -293,8 +293,10 @@ class EngineServer:
                 batcher = engine.batcher
                 state = engine.state()
                 labels = (name, str(number), ",".join(state.devices))
+                precision = state.precision + ("-ungated" if state.ungated else "")
                 yield LiveState(labels, batcher.queue_depth, batcher.inflight_batches,
-                                state.state in SERVING_STATES, batcher.stuck_total)  # fmt: skip
+                                state.state in SERVING_STATES, batcher.stuck_total, state.backend,
+                                precision)  # fmt: skip
 
     # ---- shutdown -------------------------------------------------------------------------------------------
     async def drain(self) -> None:

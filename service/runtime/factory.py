@@ -2,22 +2,29 @@
 
 ``backend = "auto"`` picks, per device type, the fastest runtime measured there among the artifacts the version
 has (:data:`PREFERENCE`). The CPU fallback of a GPU-served model resolves "auto" again for the CPU.
+
+``precision = "int8"`` serves ``model.int8.onnx`` with onnxruntime, on the CPU and on CUDA (with onnxruntime's
+TensorRT or CUDA execution provider); without the artifact, or on CUDA without either provider, the model is
+refused at load, never served in fp32 instead.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from service.core.config import ModelConfig
 from service.core.errors import ConfigError
-from service.core.repository import MODEL_FILES, ModelVersion
+from service.core.repository import INT8_FILES, MODEL_FILES, ModelVersion
 from service.runtime.aoti import AotiRuntime
 from service.runtime.base import RuntimeLike
 from service.runtime.fake import FakeRuntime
 from service.runtime.onnxrt import OnnxRuntime
 from service.runtime.torchscript import TorchScriptRuntime, bucket_sizes
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("onnxruntime", "torchscript", "aoti")
 
@@ -44,6 +51,8 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
 def artifact(version: ModelVersion, backend: str, device: str, precision: str = "fp32") -> Path | None:
     """The file ``backend`` would load for ``version`` on ``device`` at ``precision``, or None if it has none."""
     cuda = device.startswith("cuda")
+    if precision == "int8":
+        return version.int8_files.get("onnx") if backend == "onnxruntime" else None
     half = cuda and precision == "fp16"
     if backend == "aoti":
         if not cuda:
@@ -76,6 +85,8 @@ def choose_backend(version: ModelVersion, config: ModelConfig, device: str | Non
     """The backend for ``version`` on ``device`` (default: the device the config will use)."""
     if config.backend == "noop":
         return "noop"
+    if config.precision == "int8":
+        return _int8_backend(version, config)
     if config.backend != "auto":
         if not _any_artifact(version, config.backend):
             files = " or ".join(n for k, n in MODEL_FILES.items() if k.startswith(config.backend[:4]))
@@ -95,12 +106,26 @@ def choose_backend(version: ModelVersion, config: ModelConfig, device: str | Non
     raise ConfigError(f"{version.path} holds no artifact that a runtime can load")
 
 
+def _int8_backend(version: ModelVersion, config: ModelConfig) -> str:
+    if config.backend not in ("auto", "onnxruntime"):
+        raise ConfigError(
+            f"precision int8 is served by onnxruntime (model.int8.onnx), but backend is {config.backend!r}: "
+            'set backend = "onnxruntime" or "auto"'
+        )
+    if "onnx" not in version.int8_files:
+        raise ConfigError(
+            f'precision = "int8" asked for, but {version.path} has no {INT8_FILES["onnx"]}: export it with '
+            "`visionserve export ... --int8`, or serve precision fp32"
+        )
+    return "onnxruntime"
+
+
 def make_runtime(
     version: ModelVersion, config: ModelConfig, backend: str, device: str, *, cuda_graphs: bool = True
 ) -> RuntimeLike:
     """A loaded runtime instance of ``version`` on ``device`` (``cuda_graphs``: capture per bucket on CUDA)."""
     on_gpu = device.startswith("cuda")
-    precision = config.precision if on_gpu else "fp32"
+    precision = config.precision if on_gpu or config.precision == "int8" else "fp32"
     name = f"{version.model}-v{version.version}"
     if backend == "noop":
         return FakeRuntime(version.spec, device=device, name=name)
@@ -114,7 +139,14 @@ def make_runtime(
                if backend == "aoti" else "")
         )  # fmt: skip
     if backend == "onnxruntime":
-        return OnnxRuntime(version.spec, path, device=device, name=name)
+        if precision == "int8" and version.int8_ungated:
+            log.warning(
+                "model %s: serving %s, written with --int8-ungated: its agreement with fp32 was not gated "
+                "(spec.json records what was measured)",
+                name,
+                path,
+            )
+        return OnnxRuntime(version.spec, path, device=device, name=name, precision=precision)
     cls = AotiRuntime if backend == "aoti" else TorchScriptRuntime
     return cls(
         version.spec,

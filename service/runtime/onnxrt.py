@@ -46,6 +46,23 @@ def translate_onnxruntime_error(exc: BaseException, device: str) -> VisionServeE
     return RuntimeFailure(f"onnxruntime failed on {device}: {type(exc).__name__}: {text}")
 
 
+def int8_cuda_providers(available: list[str], index: int, path: Path) -> list[Any]:
+    """TensorRT (real INT8 kernels for a QDQ graph) before CUDA; neither: a :class:`ConfigError`, since running the
+    INT8 model on the CPU instead, or its fp32 source on the GPU, would both be a silent substitution."""
+    providers: list[Any] = []
+    if "TensorrtExecutionProvider" in available:
+        providers.append(("TensorrtExecutionProvider", {"device_id": index, "trt_int8_enable": True}))
+    if "CUDAExecutionProvider" in available:
+        providers.append(("CUDAExecutionProvider", {"device_id": index}))
+    if not providers:
+        raise ConfigError(
+            f"precision int8 on cuda:{index} needs onnxruntime's TensorRT or CUDA execution provider, and this "
+            f"onnxruntime has neither (it has {', '.join(available)}) to run {path}: install onnxruntime-gpu, or "
+            'serve int8 with device = "cpu"'
+        )
+    return [*providers, "CPUExecutionProvider"]
+
+
 class OnnxRuntime(Runtime):
     """Runs ``model.onnx`` (uint8 NCHW in, float logits out) with onnxruntime."""
 
@@ -59,9 +76,11 @@ class OnnxRuntime(Runtime):
         device: str = "cpu",
         name: str = "model",
         threads: int | None = None,
+        precision: str = "fp32",
     ) -> None:
         self.path = Path(path)
         self.threads = threads
+        self.precision = precision
         super().__init__(spec, device=device, name=name)
 
     def _load(self) -> None:
@@ -77,7 +96,9 @@ class OnnxRuntime(Runtime):
         # per request").
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers: list[Any]
-        if self.device.startswith("cuda"):
+        if self.device.startswith("cuda") and self.precision == "int8":
+            providers = int8_cuda_providers(ort.get_available_providers(), _cuda_index(self.device), self.path)
+        elif self.device.startswith("cuda"):
             providers = [("CUDAExecutionProvider", {"device_id": _cuda_index(self.device)}), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
@@ -85,7 +106,8 @@ class OnnxRuntime(Runtime):
             self.session = ort.InferenceSession(str(self.path), options, providers=providers)
         except Exception as exc:
             raise ConfigError(f"onnxruntime cannot load {self.path}: {exc}") from exc
-        if self.device.startswith("cuda") and "CUDAExecutionProvider" not in self.session.get_providers():
+        gpu_providers = {"CUDAExecutionProvider", "TensorrtExecutionProvider"}
+        if self.device.startswith("cuda") and not gpu_providers & set(self.session.get_providers()):
             raise DeviceFailure(f"onnxruntime's CUDA execution provider is not usable for {self.device}")
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if len(inputs) != 1 or inputs[0].type != "tensor(uint8)":

@@ -1,0 +1,77 @@
+"""The images ``--int8`` calibrates on and gates against fp32 with, always two disjoint sets: a dataset's training
+split and its validation split (with labels), a folder's files taken alternately, or, for ungated speed work only,
+generated photo-like JPEGs. Every image goes through the model's own preprocessing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from export.quantize import MAX_CALIBRATION, Int8Data
+from models.datasets import IMAGE_EXTENSIONS, load_dataset
+from service.core.errors import BadInputError, ConfigError
+from service.core.preprocess import preprocess_image
+from service.core.samples import photo_like_jpegs
+from service.core.spec import ModelSpec
+
+MAX_HELD_OUT = 1024
+
+
+def from_dataset(name: str, spec: ModelSpec) -> Int8Data:
+    """Calibrate on the training split, gate on the validation split (with its labels): never the same images."""
+    data = load_dataset(name, spec)
+    calibration = data.train_images[:MAX_CALIBRATION].numpy()
+    return Int8Data(
+        calibration=calibration,
+        calibration_source=f"the first {len(calibration)} training images of {name}",
+        held_out=data.val_images[:MAX_HELD_OUT].numpy(),
+        held_out_source=f"the validation split of {name}",
+        held_out_labels=data.val_targets[:MAX_HELD_OUT].numpy(),
+    )
+
+
+def from_folder(folder: str | Path, spec: ModelSpec) -> Int8Data:
+    """The folder's images in path order, taken alternately for calibration and to hold out. Where every image sits
+    in a sub-folder named as one of the spec's labels (an ImageFolder tree), the held-out ones carry labels."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ConfigError(f"--calibration-images {root} is not a folder")
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    files = files[: 2 * MAX_HELD_OUT]
+    if not files:
+        raise ConfigError(f"--calibration-images {root} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    images = np.stack([_preprocess(p, spec) for p in files])
+    parts = [p.relative_to(root).parts for p in files]
+    classes = [q[0] if len(q) > 1 else None for q in parts]
+    labelled = all(c in spec.labels for c in classes)
+    held = list(range(1, len(files), 2))
+    labels = np.array([spec.labels.index(str(classes[i])) for i in held], np.int64) if labelled else None
+    calibration = images[0::2][:MAX_CALIBRATION]
+    return Int8Data(
+        calibration=calibration,
+        calibration_source=f"{len(calibration)} images of {root} (every other file)",
+        held_out=images[1::2],
+        held_out_source=f"the other {len(held)} images of {root}" + (", labelled by folder" if labelled else ""),
+        held_out_labels=labels,
+    )
+
+
+def from_samples(spec: ModelSpec, count: int = 96) -> Int8Data:
+    """Generated photo-like JPEGs through the model's preprocessing: for ungated speed work only, where no real
+    images are at hand (agreement on them proves nothing about real ones)."""
+    images = np.stack([preprocess_image(jpeg, spec) for jpeg in photo_like_jpegs(count)])
+    split = count * 2 // 3
+    return Int8Data(
+        calibration=images[:split],
+        calibration_source=f"{split} generated photo-like JPEGs (no real images)",
+        held_out=images[split:],
+        held_out_source=f"{count - split} other generated photo-like JPEGs",
+    )
+
+
+def _preprocess(path: Path, spec: ModelSpec) -> np.ndarray:
+    try:
+        return preprocess_image(path.read_bytes(), spec)
+    except BadInputError as exc:
+        raise ConfigError(f"calibration image {path} is unusable: {exc}") from exc
