@@ -10,6 +10,7 @@ from torch import nn
 
 from models.checkpoint import apply_weights, file_sha256, load_checkpoint, load_weights
 from models.datasets import IMAGE_EXTENSIONS, load_dataset
+from models.folder import validation_sample
 from models.normalize import Uint8Classifier
 from models.registry import get_architecture, with_input_size
 from service.core.errors import BadInputError, ConfigError, DatasetError
@@ -39,11 +40,14 @@ def from_checkpoint(path: str | Path) -> Source:
     source = "random uint8 batches only (the training dataset is not at hand)"
     if ckpt.record is not None:
         try:
-            data = load_dataset(ckpt.record.dataset, ckpt.spec)
+            if ckpt.record.dataset.startswith("folder:"):
+                # A sample, not the whole folder: it may hold far more images than parity needs.
+                images = validation_sample(ckpt.record.dataset.removeprefix("folder:"), ckpt.spec, MAX_REAL_IMAGES)
+            else:
+                images = load_dataset(ckpt.record.dataset, ckpt.spec).val_images[:MAX_REAL_IMAGES].numpy()
         except (DatasetError, ConfigError):
-            pass
-        else:
-            images = data.val_images[:MAX_REAL_IMAGES].numpy()
+            images = None
+        if images is not None:
             source = f"{len(images)} validation images of {ckpt.record.dataset} and random uint8 batches"
     return Source(eager, ckpt.spec, ckpt.sha256, images, source)
 

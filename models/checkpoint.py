@@ -29,6 +29,18 @@ class EpochRecord(msgspec.Struct, frozen=True, kw_only=True):
     train_accuracy: float
     val_accuracy: float | None
     duration_s: float
+    # Where an epoch's time went: images/s of the training steps, time blocked waiting for the next batch, and
+    # time in the step itself (copy to the device, forward, backward, update). Data wait far above compute means
+    # the loader is the bottleneck (more --workers); the other way round, the device is.
+    images_per_s: float = 0.0
+    data_wait_s: float = 0.0
+    compute_s: float = 0.0
+    skipped_images: int = 0
+
+
+class SkippedImage(msgspec.Struct, frozen=True):
+    path: str
+    reason: str
 
 
 class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,6 +60,14 @@ class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
     history: tuple[EpochRecord, ...]
     versions: dict[str, str]
     created_at: str
+    loader: str = "memory"  # memory | stream
+    workers: int = 0
+    augment: bool = False
+    skipped_images: int = 0  # distinct unreadable files, left out of training (or validation)
+    skipped: tuple[SkippedImage, ...] = ()  # the first of them, by name, with the reason
+    best_epoch: int | None = None
+    best_val_accuracy: float | None = None
+    resumed_from_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -67,9 +87,18 @@ def file_sha256(path: str | Path) -> str:
 
 
 def save_checkpoint(
-    path: str | Path, *, state_dict: dict[str, torch.Tensor], spec: ModelSpec, record: TrainRecord | None
+    path: str | Path,
+    *,
+    state_dict: dict[str, torch.Tensor],
+    spec: ModelSpec,
+    record: TrainRecord | None,
+    resume: dict[str, Any] | None = None,
 ) -> None:
-    """Write atomically (a temporary file, then a rename), so a crash never leaves half a checkpoint."""
+    """Write atomically (a temporary file, synced, then a rename), so a crash never leaves half a checkpoint.
+
+    ``resume`` (optimizer, scheduler, scaler, random states, epoch: tensors, numbers and strings only) makes the
+    file resumable with ``train --resume``; readers that only want the model ignore it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -78,9 +107,25 @@ def save_checkpoint(
         "spec": encode_spec(spec).decode(),
         "record": msgspec.json.encode(record).decode() if record is not None else "",
     }
+    if resume is not None:
+        payload["resume"] = resume
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
+    with open(tmp, "wb") as fh:
+        torch.save(payload, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def load_resume_state(path: str | Path) -> tuple[Checkpoint, dict[str, Any]]:
+    """A checkpoint written during training, with its resume state; one without it is refused."""
+    path = Path(path)
+    ckpt = load_checkpoint(path)
+    payload = _safe_load(path)
+    resume = payload.get("resume")
+    if not isinstance(resume, dict) or ckpt.record is None:
+        raise CheckpointError(f"{path} cannot be resumed: it holds no training state (it was not written by train)")
+    return ckpt, resume
 
 
 def _safe_load(path: Path) -> Any:

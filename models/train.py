@@ -1,8 +1,10 @@
 """Training: ``visionserve train``.
 
 One process on the CPU or one GPU, or several GPUs with DistributedDataParallel when started by ``torchrun``
-(only rank 0 reports and writes). On CUDA: automatic mixed precision and channels-last. The whole dataset sits in
-memory as uint8, so an epoch is a shuffled index over it: no data-loader workers to start on a 2-core machine.
+(only rank 0 reports and writes). On CUDA: automatic mixed precision and channels-last. Batches come from a
+:class:`~models.feeds.Feed`: digits, synthetic data and small folders sit in memory as uint8; larger folders are
+streamed through DataLoader workers (``models/folder.py``). After every epoch rank 0 writes the checkpoint
+atomically, with the state that ``--resume`` needs, and keeps the best one by validation accuracy beside it.
 """
 
 from __future__ import annotations
@@ -10,24 +12,35 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import platform
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
 
 import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-import torchvision
 from torch import nn
 
-from models.checkpoint import EpochRecord, TrainRecord, apply_weights, load_weights, save_checkpoint
+from models import resume as resuming
+from models.augment import augmentation_for
+from models.checkpoint import (
+    EpochRecord,
+    TrainRecord,
+    apply_weights,
+    load_resume_state,
+    load_weights,
+    save_checkpoint,
+)
 from models.datasets import Dataset, load_dataset
+from models.feeds import Batch, Feed, MemoryFeed
+from models.folder import StreamFeed, choose_mode, default_workers, memory_feed, scan_folder
+from models.loop import evaluate_batches, train_epoch
 from models.normalize import Uint8Classifier
+from models.records import training_record
 from models.registry import get_architecture, with_input_size
 from service.core.errors import ConfigError
 from service.core.spec import ModelSpec
@@ -47,6 +60,11 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     input_size: int | None = None
     weights: str | None = None
     out: str = "checkpoints/digits.pt"
+    workers: int | None = None  # DataLoader workers for folders; None: models.folder.default_workers()
+    loader: str = "auto"  # folders: auto | memory | stream
+    augment: bool = True  # folders: random resized crop and flip (models/augment.py)
+    resume: str | None = None  # a checkpoint written by an earlier, interrupted run of this same config
+    limit_batches: int | None = None  # benchmarks and smoke runs: at most this many batches per epoch and pass
 
 
 @dataclass(frozen=True)
@@ -55,9 +73,7 @@ class TrainResult:
     record: TrainRecord
     path: str | None
     rank: int = 0  # under torchrun, only rank 0 reports and writes
-
-
-EpochHook = Callable[[EpochRecord], None]
+    best_path: str | None = None
 
 
 class BatchProgress:
@@ -83,6 +99,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def best_path_for(out: str | Path) -> Path:
+    """Where the best epoch's checkpoint is kept: ``x.pt`` -> ``x.best.pt``."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}.best{out.suffix or '.pt'}")
+
+
 def _spec_for(config: TrainConfig, dataset_labels: tuple[str, ...] | None = None) -> ModelSpec:
     spec = get_architecture(config.arch).spec
     if config.input_size is not None:
@@ -99,6 +121,12 @@ def _validate(config: TrainConfig) -> None:
         raise ConfigError(f"--batch-size must be an integer >= 1, got {config.batch_size}")
     if not (config.lr > 0 and math.isfinite(config.lr)):
         raise ConfigError(f"--lr must be a number > 0, got {config.lr}")
+    if config.workers is not None and config.workers < 0:
+        raise ConfigError(f"--workers must be an integer >= 0, got {config.workers}")
+    if config.limit_batches is not None and config.limit_batches < 1:
+        raise ConfigError(f"--limit-batches must be an integer >= 1, got {config.limit_batches}")
+    if config.loader not in ("auto", "memory", "stream"):
+        raise ConfigError(f"--loader must be auto, memory or stream, got {config.loader!r}")
 
 
 def _seed_everything(seed: int) -> None:
@@ -125,19 +153,10 @@ def _distributed(device: torch.device) -> Iterator[tuple[int, int, torch.device]
         dist.destroy_process_group()
 
 
-@torch.inference_mode()
 def evaluate(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, device: torch.device) -> float:
     """Top-1 accuracy of ``model`` on uint8 ``images``."""
-    if len(images) == 0:
-        return float("nan")
-    model.eval()
-    correct = 0
-    for start in range(0, len(images), 256):
-        x = images[start : start + 256].to(device, non_blocking=True)
-        if device.type == "cuda":
-            x = x.contiguous(memory_format=torch.channels_last)
-        correct += int((model(x).argmax(1).cpu() == targets[start : start + 256]).sum())
-    return correct / len(images)
+    batches = (Batch(images[i : i + 256], targets[i : i + 256], []) for i in range(0, len(images), 256))
+    return evaluate_batches(model, batches, device)[0]
 
 
 def _amp_dtype(device: torch.device) -> torch.dtype | None:
@@ -146,26 +165,82 @@ def _amp_dtype(device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+def _compute_threads(device: torch.device, feed: Feed, threads: int) -> int:
+    """On the CPU, streaming workers decode on cores of their own: the loop's intra-op threads keep off them.
+    Measured on a busy 2-core VM: mobilenet_v3_small trained at 80 images/s on one thread and at 11 on two, its
+    threads spinning against everything else on the cores (docs/performance.md)."""
+    if device.type != "cpu" or feed.mode != "stream" or feed.workers == 0:
+        return threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(threads, cores - feed.workers))
+
+
+def _make_feed(
+    config: TrainConfig, spec: ModelSpec, dataset: Dataset | None, rank: int, world: int, device: torch.device
+) -> tuple[Feed, list[tuple[str, str]]]:
+    """The batches of this run, and the files found unreadable while loading them."""
+    if dataset is None and config.dataset.startswith("folder:"):
+        index = scan_folder(config.dataset.removeprefix("folder:"))  # an empty class is refused here
+        workers = default_workers() if config.workers is None else config.workers
+        augmentation = augmentation_for(config.arch) if config.augment else None
+        common = {
+            "batch_size": config.batch_size,
+            "seed": config.seed,
+            "workers": workers,
+            "rank": rank,
+            "world": world,
+            "augmentation": augmentation,
+        }
+        if choose_mode(config.loader, index, spec, workers) == "memory":
+            return memory_feed(index, spec, **common)  # type: ignore[arg-type]
+        return StreamFeed(index, spec, pin_memory=device.type == "cuda", **common), []  # type: ignore[arg-type]
+    data = dataset or load_dataset(config.dataset, spec)
+    feed = MemoryFeed(
+        name=data.name,
+        labels=data.labels,
+        train=(data.train_images, data.train_targets),
+        val=(data.val_images, data.val_targets),
+        batch_size=config.batch_size,
+        seed=config.seed,
+        rank=rank,
+        world=world,
+    )
+    return feed, []
+
+
 def train(
     config: TrainConfig,
     *,
     progress: BatchProgress | None = None,
     dataset: Dataset | None = None,
 ) -> TrainResult:
-    """Train ``config.arch`` on ``config.dataset``; rank 0 writes ``config.out`` (unless it is empty)."""
+    """Train ``config.arch`` on ``config.dataset``; rank 0 writes ``config.out`` each epoch (unless it is empty)."""
     _validate(config)
     progress = progress or BatchProgress()
     device = resolve_device(config.device)
-    spec = _spec_for(config)
-    data = dataset or load_dataset(config.dataset, spec)
-    spec = _spec_for(config, data.labels)
-    if len(data.train_images) == 0:
-        raise ConfigError(f"dataset {config.dataset} has no training images")
+    resume_from = load_resume_state(config.resume) if config.resume else None
 
     with _distributed(device) as (rank, world, device):
+        feed, skipped_list = _make_feed(config, _spec_for(config), dataset, rank, world, device)
+        skipped = dict(skipped_list)
+        spec = _spec_for(config, feed.labels)
+        if feed.train_size == 0:
+            raise ConfigError(f"dataset {config.dataset} has no training images")
         _seed_everything(config.seed)
-        network = get_architecture(config.arch).build(num_classes=data.num_classes)
-        if config.weights:
+        network = get_architecture(config.arch).build(num_classes=len(feed.labels))
+        if resume_from is not None:
+            previous = resuming.check_compatible(
+                resume_from[0],
+                arch=config.arch,
+                dataset=feed.name,
+                epochs=config.epochs,
+                batch_size=config.batch_size,
+                lr=config.lr,
+                seed=config.seed,
+                world=world,
+            )
+            apply_weights(network, resume_from[0].state_dict, source=str(config.resume))
+        elif config.weights:
             state = load_weights(config.weights)
             # A classifier head of another width (ImageNet weights fine-tuned on a folder) is re-initialised.
             own = network.state_dict()
@@ -180,7 +255,7 @@ def train(
                 model, device_ids=[device.index] if device.type == "cuda" else None
             )
 
-        steps_per_epoch = math.ceil(len(data.train_images) / world / config.batch_size)
+        steps_per_epoch = min(feed.steps_per_epoch(), config.limit_batches or feed.steps_per_epoch())
         optimizer = torch.optim.SGD(
             model.parameters(), lr=config.lr, momentum=0.9, nesterov=True, weight_decay=config.weight_decay
         )
@@ -189,75 +264,83 @@ def train(
         )
         amp_dtype = _amp_dtype(device)
         scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
-        generator = torch.Generator().manual_seed(config.seed)
+        generator = feed.generator if isinstance(feed, MemoryFeed) else None
         history: list[EpochRecord] = []
-        started = time.perf_counter()
-        for epoch in range(1, config.epochs + 1):
-            epoch_start = time.perf_counter()
-            train_model.train()
-            order = torch.randperm(len(data.train_images), generator=generator)[rank::world]
-            if rank == 0:
-                progress.start_epoch(epoch, steps_per_epoch)
-            seen = correct = 0
-            loss_sum = 0.0
-            for step in range(steps_per_epoch):
-                idx = order[step * config.batch_size : (step + 1) * config.batch_size]
-                if len(idx) == 0:
-                    break
-                x = data.train_images[idx].to(device, non_blocking=True)
-                y = data.train_targets[idx].to(device, non_blocking=True)
-                if device.type == "cuda":
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-                    logits = train_model(x)
-                    loss = F.cross_entropy(logits, y)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
-                batch_loss = float(loss.detach())
-                batch_correct = int((logits.detach().argmax(1) == y).sum())
-                seen += len(idx)
-                correct += batch_correct
-                loss_sum += batch_loss * len(idx)
-                if rank == 0:
-                    progress.advance(loss_sum / seen, correct / seen)
-            val_acc = evaluate(model, data.val_images, data.val_targets, device)
-            record = EpochRecord(
-                epoch=epoch,
-                train_loss=loss_sum / max(seen, 1),
-                train_accuracy=correct / max(seen, 1),
-                val_accuracy=None if math.isnan(val_acc) else val_acc,
-                duration_s=time.perf_counter() - epoch_start,
+        best: tuple[int, float] | None = None
+        first_epoch = 1
+        resumed_from: int | None = None
+        if resume_from is not None:
+            done, seen_bad = resuming.restore(
+                resume_from[1], optimizer=optimizer, scheduler=scheduler, scaler=scaler, generator=generator
             )
-            history.append(record)
-            if rank == 0:
-                progress.end_epoch(record)
-
-        record_all = TrainRecord(
-            dataset=data.name,
-            epochs=config.epochs,
-            batch_size=config.batch_size,
-            lr=config.lr,
-            seed=config.seed,
-            device=str(device),
-            world_size=world,
-            train_size=len(data.train_images),
-            val_size=len(data.val_images),
-            val_accuracy=history[-1].val_accuracy,
-            duration_s=time.perf_counter() - started,
-            history=tuple(history),
-            versions={
-                "torch": str(torch.__version__),
-                "torchvision": str(torchvision.__version__),
-                "python": platform.python_version(),
-            },
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        )
-        spec = msgspec.structs.replace(spec, name=f"{config.arch}-{data.name.split(':')[0]}")
-        path = None
-        if rank == 0 and config.out:
-            save_checkpoint(config.out, state_dict=network.state_dict(), spec=spec, record=record_all)
-            path = config.out
-        return TrainResult(spec=spec, record=record_all, path=path, rank=rank)
+            skipped |= seen_bad
+            history = list(previous.history)
+            if previous.best_epoch is not None and previous.best_val_accuracy is not None:
+                best = (previous.best_epoch, previous.best_val_accuracy)
+            first_epoch, resumed_from = done + 1, done
+        started = time.perf_counter() - (sum(h.duration_s for h in history))
+        best_path = best_path_for(config.out) if config.out else None
+        named = msgspec.structs.replace(spec, name=f"{config.arch}-{feed.name.split(':')[0]}")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(_compute_threads(device, feed, threads))
+        try:
+            for epoch in range(first_epoch, config.epochs + 1):
+                epoch_start = time.perf_counter()
+                feed.set_epoch(epoch)
+                if rank == 0:
+                    progress.start_epoch(epoch, steps_per_epoch)
+                stats = train_epoch(
+                    train_model,
+                    islice(feed.train_batches(), steps_per_epoch),
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    scaler=scaler,
+                    device=device,
+                    amp_dtype=amp_dtype,
+                    progress=progress if rank == 0 else None,
+                )
+                val_acc, val_stats = evaluate_batches(model, islice(feed.val_batches(), config.limit_batches), device)
+                skipped |= dict(stats.skipped) | dict(val_stats.skipped)
+                record = EpochRecord(
+                    epoch=epoch,
+                    train_loss=stats.loss_sum / max(stats.seen, 1),
+                    train_accuracy=stats.correct / max(stats.seen, 1),
+                    val_accuracy=None if math.isnan(val_acc) else val_acc,
+                    duration_s=time.perf_counter() - epoch_start,
+                    images_per_s=stats.images_per_s,
+                    data_wait_s=stats.data_wait_s,
+                    compute_s=stats.compute_s,
+                    skipped_images=len(stats.skipped) + len(val_stats.skipped),
+                )
+                history.append(record)
+                improved = record.val_accuracy is not None and (best is None or record.val_accuracy > best[1])
+                if improved and record.val_accuracy is not None:
+                    best = (epoch, record.val_accuracy)
+                summary = training_record(config, feed, device, world, history, best, skipped, started, resumed_from)
+                if rank == 0 and config.out:
+                    state = resuming.capture(
+                        epoch=epoch,
+                        optimizer=optimizer,
+                        scheduler=scheduler,
+                        scaler=scaler,
+                        generator=generator,
+                        skipped=skipped,
+                    )
+                    weights = network.state_dict()
+                    save_checkpoint(config.out, state_dict=weights, spec=named, record=summary, resume=state)
+                    if improved and best_path is not None:
+                        save_checkpoint(best_path, state_dict=weights, spec=named, record=summary)
+                if rank == 0:
+                    progress.end_epoch(record)
+        finally:
+            torch.set_num_threads(threads)
+            feed.close()
+        if world > 1:  # each rank saw its own share of the files: the record names them all
+            gathered: list[dict[str, str] | None] = [None] * world
+            dist.all_gather_object(gathered, skipped)
+            for part in gathered:
+                skipped |= part or {}
+            summary = training_record(config, feed, device, world, history, best, skipped, started, resumed_from)
+        path = config.out if rank == 0 and config.out else None
+        best_written = str(best_path) if path and best_path is not None and best_path.exists() else None
+        return TrainResult(spec=named, record=summary, path=path, rank=rank, best_path=best_written)

@@ -1,0 +1,294 @@
+"""Benchmark of training from image folders: the real ``visionserve train`` command, each run its own process.
+
+Sections (``--only`` picks some):
+  throughput  images/s, data-wait share and compute share with ``--workers 0`` against ``--workers N`` (streamed)
+  loader      a small folder held in memory against streamed, several epochs (what ``--loader auto`` chooses)
+  rss         peak resident memory streaming a folder of N images against one of 4N (the same step count)
+  finetune    epochs to an accuracy on folder B from scratch and from weights trained on folder A (other classes)
+
+Folders are generated with scripts/make_folder_dataset.py (500x375 JPEGs) under --work unless they exist; the
+4N-image folder hard-links the N images four times (the file count is what matters for memory). Prints a line
+per run, the load average around each section (other users of the machine skew the figures), and a JSON line.
+
+    python scripts/train_bench.py --only throughput,rss
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("throughput", "loader", "rss", "finetune")
+
+# Runs in a process of its own, so that RUSAGE_CHILDREN holds this one training run only. It samples the summed
+# RSS of the training process and its DataLoader workers too (shared pages are counted once per process).
+_MEASURE = r"""
+import json, os, resource, subprocess, sys, time
+def tree(pid):
+    out = [pid]
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                for child in fh.read().split():
+                    out += tree(int(child))
+    except OSError:
+        pass
+    return out
+def rss_kb(pid):
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next(int(l.split()[1]) for l in fh if l.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0
+proc = subprocess.Popen(sys.argv[1:])
+peak = 0
+while proc.poll() is None:
+    peak = max(peak, sum(rss_kb(p) for p in tree(proc.pid)))
+    time.sleep(0.2)
+print(json.dumps({"rc": proc.returncode, "maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+                  "tree_peak_kb": peak}))
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma-separated (default: all: {SECTIONS})")
+    p.add_argument(
+        "--work", default="/tmp/visionserve-train-bench", help="folders and checkpoints (default: %(default)s)"
+    )
+    p.add_argument("--images", type=int, default=5000, help="images in the main folder (default: 5000)")
+    p.add_argument("--arch", default="mobilenet_v3_small", help="architecture (default: mobilenet_v3_small)")
+    p.add_argument("--input-size", type=int, default=64, help="input size (default: 64)")
+    p.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
+    p.add_argument("--workers", type=int, default=None, help="DataLoader workers for N (default: train's own default)")
+    p.add_argument("--batches", type=int, default=40, help="throughput and rss: batches per run (default: 40)")
+    p.add_argument("--loader-images", type=int, default=500, help="loader: images in the small folder (default: 500)")
+    p.add_argument("--loader-epochs", type=int, default=3, help="loader: epochs (default: 3)")
+    p.add_argument("--pretrain-images", type=int, default=1000, help="finetune: folder A images (default: 1000)")
+    p.add_argument("--pretrain-epochs", type=int, default=6, help="finetune: epochs on folder A (default: 6)")
+    p.add_argument("--finetune-images", type=int, default=500, help="finetune: folder B images (default: 500)")
+    p.add_argument("--finetune-epochs", type=int, default=6, help="finetune: epochs on folder B (default: 6)")
+    return p
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def make_folder(path: Path, images: int, classes: int = 10, offset: int = 0, seed: int = 0) -> Path:
+    if not path.is_dir():
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "make_folder_dataset.py"),
+            "--out",
+            str(path),
+            "--images",
+            str(images),
+            "--classes",
+            str(classes),
+            "--class-offset",
+            str(offset),
+            "--seed",
+            str(seed),
+        ]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    return path
+
+
+def linked_copies(source: Path, target: Path, copies: int) -> Path:
+    """``copies`` hard links of every image of ``source``, under new names: more files, no more disk."""
+    if not target.is_dir():
+        for cls in sorted(p for p in source.iterdir() if p.is_dir()):
+            (target / cls.name).mkdir(parents=True)
+            for image in cls.iterdir():
+                for k in range(copies):
+                    os.link(image, target / cls.name / f"{k}_{image.name}")
+    return target
+
+
+def train(
+    args: argparse.Namespace,
+    folder: Path,
+    out: Path,
+    *extra: str,
+    measure: bool = False,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One ``visionserve train`` run; its record (and with ``measure`` its peak memory)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "train",
+        "--no-progress",
+        "--arch",
+        args.arch,
+        "--input-size",
+        str(args.input_size),
+        "--batch-size",
+        str(args.batch_size),
+        "--dataset",
+        f"folder:{folder}",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        *extra,
+    ]
+    started = time.perf_counter()
+    result: dict[str, Any] = {}
+    if measure:
+        proc = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], cwd=ROOT, capture_output=True, text=True, env=env)
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        ok = result["rc"] == 0
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        ok = proc.returncode == 0
+    if not ok:
+        sys.exit(f"training failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    from models.checkpoint import load_checkpoint
+
+    record = load_checkpoint(out).record
+    assert record is not None
+    return {**result, "wall_s": time.perf_counter() - started, "record": record}
+
+
+def throughput(args: argparse.Namespace, folder: Path, work: Path) -> dict[str, Any]:
+    """``--workers 0`` and ``--workers N``; and ``--workers 0`` on as many compute threads as N leaves the loop
+    (``train`` gives its threads the cores the workers do not use), to tell the loader's gain from the threads'."""
+    from models.folder import default_workers
+
+    n = args.workers if args.workers is not None else default_workers()
+    threads = str(max(1, len(os.sched_getaffinity(0)) - n))
+    rows: dict[str, dict[str, float]] = {}
+    for label, workers, env in (
+        ("0", 0, None),
+        (f"0 ({threads} thread)", 0, {**os.environ, "OMP_NUM_THREADS": threads}),
+        (str(n), n, None),
+    ):
+        extra = ("--epochs", "1", "--loader", "stream", "--workers", str(workers), "--limit-batches", str(args.batches))
+        h = train(args, folder, work / f"tp{workers}.pt", *extra, env=env)["record"].history[0]
+        busy = h.data_wait_s + h.compute_s
+        rows[label] = {
+            "images_per_s": h.images_per_s,
+            "data_wait_share": h.data_wait_s / busy,
+            "compute_share": h.compute_s / busy,
+            "data_wait_s": h.data_wait_s,
+            "compute_s": h.compute_s,
+        }
+        print(
+            f"  --workers {label}: {h.images_per_s:.1f} images/s, data wait {h.data_wait_s:.1f} s "
+            f"({h.data_wait_s / busy:.0%}), compute {h.compute_s:.1f} s ({h.compute_s / busy:.0%})",
+            flush=True,
+        )
+    speedup = rows[str(n)]["images_per_s"] / rows["0"]["images_per_s"]
+    same_threads = rows[str(n)]["images_per_s"] / rows[f"0 ({threads} thread)"]["images_per_s"]
+    print(f"  workers {n} against 0: {speedup:.2f}x images/s (target >= 1.3x); {same_threads:.2f}x on equal threads")
+    return {"workers": n, "runs": rows, "speedup": speedup, "speedup_equal_threads": same_threads}
+
+
+def loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    folder = make_folder(work / f"small{args.loader_images}", args.loader_images)
+    rows = {}
+    for mode in ("memory", "stream"):
+        extra = ("--workers", str(args.workers)) if args.workers is not None else ()
+        run = train(
+            args, folder, work / f"loader-{mode}.pt", "--epochs", str(args.loader_epochs), "--loader", mode, *extra
+        )
+        rows[mode] = {"wall_s": run["wall_s"], "train_s": run["record"].duration_s}
+        print(
+            f"  {mode}: {args.loader_epochs} epochs in {run['record'].duration_s:.1f} s "
+            f"(process {run['wall_s']:.1f} s)",
+            flush=True,
+        )
+    return rows
+
+
+def rss(args: argparse.Namespace, folder: Path, work: Path) -> dict[str, Any]:
+    big = linked_copies(folder, work / f"linked{4 * args.images}", 4)
+    rows = {}
+    for name, path in ((str(args.images), folder), (str(4 * args.images), big)):
+        run = train(
+            args,
+            path,
+            work / f"rss{name}.pt",
+            "--epochs",
+            "1",
+            "--loader",
+            "stream",
+            "--limit-batches",
+            str(args.batches),
+            measure=True,
+        )
+        rows[name] = {"maxrss_mb": run["maxrss_kb"] / 1024, "tree_peak_mb": run["tree_peak_kb"] / 1024}
+        print(
+            f"  {name} images: peak RSS {run['maxrss_kb'] / 1024:.0f} MB (largest process), "
+            f"{run['tree_peak_kb'] / 1024:.0f} MB summed over the process and its workers",
+            flush=True,
+        )
+    small, large = rows[str(args.images)], rows[str(4 * args.images)]
+    growth = large["maxrss_mb"] / small["maxrss_mb"] - 1
+    print(f"  growth with 4x the images: {growth:+.1%} (target <= +15%)")
+    return {"runs": rows, "growth": growth}
+
+
+def finetune(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    a = make_folder(work / f"pretrainA{args.pretrain_images}", args.pretrain_images, classes=10, seed=1)
+    b = make_folder(work / f"finetuneB{args.finetune_images}", args.finetune_images, classes=5, offset=10, seed=2)
+    pre = train(args, a, work / "A.pt", "--epochs", str(args.pretrain_epochs))
+    print(f"  folder A (10 classes): {pre['record'].val_accuracy:.1%} after {args.pretrain_epochs} epochs")
+    curves = {}
+    for name, extra in (("scratch", ()), ("finetune", ("--weights", str(work / "A.pt")))):
+        run = train(args, b, work / f"B-{name}.pt", "--epochs", str(args.finetune_epochs), *extra)
+        curves[name] = [h.val_accuracy or 0.0 for h in run["record"].history]
+        print(f"  folder B (5 other classes), {name}: " + ", ".join(f"{v:.0%}" for v in curves[name]), flush=True)
+    target = max(curves["scratch"])
+    reach = {k: next((i + 1 for i, v in enumerate(c) if v >= target), None) for k, c in curves.items()}
+    print(f"  epochs to scratch's best ({target:.0%}): scratch {reach['scratch']}, fine-tuned {reach['finetune']}")
+    return {"curves": curves, "target": target, "epochs_to_target": reach}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+    if any(s not in SECTIONS for s in wanted):
+        print(f"--only takes {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    folder = make_folder(work / f"shapes{args.images}", args.images) if {"throughput", "rss"} & set(wanted) else None
+    summary: dict[str, Any] = {
+        "benchmark": "train-folder",
+        "arch": args.arch,
+        "input_size": args.input_size,
+        "cores": len(os.sched_getaffinity(0)),
+    }
+    for section in wanted:
+        print(f"{section} (load average before: {loadavg()})", flush=True)
+        if section == "throughput":
+            assert folder is not None
+            summary[section] = throughput(args, folder, work)
+        elif section == "loader":
+            summary[section] = loader(args, work)
+        elif section == "rss":
+            assert folder is not None
+            summary[section] = rss(args, folder, work)
+        else:
+            summary[section] = finetune(args, work)
+        summary[section]["loadavg_after"] = loadavg()
+        print(f"  (load average after: {loadavg()})", flush=True)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
