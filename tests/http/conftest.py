@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -105,13 +106,22 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200:
+            if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200 and _every_front_end_up(log):
                 return running
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     stop_server(running, timeout_s=5)
     raise RuntimeError(f"server not ready in {ready_timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def _every_front_end_up(log: Path) -> bool:
+    """Whether every front end has reached every engine (their log lines): readiness is per front end, and one
+    answering 200 while another still waits for its engine left a request 503 on a machine where start-up ran in
+    another order."""
+    text = log.read_text(errors="replace")
+    started = re.search(r"with (\d+) front ends .* and (\d+) engine", text)
+    return started is not None and text.count(" is up: ") >= int(started[1]) * int(started[2])
 
 
 def stop_server(server: RunningServer, timeout_s: float = 30) -> int:
