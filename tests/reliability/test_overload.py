@@ -26,6 +26,10 @@ DIGIT = (Path(__file__).parents[2] / "examples" / "digit-3.png").read_bytes()
 PATH = "/v1/models/paced/classify"
 REQUEST = Request(PATH, DIGIT, {"Content-Type": "image/png"}, "good")
 MAX_BATCH, QUEUE, DELAY_MS = 4, 32, 40.0
+# "At once": a refusal takes under a quarter of one batch's fixed time, so it cannot have waited for the model (an
+# accepted request waits a batch or more). A fixed 5 ms bound was this machine's figure: refusals took 6.2 ms here
+# with the load generator at three times capacity on the same two cores, 2.6 ms on a quieter run.
+AT_ONCE_S = DELAY_MS / 1000 / 4
 PACED = (
     f"max_batch_size = {MAX_BATCH}\nmax_queue_delay_ms = 0\nmax_queue_size = {QUEUE}\n[faults]\ndelay_ms = {DELAY_MS}\n"
 )
@@ -100,7 +104,7 @@ def test_three_times_capacity_is_refused_early_and_accepted_work_stays_within_th
         assert set(outcomes) <= {"200", "503"}, outcomes  # no timeouts, no 504, no dropped connections
         assert len(refused) > len(records) / 3  # two thirds of the offer is over capacity
         assert all(r.retry_after for r in refused)
-        assert refusal_p50_s < 0.005
+        assert refusal_p50_s < AT_ONCE_S
         assert p99_s <= bound_s
         assert rss_after - rss_before < 30
         with server.client() as client:
@@ -158,7 +162,7 @@ def test_sigterm_at_70_percent_load_answers_everything_accepted_and_refuses_the_
     # refused by the kernel (nobody listens) -- never a timeout or an answer cut short.
     assert set(after_outcomes) <= {"503", "connection"}, after_outcomes
     assert after_outcomes["503"] > 0
-    assert percentile(refusals, 0.5) < 0.005
+    assert percentile(refusals, 0.5) < AT_ONCE_S
     with httpx.Client() as client:  # the port is closed: the server has gone
         try:
             client.get(server.url + "/v2/health/live", timeout=1)
