@@ -19,6 +19,7 @@ import httpx
 
 from loadtest.http1 import Http1Client
 from loadtest.openloop import Record, Request, percentile, run_open_loop
+from tests.http.conftest import wait_for_metric
 from tests.reliability.clients import children, rss_mb
 from tests.reliability.conftest import RunningServer, add_variant, start_server, stop_server
 
@@ -30,6 +31,7 @@ MAX_BATCH, QUEUE, DELAY_MS = 4, 32, 40.0
 # accepted request waits a batch or more). A fixed 5 ms bound was this machine's figure: refusals took 6.2 ms here
 # with the load generator at three times capacity on the same two cores, 2.6 ms on a quieter run.
 AT_ONCE_S = DELAY_MS / 1000 / 4
+HELD_S = 2.0
 PACED = (
     f"max_batch_size = {MAX_BATCH}\nmax_queue_delay_ms = 0\nmax_queue_size = {QUEUE}\n[faults]\ndelay_ms = {DELAY_MS}\n"
 )
@@ -118,15 +120,33 @@ def test_sigterm_at_70_percent_load_answers_everything_accepted_and_refuses_the_
     repo_copy: Path, tmp_path: Path
 ) -> None:
     add_variant(repo_copy, "paced", PACED)
+    # One request held HELD_S in a model of its own is computing when SIGTERM comes, so the drain lasts that long by
+    # construction: the paced load meets it (503 at once) however quickly the paced queue empties. Without it the
+    # drain lasted as long as the paced queue's last batch, and one run under the fast-model check sent nothing in it.
+    add_variant(repo_copy, "held", f"max_queue_delay_ms = 0\n[faults]\ndelay_ms = {HELD_S * 1000}\n")
     server = start_server(repo_copy, tmp_path / "server.log", "--drain-timeout-s", "10")
     signalled: dict[str, float] = {}
+    held: dict[str, int] = {}
+    held_computing = threading.Event()
+
+    def hold() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            held["status"] = client.post("/v1/models/held/classify", content=DIGIT, headers=REQUEST.headers).status_code
+
+    def watch_held() -> None:
+        wait_for_metric(server.url, "visionserve_inflight_batches", 1, model="held")
+        held_computing.set()
 
     def watch_exit() -> None:
         server.process.wait(30)
         signalled["exited"] = time.monotonic()
 
     def tick(elapsed_s: float) -> None:
-        if elapsed_s >= 4 and not signalled:
+        if elapsed_s >= 3 and not held:
+            held["status"] = 0
+            threading.Thread(target=hold, daemon=True).start()
+            threading.Thread(target=watch_held, daemon=True).start()
+        if elapsed_s >= 4 and held_computing.is_set() and not signalled:
             server.process.send_signal(signal.SIGTERM)
             signalled["at_s"] = elapsed_s
             signalled["wall"] = time.monotonic()
@@ -157,6 +177,7 @@ def test_sigterm_at_70_percent_load_answers_everything_accepted_and_refuses_the_
     )
     assert code == 0
     assert exited_s < 10
+    assert held["status"] == 200  # computing at SIGTERM: answered, not dropped
     assert set(before_outcomes) == {"200"}, before_outcomes  # nothing accepted was dropped
     # After the signal: refused with 503 at once while the server drains; once it has gone, connections are
     # refused by the kernel (nobody listens) -- never a timeout or an answer cut short.
