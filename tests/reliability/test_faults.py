@@ -39,8 +39,9 @@ def test_a_hung_forward_times_out_is_replaced_and_readiness_tells_the_truth(repo
     add_variant(
         repo_copy,
         "wedged",
-        # A replacement that takes a second to load (as a large model's would): readiness must say so meanwhile.
-        "max_queue_delay_ms = 0\ninstance_stuck_after_s = 1.5\n[faults]\nhang_at_batch = 0\nload_delay_ms = 1000\n",
+        # A replacement that takes 3 s to load (as a large model's would): readiness must say so meanwhile; one run
+        # with 1 s saw the REPLACING state in metadata but no not-ready answer among its polls.
+        "max_queue_delay_ms = 0\ninstance_stuck_after_s = 1.5\n[faults]\nhang_at_batch = 0\nload_delay_ms = 3000\n",
     )
     server = start_server(repo_copy, tmp_path / "server.log")
     try:
