@@ -22,6 +22,10 @@ DURATION_S = 2.0
 DELAY_S = 0.02
 STALL = (0.8, 1.3)
 TOLERANCE_MS = 15  # the client's and the test server's own overheads on a shared 2-core machine
+# ...plus a share of the figure itself for the stalled requests: when the stall ends, some 50 requests are answered
+# at once by a thread each, and the client reads them one after another on the same two cores (CI saw p90 338 ms
+# against 320). Coordinated omission, the fault these tests catch, would put p90 near 20 ms: far outside either.
+TOLERANCE_REL = 0.1
 
 
 def implied_latencies_ms() -> np.ndarray:
@@ -59,8 +63,8 @@ def test_open_loop_latency_runs_from_the_schedule_through_a_stall(
     assert step.measured == len(expected) and step.requests == len(expected), step.errors
     assert step.errors == {}
     for q in (50, 90, 99):  # not 75: 25% of the schedule stalls, so p75 sits on the jump and one request moves it
-        assert step.latency_ms(q) == pytest.approx(nearest_rank(expected, q), abs=TOLERANCE_MS), q
-    assert 1000 * step.latency.max_s == pytest.approx(expected.max(), abs=TOLERANCE_MS)
+        assert step.latency_ms(q) == pytest.approx(nearest_rank(expected, q), abs=TOLERANCE_MS, rel=TOLERANCE_REL), q
+    assert 1000 * step.latency.max_s == pytest.approx(expected.max(), abs=TOLERANCE_MS, rel=TOLERANCE_REL)
     assert step.server is None  # this server has no /metrics; the report must say so rather than invent a split
     assert step.send_lag.count == len(expected) and not step.client_limited
 
