@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.step import PERCENTILES
+from service.core.metrics import STAGES
 
 
 def _ms(value: float | None) -> str:
@@ -42,9 +43,34 @@ def table(steps: list[dict[str, Any]], title: str) -> Table:
     return t
 
 
+def stage_table(steps: list[dict[str, Any]]) -> Table | None:
+    """Where the server's time went at each step (mean ms per stage, from its stage histograms): which stage grows
+    as the load does. None when the server reports no stages."""
+    names: list[str] = []
+    for s in steps:
+        for name in (s["server"] or {}).get("stages", {}):
+            if name not in names:
+                names.append(name)
+    if not names:
+        return None
+    t = Table(title="server stages: mean ms (p99 ms) per answered request")
+    t.add_column("step", justify="left")
+    for name in names:
+        t.add_column(name.replace("_", " "), justify="right")
+    for s in steps:
+        stages = (s["server"] or {}).get("stages", {})
+        t.add_row(s["step"], *(f"{_ms(stages[n]['mean_ms'])} ({_ms(stages[n]['p99_ms'])})" if n in stages else "-"
+                               for n in names))  # fmt: skip
+    t.caption = "stages run one after another and sum to the server's time per request (docs: Server-Timing)"
+    return t
+
+
 def print_report(report: dict[str, Any], console: Console) -> None:
     title = f"{report['model']} at {report['url']} ({report['mode']} loop, {report['protocol']} protocol)"
     console.print(table(report["steps"], title))
+    stages = stage_table(report["steps"])
+    if stages is not None:
+        console.print(stages)
     slo = report.get("slo")
     if slo:
         if slo["best_rate"] is None:
@@ -68,7 +94,8 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 CSV_COLUMNS = ("step", "mode", "concurrency", "rate", "arrival", "duration_s", "requests", "images", "errors",
                "requests_per_s", "images_per_s", *(f"p{q:g}_ms" for q in PERCENTILES), "max_ms", "mean_ms",
                "send_lag_p99_ms", "client_cpu", "client_limited", "server_queue_ms", "server_preprocess_ms",
-               "server_compute_ms", "server_request_p99_ms", "mean_batch_size")  # fmt: skip
+               "server_compute_ms", "server_request_p99_ms", "mean_batch_size",
+               *(f"stage_{name}_ms" for name in STAGES))  # fmt: skip
 
 
 def csv_row(s: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +110,8 @@ def csv_row(s: dict[str, Any]) -> dict[str, Any]:
     row |= {f"server_{k}_ms": means.get(k, "") for k in ("queue", "preprocess", "compute")}
     row["server_request_p99_ms"] = srv.get("request_p99_ms", "")
     row["mean_batch_size"] = srv.get("mean_batch_size", "")
+    stages = srv.get("stages", {})
+    row |= {f"stage_{name}_ms": stages[name]["mean_ms"] if name in stages else "" for name in STAGES}
     return row
 
 

@@ -16,6 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 STAGES = ("request", "queue", "preprocess", "compute", "postprocess")
+STAGE_FAMILY = "visionserve_stage_duration_seconds"  # {stage=...}: where each answered request's time went
 Sample = dict[str, float]  # "<sample name>|<le>" -> value, summed over the model's versions and devices
 
 
@@ -38,6 +39,8 @@ def parse(text: str, model: str) -> Sample:
             if s.labels.get("model") != model:
                 continue
             key = s.name
+            if "stage" in s.labels:
+                key += "|" + s.labels["stage"]
             if "le" in s.labels:
                 key += "|" + s.labels["le"]
             elif "outcome" in s.labels:
@@ -46,11 +49,11 @@ def parse(text: str, model: str) -> Sample:
     return dict(out)
 
 
-def _bucket_quantile(delta: Sample, name: str, q: float) -> float:
-    buckets = sorted(
-        ((float(k.split("|")[1]), v) for k, v in delta.items() if k.startswith(name + "_bucket|")),
-        key=lambda b: b[0],
-    )
+def _bucket_quantile(delta: Sample, name: str, q: float, label: str = "") -> float:
+    """``q`` of histogram ``name`` (of one ``stage`` label value, when given) from its buckets."""
+    prefix = f"{name}_bucket|" + (f"{label}|" if label else "")
+    edges = ((k[len(prefix) :], v) for k, v in delta.items() if k.startswith(prefix))
+    buckets = sorted(((float(le), v) for le, v in edges if "|" not in le), key=lambda b: b[0])
     if not buckets or buckets[-1][1] <= 0:
         return math.nan
     rank = q * buckets[-1][1]
@@ -78,6 +81,7 @@ def server_split(before: Sample | None, after: Sample | None) -> dict[str, Any] 
 
     batches = delta.get("visionserve_batch_size_count", 0.0)
     return {
+        "stages": stage_split(delta),
         "requests": {k.split("|")[1]: int(v) for k, v in delta.items() if k.startswith("visionserve_requests_total|")},
         "images": int(delta.get("visionserve_images_total", 0.0)),
         "batches": int(batches),
@@ -85,3 +89,17 @@ def server_split(before: Sample | None, after: Sample | None) -> dict[str, Any] 
         "mean_ms": {stage: mean_ms(stage) for stage in STAGES},
         "request_p99_ms": 1000 * _bucket_quantile(delta, "visionserve_request_duration_seconds", 0.99),
     }
+
+
+def stage_split(delta: Sample) -> dict[str, dict[str, float]]:
+    """Per stage (the server's order): mean and p99 ms over the requests answered between the scrapes; empty for a
+    server that does not report stages."""
+    names = [k.split("|")[1] for k in delta if k.startswith(STAGE_FAMILY + "_count|")]
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        n = delta.get(f"{STAGE_FAMILY}_count|{name}", 0.0)
+        out[name] = {
+            "mean_ms": 1000 * delta.get(f"{STAGE_FAMILY}_sum|{name}", 0.0) / n if n else math.nan,
+            "p99_ms": 1000 * _bucket_quantile(delta, STAGE_FAMILY, 0.99, name),
+        }
+    return out

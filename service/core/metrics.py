@@ -49,6 +49,21 @@ REQUEST_HISTOGRAMS = (
     ("visionserve_postprocess_duration_seconds", "Encoding the answer"),
 )
 NOT_OBSERVED = math.nan  # a stage the request never reached (no histogram sample)
+# Where a request's time went, accept to answer, as contiguous stages that sum to its total (``Timing.stages``):
+# one histogram family, ``visionserve_stage_duration_seconds{stage=...}``, recorded for every request answered.
+STAGES = (
+    "read",  # the request's head and body read (and a v2 body parsed)
+    "decode_wait",  # waiting for a decode thread
+    "decode",  # decoding and preprocessing the images (or parsing a tensor body)
+    "arena",  # back on the event loop, the copy into shared memory and the message to the engine
+    "to_engine",  # the transport to the engine, until its loop has queued the images
+    "instance_wait",  # queued while every runtime instance was busy
+    "batch_wait",  # queued with an instance free, while the batch formed (max_queue_delay_ms)
+    "compute",  # the batch on its runtime instance, until the engine's loop has the answer
+    "from_engine",  # the answer's transport back, until the front end's loop reads it
+    "respond",  # scoring, encoding the answer, until its head is sent
+)
+STAGE_HISTOGRAM = ("visionserve_stage_duration_seconds", "Where each answered request's time went, by stage")
 
 
 @dataclass
@@ -172,18 +187,31 @@ def merge_request_states(states: Iterable[RequestState]) -> list[RequestState]:
     return list(merged.values())
 
 
+_UNSTAGED = (NOT_OBSERVED,) * len(STAGES)
+
+
 class RequestRecorder(_Folding):
-    """One model version's requests: an outcome and four stage durations each."""
+    """One model version's requests: an outcome, four durations and the :data:`STAGES` each (one histogram per
+    entry of ``stages``: the :data:`REQUEST_HISTOGRAMS` first, then the stages)."""
 
     def __init__(self, labels: tuple[str, str, str, str]) -> None:
         super().__init__()
         self.labels = labels
         self.outcomes = np.zeros(len(OUTCOMES), dtype=np.int64)
-        self.stages = [BucketCounts(DURATION_BUCKETS) for _ in REQUEST_HISTOGRAMS]
+        self.stages = [BucketCounts(DURATION_BUCKETS) for _ in range(len(REQUEST_HISTOGRAMS) + len(STAGES))]
 
-    def record(self, outcome: str, request_s: float, preprocess_s: float, queue_s: float, postprocess_s: float) -> None:
-        """One request, once, however it ended; ``NOT_OBSERVED`` for a stage it never reached."""
-        self._append((OUTCOME_INDEX[outcome], request_s, preprocess_s, queue_s, postprocess_s))
+    def record(
+        self,
+        outcome: str,
+        request_s: float,
+        preprocess_s: float,
+        queue_s: float,
+        postprocess_s: float,
+        stages: tuple[float, ...] = _UNSTAGED,
+    ) -> None:
+        """One request, once, however it ended; ``NOT_OBSERVED`` for a stage it never reached; ``stages``: the
+        :data:`STAGES` durations of an answered request."""
+        self._append((OUTCOME_INDEX[outcome], request_s, preprocess_s, queue_s, postprocess_s, *stages))
 
     def _fold(self, rows: np.ndarray) -> None:
         self.outcomes += np.bincount(rows[:, 0].astype(np.int64), minlength=len(OUTCOMES))
@@ -307,11 +335,14 @@ class _RecordedCollector(Collector):
             "visionserve_requests", "Requests by outcome", labels=(*REQUEST_LABELS, "outcome")
         )
         stages = [HistogramMetricFamily(name, text, labels=REQUEST_LABELS) for name, text in REQUEST_HISTOGRAMS]
+        waits = HistogramMetricFamily(*STAGE_HISTOGRAM, labels=(*REQUEST_LABELS, "stage"))
         for r in requests:
             for name, count in zip(OUTCOMES, r.outcomes, strict=True):
                 outcomes.add_metric([*r.labels, name], float(count))
-            for family, stage in zip(stages, r.stages, strict=True):
+            for family, stage in zip(stages, r.stages, strict=False):
                 family.add_metric(list(r.labels), _buckets(stage.counts), stage.sum)
+            for name, stage in zip(STAGES, r.stages[len(REQUEST_HISTOGRAMS) :], strict=True):
+                waits.add_metric([*r.labels, name], _buckets(stage.counts), stage.sum)
         images = CounterMetricFamily("visionserve_images", "Images computed", labels=LABELS)
         batch_count = CounterMetricFamily("visionserve_batches", "Batches computed", labels=LABELS)
         sizes = HistogramMetricFamily("visionserve_batch_size", "Images per batch", labels=LABELS)
@@ -326,6 +357,7 @@ class _RecordedCollector(Collector):
         yield images
         yield batch_count
         yield from stages
+        yield waits
         yield compute
         yield sizes
 

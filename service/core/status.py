@@ -40,3 +40,9 @@ class InferResult:
     queue_s: float = 0.0
     compute_s: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
+    # The batcher's ``time.monotonic()`` stamps (the last batch, for a split request): queued, an instance free for
+    # the batch, the batch dispatched, the answer complete. 0.0 where a result did not come from a batcher.
+    received: float = 0.0
+    instance: float = 0.0
+    batch: float = 0.0
+    done: float = 0.0

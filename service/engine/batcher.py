@@ -87,10 +87,14 @@ StateChanged = Callable[[], None]
 class _Pending:
     """One request in flight."""
 
-    __slots__ = ("batch_sizes", "compute_s", "done", "errors", "future", "logits", "queue_s", "remaining", "timer")
+    __slots__ = ("batch", "batch_sizes", "compute_s", "done", "errors", "future", "instance", "logits", "queue_s",
+                 "received", "remaining", "timer")  # fmt: skip
 
-    def __init__(self, future: asyncio.Future[InferResult], n: int, num_classes: int) -> None:
+    def __init__(self, future: asyncio.Future[InferResult], n: int, num_classes: int, received: float) -> None:
         self.future = future
+        self.received = received  # time.monotonic() stamps: queued, an instance free, the batch dispatched
+        self.instance = received
+        self.batch = received
         self.logits = np.zeros((n, num_classes), dtype=np.float32)
         self.errors: list[VisionServeError | None] = [None] * n
         self.remaining = n
@@ -120,8 +124,9 @@ class _Pending:
             self.future.set_exception(error)
         else:
             self.future.set_result(
-                InferResult(self.logits, self.errors, self.queue_s, self.compute_s, self.batch_sizes)
-            )
+                InferResult(self.logits, self.errors, self.queue_s, self.compute_s, self.batch_sizes,
+                            self.received, self.instance, self.batch, time.monotonic())
+            )  # fmt: skip
 
 
 class _Item:
@@ -261,7 +266,8 @@ class Batcher:
                 f"model {self.name}: queue full ({self._count} of {self.config.max_queue_size} images queued)"
             )
         future: asyncio.Future[InferResult] = self._loop.create_future()
-        pending = _Pending(future, n, self.spec.num_classes)
+        now = time.monotonic()
+        pending = _Pending(future, n, self.spec.num_classes, now)
         timeout_ms = request.timeout_ms or self.config.default_timeout_ms
         if timeout_ms and timeout_ms > 0:
             pending.timer = self._loop.call_later(
@@ -270,7 +276,6 @@ class Batcher:
                 DeadlineExceededError(f"deadline of {timeout_ms:g} ms passed before the answer was ready"),
             )
         future.add_done_callback(pending.abandon_if_cancelled)
-        now = time.monotonic()
         queue = self._queues.get(request.priority)
         if queue is None:
             queue = self._queues[request.priority] = deque()
@@ -327,6 +332,7 @@ class Batcher:
     async def _dispatch(self) -> None:
         while True:
             instance = await self._free.get()
+            free_since = time.monotonic()  # the stages tell waiting for an instance from waiting for a batch
             batch = await self._next_batch()
             if batch is None:  # closing and empty: wait in case a failed device's images are requeued
                 self._free.put_nowait(instance)
@@ -335,7 +341,7 @@ class Batcher:
                 await self._wakeup.wait()
                 continue
             self._inflight += 1
-            task = self._loop.create_task(self._execute(instance, batch))
+            task = self._loop.create_task(self._execute(instance, batch, free_since))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -362,8 +368,11 @@ class Batcher:
                 )
             )
 
-    async def _execute(self, instance: RuntimeLike, items: list[_Item]) -> None:
+    async def _execute(self, instance: RuntimeLike, items: list[_Item], free_since: float) -> None:
         started = time.monotonic()
+        for item in items:
+            item.pending.instance = free_since
+            item.pending.batch = started
         healthy = True
         failed = 0
         try:

@@ -27,7 +27,7 @@ from service.core.spec import encode_spec
 from service.core.status import SERVING_STATES
 from service.engine.batcher import InferRequest, InferResult
 from service.engine.model import ModelEngine, cuda_devices, plan_devices
-from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Submit, WireError
+from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Stamps, Submit, WireError
 from service.transport.server import EngineEndpoint
 
 log = logging.getLogger("visionserve.engine")
@@ -157,6 +157,7 @@ class EngineServer:
                 result.queue_s,
                 result.compute_s,
                 result.batch_sizes,
+                Stamps(result.received, result.instance, result.batch, result.done),
             ),
         )
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -31,13 +32,13 @@ from service.core.errors import (
     OverloadedError,
     VisionServeError,
 )
-from service.core.metrics import NOT_OBSERVED, PROTOCOLS, Metrics, ModelCounts
+from service.core.metrics import NOT_OBSERVED, PROTOCOLS, STAGES, Metrics, ModelCounts
 from service.core.preprocess import ImageLimits
 from service.core.settings import ServerSettings
 from service.core.spec import ModelSpec, decode_spec
 from service.core.status import EngineState, InferResult
 from service.transport.client import UNAVAILABLE, EngineClient
-from service.transport.messages import Catalog, ModelInfo, Snapshot
+from service.transport.messages import Catalog, ModelInfo, Snapshot, Stamps
 from service.transport.shm import Arena
 
 log = logging.getLogger("visionserve.server")
@@ -45,20 +46,60 @@ log = logging.getLogger("visionserve.server")
 
 @dataclass
 class Timing:
-    """Seconds spent per stage for one request (Server-Timing and the access log)."""
+    """Where one request's time went (Server-Timing, the access log and the stage histograms).
+
+    The durations (``preprocess_s``, ``queue_s``, ``compute_s``, ``postprocess_s``) are what the first metrics
+    reported. The stamps are ``time.perf_counter()`` seconds, which on Linux is CLOCK_MONOTONIC, the clock the engine
+    stamps with too (``time.monotonic()``): one clock for the whole machine, so stamps taken in the engine process
+    line up with the front end's. :meth:`stages` turns them into :data:`STAGES`, contiguous, summing to the total.
+    """
 
     preprocess_s: float = 0.0
     queue_s: float = 0.0
     compute_s: float = 0.0
     postprocess_s: float = 0.0
+    arrived: float = field(default_factory=time.perf_counter)  # the request's first byte seen by the server
+    read: float = NOT_OBSERVED  # its body read
+    decode_start: float = NOT_OBSERVED  # the first decode thread took an image
+    decode_end: float = NOT_OBSERVED  # the last image decoded
+    sent: float = NOT_OBSERVED  # the message to the engine sent (the pixels in shared memory)
+    engine: Stamps | None = None  # the engine's stamps of the answer (the last batch, for a split request)
+    answered: float = NOT_OBSERVED  # the answer read off the transport by this front end
+
+    def mark_read(self) -> None:
+        if math.isnan(self.read):
+            self.read = time.perf_counter()
+
+    def stages(self, end: float) -> tuple[float, ...] | None:
+        """The :data:`STAGES` durations (seconds) of a request answered by the engine, ending at ``end``; None for
+        one that never got an answer. Each stage runs from the previous one's end, so they sum to ``end -
+        arrived``; a stamp a request has no use for (no decoding for a tensor body) makes its stage zero."""
+        e = self.engine
+        if e is None or math.isnan(self.answered) or math.isnan(self.sent):
+            return None
+        read = self.read if not math.isnan(self.read) else self.arrived
+        decode_start = self.decode_start if not math.isnan(self.decode_start) else read
+        decode_end = self.decode_end if not math.isnan(self.decode_end) else decode_start
+        # Clamped in order: a stamp that precedes the one before it (threads racing the loop by microseconds)
+        # gives a zero stage rather than a negative one, and the sum still ends where it should.
+        points = [self.arrived, read, decode_start, decode_end, self.sent, e.received,
+                  max(e.instance, e.received), e.batch, e.done, self.answered, end]  # fmt: skip
+        out: list[float] = []
+        last = points[0]
+        for point in points[1:]:
+            point = max(point, last)
+            out.append(point - last)
+            last = point
+        return tuple(out)
 
     def header(self, total_s: float | None = None) -> str:
-        parts = [
-            f"queue;dur={self.queue_s * 1000:.3f}",
-            f"preprocess;dur={self.preprocess_s * 1000:.3f}",
-            f"compute;dur={self.compute_s * 1000:.3f}",
-            f"postprocess;dur={self.postprocess_s * 1000:.3f}",
-        ]
+        stages = self.stages(self.arrived + total_s) if total_s is not None else None
+        parts = [f"queue;dur={self.queue_s * 1000:.3f}", f"preprocess;dur={self.preprocess_s * 1000:.3f}"]
+        if stages is None:
+            parts.append(f"compute;dur={self.compute_s * 1000:.3f}")
+        parts.append(f"postprocess;dur={self.postprocess_s * 1000:.3f}")
+        if stages is not None:  # every stage by name (its "compute" in place of the batcher's own, nearly equal)
+            parts += [f"{name};dur={s * 1000:.3f}" for name, s in zip(STAGES, stages, strict=True)]
         if total_s is not None:
             parts.append(f"total;dur={total_s * 1000:.3f}")
         return ", ".join(parts)
@@ -119,7 +160,6 @@ class ModelSlot:
     def observe(self, timing: Timing, protocol: str = "http") -> Iterator[None]:
         """Record one request's outcome and stage durations, once, however it ends; ``protocol``: http or grpc."""
         recorder = self._recorders[protocol] if self._recorders is not None else None
-        started = time.perf_counter()
         outcome = "success"
         server = self._server
         server.requests_inflight += 1
@@ -134,12 +174,15 @@ class ModelSlot:
                 server.idle.set()
             if recorder is not None:
                 done = outcome == "success"
+                end = time.perf_counter()
+                stages = timing.stages(end) if done else None
                 recorder.record(
                     outcome,
-                    time.perf_counter() - started,
+                    end - timing.arrived,  # from the request's arrival, as the stages count
                     timing.preprocess_s or NOT_OBSERVED,
                     timing.queue_s if done else NOT_OBSERVED,
                     timing.postprocess_s if done else NOT_OBSERVED,
+                    *(() if stages is None else (stages,)),
                 )
 
     def record_refused(self, request_s: float, protocol: str = "http") -> None:
@@ -151,7 +194,9 @@ class ModelSlot:
     async def decode(self, images: list[bytes], timing: Timing) -> list[Decoded]:
         """Decode each image in the pool; a refused image becomes its own error."""
         started = time.perf_counter()
-        futures = [asyncio.wrap_future(self.pool.submit(data)) for data in images]
+        timing.mark_read()
+        submitted = [self.pool.submit(data) for data in images]
+        futures = [asyncio.wrap_future(f) for f in submitted]
         results: list[Decoded] = []
         for future in futures:
             try:
@@ -159,6 +204,9 @@ class ModelSlot:
             except VisionServeError as exc:
                 results.append(exc)
         timing.preprocess_s += time.perf_counter() - started
+        if submitted:
+            timing.decode_start = min(f.started for f in submitted)
+            timing.decode_end = max(f.finished for f in submitted)
         return results
 
     async def infer(
@@ -203,7 +251,9 @@ class ModelSlot:
             server.arena.free(offset)
             raise
         del view
-        answer = await client.submit(
+        timing.mark_read()  # a tensor body: read and parsed by now
+        timing.sent = time.perf_counter()
+        answer, timing.answered = await client.submit(
             self.name, self.version.version, offset, shape, timeout_ms=timeout_ms, priority=priority,
             request_id=uuid.uuid4().hex, guard_s=self._guard_s if not timeout_ms else timeout_ms / 1000.0 + 1.0,
         )  # fmt: skip
@@ -213,6 +263,7 @@ class ModelSlot:
         )
         timing.queue_s += answer.queue_s
         timing.compute_s += answer.compute_s
+        timing.engine = answer.stamps
         return InferResult(logits, errors, answer.queue_s, answer.compute_s, list(answer.batch_sizes))
 
 

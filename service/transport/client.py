@@ -52,11 +52,12 @@ UNAVAILABLE = "the inference engine is not available (restarting or not started 
 
 
 class _Waiting:
-    __slots__ = ("future", "offset")
+    __slots__ = ("answered", "future", "offset")
 
     def __init__(self, future: asyncio.Future[Result | Failed], offset: int) -> None:
         self.future = future
         self.offset = offset  # the arena region the engine may still read; freed only when it answers
+        self.answered = 0.0  # time.perf_counter() when the answer was read off the socket
 
 
 class EngineClient:
@@ -138,9 +139,10 @@ class EngineClient:
         priority: int,
         request_id: str,
         guard_s: float,
-    ) -> Result:
-        """Compute the tensor at ``offset``; frees the region once the engine has answered. Raises the engine's
-        error, 503 when it is down, 504 when it has said nothing within ``guard_s`` (a wedged engine)."""
+    ) -> tuple[Result, float]:
+        """Compute the tensor at ``offset``; frees the region once the engine has answered. Returns the answer and
+        when it was read off the socket (``time.perf_counter()``). Raises the engine's error, 503 when it is down,
+        504 when it has said nothing within ``guard_s`` (a wedged engine)."""
         if not self.up:
             self.arena.free(offset)
             raise OverloadedError(UNAVAILABLE)
@@ -150,7 +152,7 @@ class EngineClient:
         if not self._send(ENCODER.encode(message)):
             self.arena.free(offset)
             raise OverloadedError(UNAVAILABLE)
-        self._waiting[number] = _Waiting(future, offset)
+        waiting = self._waiting[number] = _Waiting(future, offset)
         guard = self._loop.call_later(guard_s, _expire, future, guard_s)
         try:
             answer = await future
@@ -162,7 +164,7 @@ class EngineClient:
             guard.cancel()
         if isinstance(answer, Failed):
             raise answer.error.exception()
-        return answer
+        return answer, waiting.answered
 
     async def query(self, what: str, timeout_s: float = 30.0, **args: Any) -> Any:
         """A control call (catalog, metrics, stats, load, unload); raises the engine's error or 503."""
@@ -215,6 +217,7 @@ class EngineClient:
         if isinstance(message, Result | Failed):
             waiting = self._waiting.pop(message.id, None)
             if waiting is not None:
+                waiting.answered = time.perf_counter()
                 self.arena.free(waiting.offset)
                 if not waiting.future.done():
                     waiting.future.set_result(message)

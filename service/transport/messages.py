@@ -100,6 +100,17 @@ class Welcome(msgspec.Struct, tag="welcome", array_like=True, frozen=True):
     catalog_version: int
 
 
+class Stamps(msgspec.Struct, array_like=True, frozen=True):
+    """The engine's ``time.monotonic()`` stamps of a request (the last batch, for a split one): its images queued,
+    an instance free for their batch, the batch dispatched, its answer back on the engine's loop. Front ends stamp
+    with the same clock (CLOCK_MONOTONIC: one per machine), so the stages across the two processes line up."""
+
+    received: float
+    instance: float
+    batch: float
+    done: float
+
+
 class Result(msgspec.Struct, tag="result", array_like=True, frozen=True):
     """Logits (float32, row-major [N, classes]) and each image's own error, if any."""
 
@@ -110,6 +121,7 @@ class Result(msgspec.Struct, tag="result", array_like=True, frozen=True):
     queue_s: float
     compute_s: float
     batch_sizes: list[int]
+    stamps: Stamps | None = None
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True, frozen=True):

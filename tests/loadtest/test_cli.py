@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from service.core.metrics import STAGES
 from tests.http.conftest import RunningServer, served_repo, start_server, stop_server  # noqa: F401 - fixture
 
 SHORT = ["--duration", "1.5", "--warmup", "0.5", "--drain", "5", "--no-progress"]
@@ -33,6 +34,7 @@ def test_closed_loop_writes_json_csv_and_plots_with_the_server_split(server: Run
     run = loadtest(server, "--mode", "closed", "--concurrency", "1,4", "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr
     assert "c=4" in run.stdout and "p99.9" in run.stdout  # the table
+    assert "server stages" in run.stdout and "batch wait" in run.stdout  # and where the server's time went
     report = json.loads((tmp_path / "results.json").read_text())
     assert [s["step"] for s in report["steps"]] == ["c=1", "c=4"]
     for s in report["steps"]:
@@ -41,10 +43,15 @@ def test_closed_loop_writes_json_csv_and_plots_with_the_server_split(server: Run
         srv = s["server"]
         assert srv is not None and srv["mean_batch_size"] >= 1
         assert srv["mean_ms"]["compute"] > 0 and srv["mean_ms"]["queue"] >= 0
+        assert list(srv["stages"]) == list(STAGES)  # every stage, in the server's order
+        assert srv["stages"]["compute"]["mean_ms"] > 0 and srv["stages"]["decode"]["p99_ms"] > 0
+        # The stages sum to the server's own time per request (both from the same clock readings).
+        assert sum(v["mean_ms"] for v in srv["stages"].values()) == pytest.approx(srv["mean_ms"]["request"], rel=0.02)
         # The server counted about what the client measured (the scrapes and the window differ by requests in flight).
         assert abs(srv["requests"]["success"] - s["requests"]) <= max(2 * s["concurrency"] + 2, 0.1 * s["requests"])
     rows = list(csv.DictReader((tmp_path / "steps.csv").open()))
     assert [r["step"] for r in rows] == ["c=1", "c=4"] and float(rows[1]["p99_ms"]) > 0
+    assert float(rows[1]["stage_compute_ms"]) > 0
     for name in ("latency_vs_throughput.png", "latency_over_time.png", "latency_distribution.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 

@@ -67,9 +67,11 @@ async def send(client: EngineClient, arena: shm.Arena, model: str, images: np.nd
     offset, view = arena.allocate(images.shape)
     view[:] = images
     del view
-    return await client.submit(
+    answer, answered = await client.submit(
         model, 1, offset, images.shape, timeout_ms=None, priority=0, request_id="r", guard_s=guard_s
     )
+    assert answered > 0  # when the answer was read off the socket: the front end's last stage starts there
+    return answer
 
 
 def test_pixels_arrive_intact_and_errors_keep_their_kind(tmp_path: Path, arena_name: str) -> None:

@@ -1,6 +1,7 @@
 """One ASGI middleware for what every response carries: ``Server-Timing`` (queue, preprocess, compute,
-postprocess, total), an ``X-Request-Id`` (the client's, or a new one), and, with ``--log-format json``, one JSON
-access-log line per request with the same split."""
+postprocess, total, and for an answered inference every stage of ``service.core.metrics.STAGES``), an
+``X-Request-Id`` (the client's, or a new one), and, with ``--log-format json``, one JSON access-log line per request
+with the same split."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ class ServerTimingMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
         state = scope.setdefault("state", {})
         timing = state.setdefault("timing", Timing())
+        started = timing.arrived
         state.setdefault("started_s", started)  # perf_counter at arrival, for requests refused before a handler
         request_id = ""
         for name, value in scope.get("headers", []):
