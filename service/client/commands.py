@@ -19,10 +19,20 @@ from service.client.images import discover
 from service.client.output import Output
 from service.client.results import ClientError, ImageResult
 from service.client.retry import RetryPolicy
+from service.core.arguments import integer_in, number_in
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
+
+# The flags' ranges: argparse refuses anything else as a usage error naming the flag (exit status 2). The top-k
+# range is the server's (image API ``top_k``); the others bound what one run may hold at once or wait for.
+MAX_VERSION = 2**63 - 1
+MAX_TOP_K = 1000
+MAX_CONCURRENCY = 1024
+MAX_IMAGES_PER_REQUEST = 4096
+MAX_ATTEMPTS = 1000
+MAX_SECONDS = 86400  # a day
 
 ClassifyChunk = Callable[[list[bytes], list[str]], Awaitable[list[ImageResult]]]
 
@@ -36,21 +46,43 @@ def add_classify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files and folders")
     p.add_argument("--url", default=None, help="the server, e.g. http://127.0.0.1:8000; none: classify in-process")
     p.add_argument("--model", required=True, help="model name")
-    p.add_argument("--version", type=int, default=None, help="model version; default: the highest")
-    p.add_argument("--top-k", type=int, default=5, help="classes per image")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (with --url)")
+    p.add_argument("--version", type=integer_in(1, MAX_VERSION), default=None,
+                   help="model version; default: the highest")  # fmt: skip
+    p.add_argument("--top-k", type=integer_in(1, MAX_TOP_K), default=5, help=f"classes per image, 1 to {MAX_TOP_K}")
+    p.add_argument(
+        "--concurrency",
+        type=integer_in(1, MAX_CONCURRENCY),
+        default=8,
+        help=f"requests in flight at once (with --url), 1 to {MAX_CONCURRENCY}",
+    )
     p.add_argument(
         "--images-per-request",
-        type=int,
+        type=integer_in(1, MAX_IMAGES_PER_REQUEST),
         default=DEFAULT_MAX_IMAGES_PER_REQUEST,
-        help="images sent in one request (lowered at once to a server's smaller --max-images)",
+        help=f"images sent in one request, 1 to {MAX_IMAGES_PER_REQUEST} (lowered at once to a server's smaller "
+        "--max-images)",
     )
     p.add_argument("--out", default=None, help="output file, .csv or .jsonl; default: CSV on stdout")
     p.add_argument("--resume", action="store_true", help="skip the images --out already holds results for; append")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for one answer (with --url)")
-    p.add_argument("--max-attempts", type=int, default=6, help="tries per request on 503/429 or a dropped connection")
-    p.add_argument("--max-retry-s", type=float, default=120.0, help="time limit for one request's retries")
+    p.add_argument(
+        "--timeout",
+        type=number_in(0, MAX_SECONDS, above=True),
+        default=60.0,
+        help=f"seconds to wait for one answer (with --url), more than 0 and at most {MAX_SECONDS}",
+    )
+    p.add_argument(
+        "--max-attempts",
+        type=integer_in(1, MAX_ATTEMPTS),
+        default=6,
+        help=f"tries per request on 503/429 or a dropped connection, 1 to {MAX_ATTEMPTS}",
+    )
+    p.add_argument(
+        "--max-retry-s",
+        type=number_in(0, MAX_SECONDS),
+        default=120.0,
+        help=f"time limit for one request's retries, 0 to {MAX_SECONDS}",
+    )
     p.add_argument("--repository", default="model_repository", help="model repository (without --url)")
     p.add_argument("--device", default="auto", help="device without --url: auto (config.toml's), cpu, cuda, cuda:N")
 
@@ -212,10 +244,6 @@ def run_classify(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     err = Console(stderr=True, soft_wrap=True)  # a summary line stays one line in a log
-    for name in ("top_k", "concurrency", "images_per_request", "max_attempts"):
-        if getattr(args, name) < 1:
-            err.print(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", highlight=False)
-            return 2
     files, passed_over = discover(args.paths)
     missing = [p for p in args.paths if not Path(p).exists()]
     if missing:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 # A help text that already states its default ("(default: ImageNet)", "default: the next free one").
@@ -41,6 +43,44 @@ def size_pair(text: str) -> tuple[int, int]:
     if min(width, height) < 1:
         raise argparse.ArgumentTypeError(f"width and height must be >= 1, got {text!r}")
     return width, height
+
+
+def integer_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high``. argparse names the flag in its usage error
+    (``argument --top-k: must be an integer from 1 to 1000, got '0'``), exit status 2."""
+
+    def parse(text: str) -> int:
+        stripped = text.strip()
+        digits = stripped.removeprefix("-").removeprefix("+")
+        # ASCII digits only, and no more than the bounds have: int() also takes "1_000" and "١", and a 100000-digit
+        # string costs it time before it refuses one past its digit limit.
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > max(len(str(low)), len(str(high))) + 1:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r}")
+        value = int(stripped)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+def number_in(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number from ``low`` (or, with ``above``, more than ``low``) to ``high``; NaN and
+    the infinities, which ``float()`` takes, are refused."""
+    allowed = f"a number > {low:g} and <= {high:g}" if above else f"a number from {low:g} to {high:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if not math.isfinite(value) or not (low < value if above else low <= value) or value > high:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    parse.__name__ = allowed
+    return parse
 
 
 def default_text(action: argparse.Action) -> str | None:

@@ -28,18 +28,25 @@ from __future__ import annotations
 
 import base64
 import binascii
+import logging
+import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from service.core.errors import BadInputError, PayloadTooLargeError, VisionServeError
+from service.core.errors import BadInputError, NotFoundError, PayloadTooLargeError, VisionServeError
 from service.core.scores import classification_strings
 from service.core.status import SERVING_STATES
+from service.frontend.parameters import classification_k, flag, version_number
 from service.frontend.state import ModelSlot, ServerState, Timing
+
+log = logging.getLogger("visionserve.protocol")
 
 SERVER_NAME = "visionserve"
 SERVER_VERSION = "0.1.0"
@@ -74,10 +81,12 @@ class Named:
 
 
 def resolve(server: ServerState, name: str, version: int | str | None = None) -> Named:
-    """The slot behind ``name`` (``m`` or ``m.image``); NotFoundError / BadInputError as ``server.slot``."""
+    """The slot behind ``name`` (``m`` or ``m.image``); NotFoundError as ``server.slot``, BadInputError for a version
+    that is not one (:func:`~service.frontend.parameters.version_number`)."""
+    number = version_number(version)
     if name.endswith(IMAGE_SUFFIX) and name not in server.slots and name[: -len(IMAGE_SUFFIX)] in server.slots:
-        return Named(server.slot(name[: -len(IMAGE_SUFFIX)], version), name, IMAGE)
-    return Named(server.slot(name, version), name, TENSOR)
+        return Named(server.slot(name[: -len(IMAGE_SUFFIX)], number), name, IMAGE)
+    return Named(server.slot(name, number), name, TENSOR)
 
 
 def is_ready(server: ServerState, slot: ModelSlot) -> bool:
@@ -90,8 +99,11 @@ def platform(slot: ModelSlot) -> str:
 
 
 def metadata(server: ServerState, named: Named) -> dict[str, Any]:
-    """Model metadata (the v2 JSON form): exactly one input, the one this name stands for."""
+    """Model metadata (the v2 JSON form): exactly one input, the one this name stands for. Its ``parameters`` are
+    scalars, as the v2 spec has them: the engine's state (:class:`EngineState`) one field a key, ``devices`` joined
+    with commas and ``note`` as ``state_reason`` ("" when there is none)."""
     slot, spec = named.slot, named.slot.spec
+    state = slot.engine.state()
     if named.view == IMAGE:
         inputs = [{"name": IMAGE, "datatype": "BYTES", "shape": [-1]}]
     else:
@@ -102,7 +114,17 @@ def metadata(server: ServerState, named: Named) -> dict[str, Any]:
         "platform": platform(slot),
         "inputs": inputs,
         "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, spec.num_classes]}],
-        "parameters": {"state": msgspec.to_builtins(slot.engine.state()), "labels": len(spec.labels)},
+        "parameters": {
+            "state": state.state,
+            "state_reason": state.note or "",
+            "backend": state.backend,
+            "devices": ",".join(state.devices),
+            "precision": state.precision,
+            "ungated": state.ungated,
+            "fallbacks": state.fallbacks,
+            "replaced": state.replaced,
+            "labels": len(spec.labels),
+        },
     }
 
 
@@ -147,16 +169,51 @@ def model_config(named: Named) -> dict[str, Any]:
 # ---- requests ---------------------------------------------------------------------------------------------------
 
 
-def request_options(params: dict[str, Any]) -> tuple[int, float | None]:
-    """(priority, timeout_ms) from the request parameters ``priority`` and ``timeout`` (microseconds)."""
-    timeout_us = params.get("timeout")
-    priority = params.get("priority", 0)
-    if timeout_us is not None and (isinstance(timeout_us, bool) or not isinstance(timeout_us, int | float)
-                                   or timeout_us < 0):  # fmt: skip
-        raise BadInputError(f"parameters.timeout must be microseconds >= 0, got {timeout_us!r}")
-    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
-        raise BadInputError(f"parameters.priority must be an integer >= 0, got {priority!r}")
-    return priority, (timeout_us / 1000.0) if timeout_us else None
+@dataclass(frozen=True)
+class Wanted:
+    """One requested output, checked before any work is done: its name, the classification extension's k (None:
+    the logits themselves) and whether it goes in the binary part (HTTP only; gRPC answers raw contents always)."""
+
+    name: str
+    k: int | None = None
+    binary: bool = False
+
+
+def wanted_outputs(outputs: list[tuple[str, dict[str, Any]]], slot: ModelSlot, binary: bool = False) -> list[Wanted]:
+    """The outputs a request asks for (``LOGITS`` when it names none), with their parameters checked; ``binary``:
+    the request's ``binary_data_output``, which an output's ``binary_data`` overrides."""
+    wanted = []
+    for i, (name, params) in enumerate(outputs or [(OUTPUT, {})]):
+        check_output(name)
+        where = f"outputs[{i}].parameters"
+        k = params.get("classification")
+        if k is not None:
+            k = classification_k(k, slot.spec.num_classes, f"{where}.classification")
+        wanted.append(Wanted(name, k, flag(f"{where}.binary_data", params.get("binary_data"), binary)))
+    return wanted
+
+
+def raw_tensor(view: str, dims: list[int], body: bytes) -> Tensor:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): no JSON at all, the whole body is the
+    data of the model's one input, batch 1. For ``IMAGE`` (Triton's dims ``[1]``, one BYTES element) that is one
+    encoded image file; for ``INPUT`` (fixed dims ``[C, H, W]``) one image's UINT8 pixels, exactly C*H*W bytes, as
+    Triton deduces no other shape for them."""
+    if view == IMAGE:
+        return Tensor(IMAGE, "BYTES", [1], [body])
+    size = math.prod(dims)
+    if len(body) != size:
+        shape = ", ".join(map(str, [1, *dims]))
+        raise BadInputError(
+            f"a raw binary request (Inference-Header-Content-Length: 0) holds one image's UINT8 pixels, shape "
+            f"[{shape}]: {size} bytes, got {len(body)}; send an encoded image file to the model's "
+            f"{IMAGE_SUFFIX!r} name, or a JSON header for anything else"
+        )
+    return Tensor(TENSOR, "UINT8", [1, *dims], body)
+
+
+def raw_input(named: Named) -> Callable[[bytes], Tensor]:
+    """:func:`raw_tensor` for the input that ``named``'s metadata lists."""
+    return partial(raw_tensor, named.view, _dims(named.slot))
 
 
 def bytes_elements(raw: bytes, count: int) -> list[bytes]:
@@ -300,19 +357,13 @@ async def infer(
     return result.logits
 
 
-def classification_k(value: Any, slot: ModelSlot) -> int:
-    """The classification extension's k, checked and capped at the number of classes."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadInputError(f"classification must be an integer >= 1, got {value!r}")
-    return min(value, slot.spec.num_classes)
-
-
 def classify(logits: np.ndarray, slot: ModelSlot, k: int) -> list[str]:
     """The k best "score:index:label" strings per image, flattened row by row (shape ``[N, k]``)."""
     return [s for row in classification_strings(logits, slot.spec.labels, k) for s in row]
 
 
 def check_output(name: str) -> None:
+    """Refuse any output but ``LOGITS``."""
     if name != OUTPUT:
         raise BadInputError(f"unknown output {name!r}: this model has LOGITS")
 
@@ -324,6 +375,22 @@ class Forbidden(VisionServeError):
     """Repository control without the admin token (HTTP 403, gRPC PERMISSION_DENIED)."""
 
     status = 403
+
+
+async def repository_index(server: ServerState, ready: bool = False) -> list[dict[str, Any]]:
+    """Every model in the repository with its state; with ``ready``, only the ones ready (Triton's ``ready`` flag
+    on the index request, HTTP and gRPC alike)."""
+    rows = await server.repository_index()
+    return [row for row in rows if row.get("state") == "READY"] if ready else rows
+
+
+async def unload(server: ServerState, name: str) -> None:
+    """Unload ``name``. A name the repository does not hold is no error, as in Triton (a script that unloads what
+    it may never have loaded stays idempotent); nothing was loaded, so nothing changes."""
+    try:
+        await server.unload_model(name)
+    except NotFoundError:
+        log.info("unload of %r, which the repository does not hold: nothing to do", name)
 
 
 def require_admin(server: ServerState, authorization: str) -> None:

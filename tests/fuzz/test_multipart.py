@@ -66,13 +66,13 @@ class AsgiClient:
         self.app = app
         self.runner = asyncio.Runner()
 
-    def post(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Answer:
-        return self.runner.run(self._post(path, body, headers))
+    def post(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], query: bytes = b"") -> Answer:
+        return self.runner.run(self._post(path, body, headers, query))
 
-    async def _post(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Answer:
+    async def _post(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], query: bytes = b"") -> Answer:
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+            "path": path, "raw_path": path.encode(), "root_path": "", "query_string": query,
             "headers": [(b"host", b"test"), (b"content-length", str(len(body)).encode()), *headers],
             "client": ("127.0.0.1", 1), "server": ("test", 80), "state": {},
         }  # fmt: skip

@@ -4,7 +4,8 @@ little-endian length prefixes), pixel tensors, and the compressed bodies they ma
 
 Properties: a request built as tritonclient builds it parses back to what was sent; anything else (arbitrary bytes,
 a valid request with a field, length or byte changed) is refused with a :class:`BadInputError` and nothing else,
-without allocating more than a small multiple of what was sent.
+without allocating more than a small multiple of what was sent. A header length of 0 is Triton's raw binary request:
+the whole body is the one input's data, taken as it is or refused.
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ def consume(tensor: Tensor) -> Any:
     return protocol.pixels_from(tensor, DIMS)
 
 
-def parse_and_consume(body: bytes, header: str | None) -> list[Any]:
-    _, tensors = parse_infer(body, header)
+RAW = {view: partial(protocol.raw_tensor, view, DIMS) for view in (protocol.IMAGE, protocol.TENSOR)}
+
+
+def parse_and_consume(body: bytes, header: str | None, view: str = protocol.TENSOR) -> list[Any]:
+    _, tensors = parse_infer(body, header, RAW[view])
     return [outcome(partial(consume, t), (BadInputError,)) for t in tensors]
 
 
@@ -170,11 +174,29 @@ def test_a_request_built_like_tritonclient_parses_back_to_what_was_sent(
 
 
 @FUZZ
-@given(st.binary(max_size=600), st.none() | st.text(max_size=12) | st.integers(-5, 10**6).map(str))
-def test_arbitrary_bodies_are_refused_with_bad_input_only(body: bytes, header: str | None) -> None:
+@given(
+    st.binary(max_size=600),
+    st.none() | st.text(max_size=12) | st.integers(-5, 10**6).map(str) | st.just("0"),
+    st.sampled_from(sorted(RAW)),
+)
+def test_arbitrary_bodies_are_refused_with_bad_input_only(body: bytes, header: str | None, view: str) -> None:
     with peak_bytes() as peak:
-        outcome(lambda: parse_and_consume(body, header), (BadInputError,))
+        outcome(lambda: parse_and_consume(body, header, view), (BadInputError,))
     assert peak[0] < 16 * len(body) + FIXED_BYTES
+
+
+@FUZZ
+@given(st.binary(max_size=3 * PIXELS_PER_IMAGE) | st.binary(min_size=PIXELS_PER_IMAGE, max_size=PIXELS_PER_IMAGE))
+def test_a_raw_binary_request_is_the_whole_body_as_the_one_input(body: bytes) -> None:
+    """Inference-Header-Content-Length: 0, as Triton reads it: no JSON, batch 1, outputs answered binary."""
+    req, [image] = parse_infer(body, "0", RAW[protocol.IMAGE])
+    assert req.parameters == {"binary_data_output": True} and req.outputs is None
+    assert protocol.images_from(image) == [body]  # one encoded image file: the body, whatever it holds
+    pixels = outcome(lambda: parse_infer(body, "0", RAW[protocol.TENSOR])[1][0], (BadInputError,))
+    if len(body) != PIXELS_PER_IMAGE:  # fixed dims: exactly one image's C*H*W bytes, as Triton deduces no other shape
+        assert isinstance(pixels, BadInputError) and "[1, 1, 2, 3]: 6 bytes" in str(pixels)
+    else:
+        np.testing.assert_array_equal(protocol.pixels_from(pixels, DIMS).ravel(), np.frombuffer(body, np.uint8))
 
 
 MUTATIONS = ["truncate", "flip", "insert", "header", "field", "size", "shape"]
@@ -217,7 +239,7 @@ def test_a_mutated_request_is_parsed_consistently_or_refused_with_bad_input_only
 ) -> None:
     body, header = mutated
     with peak_bytes() as peak:
-        parsed = outcome(lambda: parse_infer(body, header), (BadInputError,))
+        parsed = outcome(lambda: parse_infer(body, header, RAW[protocol.TENSOR]), (BadInputError,))
         if isinstance(parsed, BadInputError):
             return
         results = [outcome(partial(consume, t), (BadInputError,)) for t in parsed[1]]

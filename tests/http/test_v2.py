@@ -36,7 +36,7 @@ def test_model_metadata_ready_and_config(server: RunningServer) -> None:
             assert meta["name"] == "digits" and meta["versions"] == ["1"] and meta["platform"] == "onnxruntime_onnx"
             assert [i["name"] for i in meta["inputs"]] == ["INPUT"]  # IMAGE is listed under "digits.image"
             assert meta["outputs"] == [{"name": "LOGITS", "datatype": "FP32", "shape": [-1, 10]}]
-            assert meta["parameters"]["state"]["devices"] == ["cpu"]
+            assert meta["parameters"]["devices"] == "cpu" and meta["parameters"]["state"] == "READY"
             assert c.get(prefix + "/ready").status_code == 200
             config = c.get(prefix + "/config").json()
             assert config["max_batch_size"] == 32 and config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000

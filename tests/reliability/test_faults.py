@@ -32,7 +32,8 @@ def metric(client: httpx.Client, name: str, model: str) -> float:
 
 
 def state_of(client: httpx.Client, model: str) -> dict[str, Any]:
-    return dict(client.get(f"/v2/models/{model}").json()["parameters"]["state"])
+    """The engine's state as model metadata reports it: scalar parameters (``state``, ``state_reason``, ...)."""
+    return dict(client.get(f"/v2/models/{model}").json()["parameters"])
 
 
 def test_a_hung_forward_times_out_is_replaced_and_readiness_tells_the_truth(repo_copy: Path, tmp_path: Path) -> None:
@@ -132,11 +133,11 @@ def test_a_runtime_that_raises_fails_its_items_alone_and_reports_unhealthy(repo_
             server_ready = client.get("/v2/health/ready").status_code
             print(
                 f"\nraising runtime: statuses {statuses}; model ready -> {ready}, state {state['state']} "
-                f"({state['note']}); digits {sorted(set(digits))} x{len(digits)}; server ready {server_ready}"
+                f"({state['state_reason']}); digits {sorted(set(digits))} x{len(digits)}; server ready {server_ready}"
             )
             assert statuses == [500, 500, 500]
             assert ready != 200 and state["state"] == "UNHEALTHY"
-            assert "injected fault" in state["note"]
+            assert "injected fault" in state["state_reason"]
             assert set(digits) == {200}
             assert client.get("/v2/models/digits/ready").status_code == 200
             assert server_ready == 200

@@ -34,7 +34,7 @@ def test_the_server_classifies_with_the_aoti_package_as_eager_does(
     try:
         with server.client() as client:
             meta = client.get("/v2/models/digits").json()
-            assert meta["parameters"]["state"]["backend"] == "aoti", meta
+            assert meta["parameters"]["backend"] == "aoti", meta
             got = []
             for data_bytes in files:
                 r = client.post(

@@ -70,8 +70,8 @@ def test_int8_model_answers_classify_and_says_int8(int8_server: RunningServer, i
         runtime.close()
     assert spec.labels[int(logits.argmax())] in answer.text
 
-    state = httpx.get(f"{int8_server.url}/v2/models/digits", timeout=10).json()["parameters"]["state"]
-    assert state["precision"] == "int8" and state["backend"] == "onnxruntime" and state["devices"] == ["cpu"]
+    state = httpx.get(f"{int8_server.url}/v2/models/digits", timeout=10).json()["parameters"]
+    assert state["precision"] == "int8" and state["backend"] == "onnxruntime" and state["devices"] == "cpu"
     assert state["ungated"] is True
     metrics = httpx.get(f"{int8_server.url}/metrics", timeout=10).text
     info = [line for line in metrics.splitlines() if line.startswith("visionserve_model_info{")]

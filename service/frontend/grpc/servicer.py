@@ -30,6 +30,7 @@ from service.core.protocol import SERVICE, config_pb, pb
 from service.frontend import protocol
 from service.frontend.http.errors import RETRY_AFTER_S, status_of
 from service.frontend.http.v2 import model_statistics
+from service.frontend.parameters import request_options
 from service.frontend.protocol import Tensor
 from service.frontend.state import ModelSlot, ServerState, Timing
 
@@ -60,8 +61,9 @@ def code_of(exc: VisionServeError) -> grpc.StatusCode:
     return CODES.get(status_of(exc), grpc.StatusCode.INTERNAL)
 
 
-def _parameters(params: Any) -> dict[str, Any]:
-    """A protobuf map of InferParameter as plain Python values."""
+def parameter_values(params: Any) -> dict[str, Any]:
+    """A protobuf map of InferParameter as plain Python values (an int64, uint64 or double as the number it holds,
+    unchecked: :mod:`service.frontend.parameters` checks each against its range)."""
     out: dict[str, Any] = {}
     for key, value in params.items():
         which = value.WhichOneof("parameter_choice")
@@ -96,24 +98,22 @@ def _tensors(request: pb.ModelInferRequest) -> list[Tensor]:
                 )
             payload = list(getattr(tensor.contents, field))
         tensors.append(
-            Tensor(tensor.name, tensor.datatype, list(tensor.shape), payload, _parameters(tensor.parameters))
+            Tensor(tensor.name, tensor.datatype, list(tensor.shape), payload, parameter_values(tensor.parameters))
         )
     return tensors
 
 
-def _infer_response(request: pb.ModelInferRequest, slot: ModelSlot, logits: np.ndarray) -> pb.ModelInferResponse:
+def _infer_response(
+    request: pb.ModelInferRequest, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray
+) -> pb.ModelInferResponse:
     """Outputs always as ``raw_output_contents`` (what Triton answers, and what tritonclient reads first)."""
     response = pb.ModelInferResponse(model_name=slot.name, model_version=str(slot.version.version), id=request.id)
-    wanted = [(out.name, _parameters(out.parameters)) for out in request.outputs] or [(protocol.OUTPUT, {})]
-    for name, params in wanted:
-        protocol.check_output(name)
-        k = params.get("classification")
-        if k is not None:
-            k = protocol.classification_k(k, slot)
-            response.outputs.add(name=name, datatype="BYTES", shape=[logits.shape[0], k])
-            response.raw_output_contents.append(protocol.bytes_tensor(protocol.classify(logits, slot, k)))
+    for out in wanted:
+        if out.k is not None:
+            response.outputs.add(name=out.name, datatype="BYTES", shape=[logits.shape[0], out.k])
+            response.raw_output_contents.append(protocol.bytes_tensor(protocol.classify(logits, slot, out.k)))
         else:
-            response.outputs.add(name=name, datatype="FP32", shape=list(logits.shape))
+            response.outputs.add(name=out.name, datatype="FP32", shape=list(logits.shape))
             response.raw_output_contents.append(np.ascontiguousarray(logits, dtype="<f4").tobytes())
     return response
 
@@ -196,7 +196,9 @@ class InferenceServicer:
         slot = protocol.resolve(server, request.model_name, request.model_version).slot
         timing = Timing()
         with slot.observe(timing, protocol="grpc"):
-            priority, timeout_ms = protocol.request_options(_parameters(request.parameters))
+            # Every parameter is checked before any work (the outputs' too): a refusal costs no inference.
+            priority, timeout_ms = request_options(parameter_values(request.parameters))
+            wanted = protocol.wanted_outputs([(o.name, parameter_values(o.parameters)) for o in request.outputs], slot)
             remaining_s = context.time_remaining()
             if remaining_s is not None:  # the client's own gRPC deadline bounds the wait in the queue too
                 timeout_ms = min(timeout_ms or float("inf"), max(remaining_s, 0.0) * 1000)
@@ -204,7 +206,7 @@ class InferenceServicer:
                 server, slot, _tensors(request), timing, priority=priority, timeout_ms=timeout_ms
             )
             started = time.perf_counter()
-            response = _infer_response(request, slot, logits)
+            response = _infer_response(request, slot, wanted, logits)
             timing.postprocess_s += time.perf_counter() - started
         return response
 
@@ -214,9 +216,7 @@ class InferenceServicer:
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
         protocol.require_admin(self.server, _authorization(context))
-        rows = await self.server.repository_index()  # what POST /v2/repository/index answers
-        if request.ready:
-            rows = [row for row in rows if row["state"] == "READY"]
+        rows = await protocol.repository_index(self.server, request.ready)  # what POST /v2/repository/index answers
         fields = ("name", "version", "state", "reason")
         return pb.RepositoryIndexResponse(
             models=[
@@ -244,7 +244,7 @@ class InferenceServicer:
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         protocol.require_admin(self.server, _authorization(context))
-        await self.server.unload_model(request.model_name)
+        await protocol.unload(self.server, request.model_name)  # an unknown name is no error, as over HTTP
         return pb.RepositoryModelUnloadResponse()
 
 

@@ -19,6 +19,8 @@ from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMul
 
 from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
 from service.core.scores import predictions, softmax
+from service.frontend.http.validation import integer_queries
+from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS, version_number
 from service.frontend.state import ModelSlot, ServerState, Timing
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp")
@@ -136,17 +138,24 @@ async def _form_files(request: Request[Any, Any, Any], boundary: str | None) -> 
     tags=["image API"],
     responses=ERROR_RESPONSES,
     opt={"records_requests": True},  # a request refused by parameter validation still counts (validation.py)
+    guards=[integer_queries],
 )
 async def classify(
     request: Request[Any, Any, Any],
     model: str,
     version: str | None = None,
     top_k: Annotated[int, Parameter(ge=1, le=1000, description="classes per image")] = 5,
-    priority: Annotated[int, Parameter(ge=0, description="lower is served first; 0 is the default level")] = 0,
-    timeout_ms: Annotated[float | None, Parameter(gt=0, description="deadline in the queue")] = None,
+    priority: Annotated[
+        int, Parameter(ge=0, le=MAX_INT, description="lower is served first; 0 is the default level")
+    ] = 0,
+    timeout_ms: Annotated[
+        float | None, Parameter(gt=0, le=MAX_TIMEOUT_MS, description="deadline in the queue (milliseconds)")
+    ] = None,
 ) -> ClassifyResponse:
+    # The ranges above are refused by litestar before this runs (a 400 worded by validation.py); NaN fails "> 0",
+    # the infinities and 1e400 fail "<=", and nothing past int64 reaches the transport.
     server = server_of(request)
-    slot = server.slot(model, version)
+    slot = server.slot(model, version_number(version))
     timing = timing_of(request)
     with slot.observe(timing):
         return await _classify(request, server, slot, timing, top_k, priority, timeout_ms)

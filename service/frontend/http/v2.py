@@ -4,8 +4,10 @@ Inputs: ``IMAGE`` (BYTES ``[N]``: encoded image files, decoded by the server) or
 ``[N, C, H, W]`` pixel values, already preprocessed); ``m`` lists INPUT and ``m.image`` lists IMAGE, and the rules
 for BYTES in JSON and for ``max_batch_size`` are in :mod:`service.frontend.protocol`, which gRPC shares. Output
 ``LOGITS`` (FP32 ``[N, classes]``), or with ``"classification": k`` the "score:index:label" strings of the k best.
-JSON data and the binary tensor extension (``Inference-Header-Content-Length``) both work; request parameters
-``timeout`` (microseconds) and ``priority`` are honoured; bodies may be gzip or deflate (``Content-Encoding``) and
+JSON data and the binary tensor extension (``Inference-Header-Content-Length``) both work, and so does Triton's raw
+binary request (that header 0: the body is the one input's data, no JSON; :func:`protocol.raw_tensor`); request
+parameters ``timeout`` (microseconds) and ``priority`` are honoured, every numeric parameter checked against its
+range (:mod:`service.frontend.parameters`); bodies may be gzip or deflate (``Content-Encoding``) and
 answers are compressed when ``Accept-Encoding`` asks. Health and readiness answer in the status alone, as the
 KServe spec says: 200 for true, 400 for false (404 for a model that does not exist), with an empty body.
 """
@@ -13,6 +15,7 @@ KServe spec says: 200 for true, 400 for false (404 for a model that does not exi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -24,6 +27,7 @@ from service.core.errors import BadInputError, NotFoundError, VisionServeError
 from service.frontend import protocol
 from service.frontend.http.body import MIN_COMPRESS_BYTES, accepted_encoding, compress, read_body
 from service.frontend.http.image_api import ERROR_RESPONSES, server_of, timing_of
+from service.frontend.parameters import flag, integer, json_number_error, request_options, version_number
 from service.frontend.protocol import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Tensor
 from service.frontend.state import ModelSlot, ServerState, Timing
 
@@ -128,8 +132,14 @@ async def model_config(request: Request[Any, Any, Any], model: str, version: str
     return protocol.model_config(protocol.resolve(server_of(request), model, version))
 
 
+def _duration(count: int, ns: int = 0) -> dict[str, int]:
+    return {"count": count, "ns": ns}
+
+
 def _stats(slot: ModelSlot, row: dict[str, Any]) -> dict[str, Any]:
-    """Triton's statistics JSON for one model version from the whole server's counts (``ServerState.model_stats``)."""
+    """Triton's statistics JSON for one model version from the whole server's counts (``ServerState.model_stats``),
+    with every key Triton's has (2.51): what this server does not do (a response cache, per-response statistics of
+    decoupled models, memory reports) is there as zero or empty, so a tool that reads the key finds it."""
     success = row.get("success", 0)
     queue_ns, compute_ns, preprocess_ns = row.get("queue_ns", 0), row.get("compute_ns", 0), row.get("preprocess_ns", 0)
     sizes: dict[int, tuple[int, int]] = row.get("batch_sizes", {})
@@ -140,17 +150,26 @@ def _stats(slot: ModelSlot, row: dict[str, Any]) -> dict[str, Any]:
         "inference_count": row.get("images", 0),
         "execution_count": row.get("batches", 0),
         "inference_stats": {
-            "success": {"count": success, "ns": queue_ns + compute_ns + preprocess_ns},
-            "fail": {"count": row.get("failure", 0), "ns": 0},
-            "queue": {"count": success, "ns": queue_ns},
-            "compute_input": {"count": success, "ns": preprocess_ns},
-            "compute_infer": {"count": success, "ns": compute_ns},
-            "compute_output": {"count": success, "ns": 0},
+            "success": _duration(success, queue_ns + compute_ns + preprocess_ns),
+            "fail": _duration(row.get("failure", 0)),
+            "queue": _duration(success, queue_ns),
+            "compute_input": _duration(success, preprocess_ns),
+            "compute_infer": _duration(success, compute_ns),
+            "compute_output": _duration(success),
+            "cache_hit": _duration(0),
+            "cache_miss": _duration(0),
         },
         "batch_stats": [
-            {"batch_size": size, "compute_infer": {"count": count, "ns": ns}}
+            {
+                "batch_size": size,
+                "compute_input": _duration(count),
+                "compute_infer": _duration(count, ns),
+                "compute_output": _duration(count),
+            }
             for size, (count, ns) in sorted(sizes.items())
         ],
+        "memory_usage": [],
+        "response_stats": {},
     }
 
 
@@ -158,10 +177,11 @@ async def model_statistics(
     server: ServerState, model: str | None = None, version: str | None = None
 ) -> list[dict[str, Any]]:
     """The statistics of every model version (or of ``model``, or of one version), for HTTP and gRPC alike."""
+    number = version_number(version)
     if model is None:
         slots = [slot for versions in server.slots.values() for slot in versions.values()]
     else:
-        slots = [server.slot(model, version)] if version else list(server.slots.get(model, {}).values())
+        slots = [server.slot(model, number)] if number else list(server.slots.get(model, {}).values())
         if not slots:
             raise NotFoundError(f"unknown model {model!r}")
     merged = await server.model_stats()
@@ -183,29 +203,44 @@ async def model_stats(
 # ---- inference --------------------------------------------------------------------------------------------------
 
 
-def parse_infer(body: bytes, header_length: str | None) -> tuple[V2Request, list[Tensor]]:
+def parse_infer(
+    body: bytes, header_length: str | None, raw: Callable[[bytes], Tensor] | None = None
+) -> tuple[V2Request, list[Tensor]]:
     """An inference request's JSON and its inputs, from the (decompressed) body and the value of its
-    ``Inference-Header-Content-Length`` header (None: JSON only). Refuses with :class:`BadInputError`."""
-    req, binary = _split_body(body, header_length)
-    return req, _tensors(req, binary)
+    ``Inference-Header-Content-Length`` header (None: JSON only). A header of 0 is Triton's raw binary request: no
+    JSON, the body is the one input ``raw(body)`` builds, and the outputs are answered binary (as Triton answers
+    them). Refuses with :class:`BadInputError`."""
+    n = _header_length(header_length, len(body))
+    if n == 0:
+        if raw is None:
+            raise BadInputError(
+                "a raw binary request (Inference-Header-Content-Length: 0) needs a model to name its input"
+            )
+        return V2Request(inputs=[], parameters={"binary_data_output": True}), [raw(body)]
+    req = _decode(body[:n] if n is not None else body)
+    return req, _tensors(req, body[n:] if n is not None else b"")
 
 
-def _split_body(body: bytes, header: str | None) -> tuple[V2Request, bytes]:
-    json_part, binary = body, b""
-    if header is not None:
-        try:
-            n = int(header)
-        except ValueError:
-            raise BadInputError(f"Inference-Header-Content-Length must be an integer, got {header!r}") from None
-        if not 0 < n <= len(body):
-            raise BadInputError(f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
-        json_part, binary = body[:n], body[n:]
+def _header_length(header: str | None, size: int) -> int | None:
+    if header is None:
+        return None
+    text = header.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(size)) or int(text) > size:
+        raise BadInputError(
+            f"Inference-Header-Content-Length must be an integer from 0 to {size} (the body's length), got {header!r}"
+        )
+    return int(text)
+
+
+def _decode(json_part: bytes) -> V2Request:
     try:
-        return _decoder.decode(json_part), binary
+        return _decoder.decode(json_part)
     except msgspec.ValidationError as exc:
-        raise BadInputError(f"inference request does not follow the v2 protocol: {exc}") from exc
+        raise BadInputError(
+            json_number_error(json_part) or f"inference request does not follow the v2 protocol: {exc}"
+        ) from exc
     except msgspec.DecodeError as exc:
-        raise BadInputError(f"inference request is not valid JSON: {exc}") from exc
+        raise BadInputError(json_number_error(json_part) or f"inference request is not valid JSON: {exc}") from exc
     except UnicodeDecodeError as exc:  # msgspec 0.22 raises this, not DecodeError, for a string that is not UTF-8
         raise BadInputError(f"inference request is not valid JSON: a string is not UTF-8 ({exc.reason})") from exc
 
@@ -213,7 +248,7 @@ def _split_body(body: bytes, header: str | None) -> tuple[V2Request, bytes]:
 def _tensors(req: V2Request, binary: bytes) -> list[Tensor]:
     """Each input with its data: a slice of the binary part (``binary_data_size``) or its JSON ``data``."""
     tensors, offset = [], 0
-    for tensor in req.inputs:
+    for i, tensor in enumerate(req.inputs):
         params = tensor.parameters or {}
         size = params.get("binary_data_size")
         payload: bytes | list[Any]
@@ -224,8 +259,9 @@ def _tensors(req: V2Request, binary: bytes) -> list[Tensor]:
             if tensor.datatype == "BYTES" and payload and all(isinstance(x, list) for x in payload):
                 payload = [x for row in payload for x in row]  # nested JSON ([N, 1]) flattened, row-major
         else:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise BadInputError(f"input {tensor.name}: binary_data_size {size} runs past the body")
+            left = len(binary) - offset
+            allowed = f"an integer from 0 to {left} (the bytes left in the body for input {tensor.name})"
+            size = integer(f"inputs[{i}].parameters.binary_data_size", size, 0, allowed, left)
             payload, offset = binary[offset : offset + size], offset + size
         tensors.append(Tensor(tensor.name, tensor.datatype, list(tensor.shape), payload, params))
     return tensors
@@ -233,37 +269,37 @@ def _tensors(req: V2Request, binary: bytes) -> list[Tensor]:
 
 async def _infer(request: Request[Any, Any, Any], model: str, version: str | None) -> Response[Any]:
     server = server_of(request)
-    slot = protocol.resolve(server, model, version).slot
+    named = protocol.resolve(server, model, version)
     timing = timing_of(request)
-    with slot.observe(timing):
-        return await _infer_on(request, server, slot, timing)
+    with named.slot.observe(timing):
+        return await _infer_on(request, server, named, timing)
 
 
 async def _infer_on(
-    request: Request[Any, Any, Any], server: ServerState, slot: ModelSlot, timing: Timing
+    request: Request[Any, Any, Any], server: ServerState, named: protocol.Named, timing: Timing
 ) -> Response[Any]:
+    slot = named.slot
     body = await read_body(request, server.settings.max_body_bytes)
-    req, inputs = parse_infer(body, request.headers.get(HEADER))
-    priority, timeout_ms = protocol.request_options(req.parameters or {})
+    req, inputs = parse_infer(body, request.headers.get(HEADER), protocol.raw_input(named))
+    params = req.parameters or {}
+    priority, timeout_ms = request_options(params)
+    binary = flag("parameters.binary_data_output", params.get("binary_data_output"))
+    wanted = protocol.wanted_outputs([(o.name, o.parameters or {}) for o in req.outputs or []], slot, binary)
     logits = await protocol.infer(server, slot, inputs, timing, priority=priority, timeout_ms=timeout_ms)
     started = time.perf_counter()
-    response = _encode_outputs(req, slot, logits, accepted_encoding(request))
+    response = _encode_outputs(req, slot, wanted, logits, accepted_encoding(request))
     timing.postprocess_s += time.perf_counter() - started
     return response
 
 
-def _encode_outputs(req: V2Request, slot: ModelSlot, logits: np.ndarray, encoding: str | None) -> Response[Any]:
-    wanted = req.outputs or [V2Output(name=protocol.OUTPUT)]
-    all_binary = bool((req.parameters or {}).get("binary_data_output", False))
+def _encode_outputs(
+    req: V2Request, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray, encoding: str | None
+) -> Response[Any]:
     outputs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for out in wanted:
-        protocol.check_output(out.name)
-        params = out.parameters or {}
-        binary = bool(params.get("binary_data", all_binary))
-        k = params.get("classification")
+        binary, k = out.binary, out.k
         if k is not None:
-            k = protocol.classification_k(k, slot)
             flat = protocol.classify(logits, slot, k)
             entry: dict[str, Any] = {"name": out.name, "datatype": "BYTES", "shape": [logits.shape[0], k]}
             if binary:
@@ -329,8 +365,22 @@ class _Forbidden(VisionServeError):
     responses=ERROR_RESPONSES,
 )
 async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-    """Every model in the repository with its state, unloaded ones too (``UNAVAILABLE`` with a reason)."""
-    return await _require_admin(request).repository_index()
+    """Every model in the repository with its state, unloaded ones too (``UNAVAILABLE`` with a reason); with the
+    body ``{"ready": true}``, only the ones ready (as Triton's index)."""
+    server = _require_admin(request)
+    body = await request.body()
+    ready = False
+    if body.strip():
+        try:
+            doc = msgspec.json.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            raise BadInputError(
+                'a repository index request\'s body must be a JSON object like {"ready": true}'
+            ) from None
+        if not isinstance(doc, dict):
+            raise BadInputError('a repository index request\'s body must be a JSON object like {"ready": true}')
+        ready = flag("ready", doc.get("ready"))
+    return await protocol.repository_index(server, ready)
 
 
 @post("/v2/repository/models/{model:str}/load", summary="Load or reload a model (admin)", status_code=200,
@@ -357,9 +407,10 @@ async def repository_load(request: Request[Any, Any, Any], model: str) -> dict[s
 @post("/v2/repository/models/{model:str}/unload", summary="Unload a model (admin)", status_code=200,
       tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
 async def repository_unload(request: Request[Any, Any, Any], model: str) -> dict[str, str]:
-    """Unload ``model``; unloading a model that is not loaded is not an error (as in Triton)."""
+    """Unload ``model``; unloading a model that is not loaded, or that the repository does not hold, is not an error
+    (as in Triton: 200, so scripts stay idempotent)."""
     server = _require_admin(request)
-    await server.unload_model(model)
+    await protocol.unload(server, model)
     return {"name": model, "state": "UNAVAILABLE"}
 
 
