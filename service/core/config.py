@@ -39,6 +39,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     instances: int = 1
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
+    batch_policy: Literal["delay", "adaptive"] = "delay"
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_size: int = 1024
     queue_full_status: Literal[503, 429] = 503
@@ -72,6 +73,7 @@ _ALLOWED_TEXT = {
     "fallback": "cpu or none",
     "precision": "fp32, fp16, bf16 (GPU only) or int8 (model.int8.onnx, from `export --int8`)",
     "queue_full_status": "503 or 429",
+    "batch_policy": "delay or adaptive",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
     "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms",
@@ -144,6 +146,10 @@ precision = "fp32"            # fp32 | fp16 | bf16 (GPU only) | int8 (model.int8
 instances = 1                 # runtime instances per device
 max_batch_size = {max_batch_size}
 max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a fuller batch
+batch_policy = "delay"        # delay: wait for a preferred or full batch up to max_queue_delay_ms, as Triton does,
+                              # even with an instance idle | adaptive: with an instance idle, wait (never past
+                              # max_queue_delay_ms) only while the measured batch costs and arrival rate say that
+                              # waiting for the next image costs the queued ones less than it saves it
 preferred_batch_sizes = []    # dispatch at once when one of these sizes is reached
 max_queue_size = 1024         # images queued before requests are refused
 queue_full_status = 503       # 503 or 429, with Retry-After

@@ -71,6 +71,7 @@ def batcher_config(config: ModelConfig) -> BatcherConfig:
     return BatcherConfig(
         max_batch_size=config.max_batch_size,
         max_queue_delay_ms=config.max_queue_delay_ms,
+        policy=config.batch_policy,
         preferred_batch_sizes=config.preferred_batch_sizes,
         max_queue_size=config.max_queue_size,
         default_timeout_ms=config.default_timeout_ms,

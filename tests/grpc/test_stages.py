@@ -42,6 +42,10 @@ def staged(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     shutil.copytree(served_repo / "digits", root / "gathering")
     (root / "gathering" / "config.toml").write_text(f"max_batch_size = 8\nmax_queue_delay_ms = {GATHER_MS}\n")
+    shutil.copytree(root / "gathering", root / "adaptive")
+    (root / "adaptive" / "config.toml").write_text(
+        f'max_batch_size = 8\nmax_queue_delay_ms = {GATHER_MS}\nbatch_policy = "adaptive"\n'
+    )
     port = free_port()
     running = start_server(root, tmp_path_factory.mktemp("staged-logs") / "server.log", "--grpc-port", str(port))
     try:
@@ -175,3 +179,16 @@ def test_waiting_for_a_batch_to_fill_is_batch_wait(staged: GrpcServer) -> None:
     assert timing["instance_wait"] < GATHER_MS / 4
     means = stage_means_ms(before, scrape(staged.http.url, "gathering"), "http")
     assert means["batch_wait"] >= GATHER_MS * 0.99
+
+
+def test_the_adaptive_policy_does_not_wait_out_the_delay_with_an_instance_idle(staged: GrpcServer) -> None:
+    """The same settings as ``gathering`` with ``batch_policy = "adaptive"``: a lone image is computed at once
+    (nothing says waiting would pay), so the setting is not ignored."""
+    with httpx.Client(base_url=staged.http.url, timeout=30) as http:
+        answers = [
+            http.post("/v1/models/adaptive/classify", content=digit_png(k)[0], headers={"content-type": "image/png"})
+            for k in range(3)
+        ]
+    assert [r.status_code for r in answers] == [200, 200, 200]
+    for r in answers:
+        assert header_stages(r)["batch_wait"] < GATHER_MS / 2

@@ -499,3 +499,58 @@ def test_a_replacement_that_never_loads_fails_the_model_instead_of_waiting_for_e
         await batcher.close()
 
     run(scenario())
+
+
+# ---- the adaptive policy: wait for the next image only while that costs the queued ones less than it saves ----
+
+
+def adaptive(costs: dict[int, float], gap_s: float | None) -> Batcher:
+    batcher = Batcher([FakeRuntime(SPEC)], BatcherConfig(policy="adaptive", max_batch_size=8))
+    batcher._costs = dict(costs)
+    batcher._gap_s = gap_s
+    return batcher
+
+
+def test_adaptive_never_waits_where_a_batch_costs_the_same_per_image() -> None:
+    cpu = adaptive({1: 0.010, 4: 0.040}, gap_s=0.001)  # a CPU: 10 ms an image at any batch size
+    assert all(cpu._dispatch_now(n) for n in range(1, 8))
+
+
+def test_adaptive_waits_where_batching_is_nearly_free_and_images_come_fast() -> None:
+    gpu = {1: 0.020, 8: 0.021}  # a GPU: eight images cost about what one does
+    assert not adaptive(gpu, gap_s=0.001)._dispatch_now(1)  # the next image is due in 1 ms: worth it
+    assert adaptive(gpu, gap_s=0.050)._dispatch_now(1)  # due in 50 ms, after the batch would be done: go now
+
+
+def test_adaptive_dispatches_until_it_has_figures() -> None:
+    assert adaptive({}, gap_s=0.001)._dispatch_now(1)
+    assert adaptive({1: 0.02}, gap_s=None)._dispatch_now(1)
+
+
+def test_adaptive_costs_between_and_beyond_measured_sizes() -> None:
+    b = adaptive({1: 0.010, 4: 0.016, 8: 0.024}, gap_s=0.001)
+    assert b._cost(2) == pytest.approx(0.012) and b._cost(16) == pytest.approx(0.040)
+    assert adaptive({2: 0.010}, gap_s=None)._cost(4) == pytest.approx(0.020)  # one size seen: per image
+
+
+@pytest.mark.parametrize("policy", ["delay", "adaptive"])
+def test_a_lone_image_waits_out_the_delay_only_under_the_delay_policy(policy: str) -> None:
+    """The setting is not ignored: a lone image with an idle instance waits the whole max_queue_delay_ms under
+    Triton's policy; under the adaptive one, with a CPU-like runtime measured, it goes at once."""
+    delay_ms = 2000.0
+
+    async def scenario() -> float:
+        fake = LoggingFake()
+        batcher = Batcher([fake], BatcherConfig(policy=policy, max_batch_size=8, max_queue_delay_ms=delay_ms))
+        if policy == "adaptive":
+            batcher._costs, batcher._gap_s = {1: 0.010, 8: 0.080}, 0.001
+        sent = time.monotonic()
+        await batcher.submit(request([1]))
+        await batcher.close()
+        return fake.spans[0][0] - sent
+
+    started_after_s = asyncio.run(scenario())
+    if policy == "delay":
+        assert started_after_s >= delay_ms / 1000 * 0.99
+    else:
+        assert started_after_s < delay_ms / 1000 / 2

@@ -116,6 +116,7 @@ def test_unknown_config_key_is_refused(repo: Path) -> None:
         ('max_batch_size = "big"', "max_batch_size must be an integer >= 1, got 'big'"),
         ('backend = "tensorrt"', "backend must be auto, onnxruntime, torchscript, aoti or noop, got 'tensorrt'"),
         ("queue_full_status = 500", "queue_full_status must be 503 or 429, got 500"),
+        ('batch_policy = "eager"', "batch_policy must be delay or adaptive, got 'eager'"),
         ('device = "gpu0"', "device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
         ("max_queue_delay_ms = -1", "max_queue_delay_ms must be a number >= 0, got -1"),
         ("preferred_batch_sizes = [4, 64]", "preferred_batch_sizes entries must be between 1 and max_batch_size"),
