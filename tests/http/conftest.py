@@ -83,12 +83,17 @@ class RunningServer:
 
 
 def start_server(
-    repo: Path, log: Path, *extra: str, ready_timeout_s: float = 120, real_models: tuple[str, ...] = ("digits",)
+    repo: Path,
+    log: Path,
+    *extra: str,
+    ready_timeout_s: float = 120,
+    real_models: tuple[str, ...] = ("digits",),
+    port: int | None = None,
 ) -> RunningServer:
-    """A server on a free port, ready; ``real_models``: kept real under the fast-model switch."""
+    """A server on a free port (or ``port``), ready; ``real_models``: kept real under the fast-model switch."""
     if fast_models():
         _serve_noop(repo, real_models)
-    port = free_port()
+    port = port or free_port()
     grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]  # gRPC only where a test asks for it
     cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "info", *grpc, *extra]  # fmt: skip
