@@ -41,7 +41,9 @@ def staged(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         f"max_batch_size = 1\nmax_queue_delay_ms = 0\n[faults]\ndelay_ms = {PACED_MS}\n"
     )
     shutil.copytree(served_repo / "digits", root / "gathering")
-    (root / "gathering" / "config.toml").write_text(f"max_batch_size = 8\nmax_queue_delay_ms = {GATHER_MS}\n")
+    (root / "gathering" / "config.toml").write_text(
+        f'max_batch_size = 8\nmax_queue_delay_ms = {GATHER_MS}\nbatch_policy = "delay"\n'
+    )
     shutil.copytree(root / "gathering", root / "adaptive")
     (root / "adaptive" / "config.toml").write_text(
         f'max_batch_size = 8\nmax_queue_delay_ms = {GATHER_MS}\nbatch_policy = "adaptive"\n'
@@ -182,7 +184,7 @@ def test_waiting_for_a_batch_to_fill_is_batch_wait(staged: GrpcServer) -> None:
 
 
 def test_the_adaptive_policy_does_not_wait_out_the_delay_with_an_instance_idle(staged: GrpcServer) -> None:
-    """The same settings as ``gathering`` with ``batch_policy = "adaptive"``: a lone image is computed at once
+    """The same settings as ``gathering`` with ``batch_policy = "adaptive"`` (the default): a lone image is computed at once
     (nothing says waiting would pay), so the setting is not ignored."""
     with httpx.Client(base_url=staged.http.url, timeout=30) as http:
         answers = [
