@@ -184,8 +184,8 @@ def test_waiting_for_a_batch_to_fill_is_batch_wait(staged: GrpcServer) -> None:
 
 
 def test_the_adaptive_policy_does_not_wait_out_the_delay_with_an_instance_idle(staged: GrpcServer) -> None:
-    """The same settings as ``gathering`` with ``batch_policy = "adaptive"`` (the default): a lone image is computed at once
-    (nothing says waiting would pay), so the setting is not ignored."""
+    """The same settings as ``gathering`` with ``batch_policy = "adaptive"`` (the default): a lone image is computed
+    at once (nothing says waiting would pay), so the setting is not ignored."""
     with httpx.Client(base_url=staged.http.url, timeout=30) as http:
         answers = [
             http.post("/v1/models/adaptive/classify", content=digit_png(k)[0], headers={"content-type": "image/png"})
