@@ -37,9 +37,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     fallback: Literal["cpu", "none"] = "cpu"
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     instances: int = 1
+    threads: int = 0  # intra-op threads per runtime instance; 0: the runtime's own default
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
-    batch_policy: Literal["delay", "adaptive"] = "delay"
+    batch_policy: Literal["delay", "adaptive"] = "adaptive"
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_size: int = 1024
     queue_full_status: Literal[503, 429] = 503
@@ -53,6 +54,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 # field -> (check, what is allowed); checked after msgspec has checked the types.
 _RULES: dict[str, tuple[Any, str]] = {
     "instances": (lambda v: v >= 1, "an integer >= 1"),
+    "threads": (lambda v: v >= 0, "an integer >= 0 (0: the runtime's default)"),
     "max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
     "max_queue_delay_ms": (lambda v: v >= 0, "a number >= 0"),
     "max_queue_size": (lambda v: v >= 1, "an integer >= 1"),
@@ -144,12 +146,15 @@ fallback = "cpu"              # cpu: keep serving from CPU when the GPU fails | 
 precision = "fp32"            # fp32 | fp16 | bf16 (GPU only) | int8 (model.int8.onnx from `export --int8`,
                               # onnxruntime; on CUDA only with its TensorRT or CUDA execution provider)
 instances = 1                 # runtime instances per device
+threads = 0                   # intra-op threads per instance (CPU); 0: the runtime's default (onnxruntime and
+                              # torch: one per core). instances x threads above the cores oversubscribes them
 max_batch_size = {max_batch_size}
 max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a fuller batch
-batch_policy = "delay"        # delay: wait for a preferred or full batch up to max_queue_delay_ms, as Triton does,
-                              # even with an instance idle | adaptive: with an instance idle, wait (never past
-                              # max_queue_delay_ms) only while the measured batch costs and arrival rate say that
-                              # waiting for the next image costs the queued ones less than it saves it
+batch_policy = "adaptive"     # adaptive: with an instance idle, wait (never past max_queue_delay_ms) only while
+                              # the measured batch costs and arrival rate say that waiting for the next image costs
+                              # the queued ones less than it saves it; on a CPU that is at once (docs/performance.md,
+                              # "Where each request waits") | delay: wait for a preferred or full batch up to
+                              # max_queue_delay_ms even with an instance idle, as Triton does
 preferred_batch_sizes = []    # dispatch at once when one of these sizes is reached
 max_queue_size = 1024         # images queued before requests are refused
 queue_full_status = 503       # 503 or 429, with Retry-After

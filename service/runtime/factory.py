@@ -146,7 +146,9 @@ def make_runtime(
                 name,
                 path,
             )
-        return OnnxRuntime(version.spec, path, device=device, name=name, precision=precision)
+        return OnnxRuntime(
+            version.spec, path, device=device, name=name, precision=precision, threads=config.threads or None
+        )
     cls = AotiRuntime if backend == "aoti" else TorchScriptRuntime
     return cls(
         version.spec,
@@ -156,6 +158,7 @@ def make_runtime(
         precision=precision,
         max_batch_size=config.max_batch_size,
         cuda_graphs=cuda_graphs,
+        threads=config.threads or None,
     )
 
 

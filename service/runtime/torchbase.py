@@ -74,8 +74,10 @@ class TorchRuntime(Runtime):
         precision: str = "fp32",
         max_batch_size: int = 32,
         cuda_graphs: bool = True,
+        threads: int | None = None,
     ) -> None:
         self.path = Path(path)
+        self.threads = threads
         self.precision = precision
         self.max_batch_size = max_batch_size
         self.use_cuda_graphs = cuda_graphs
@@ -102,6 +104,10 @@ class TorchRuntime(Runtime):
         import torch
 
         self.torch = torch
+        if self.threads:
+            # On the instance's own worker thread, where every forward runs: torch's intra-op thread count is
+            # per calling thread (OpenMP's ICV), so each instance keeps its own and the process default is untouched.
+            torch.set_num_threads(self.threads)
         self.tdevice = torch.device(self.device)
         self.cuda = self.tdevice.type == "cuda"
         self._check_precision()
