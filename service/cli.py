@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "classify image files and folders to CSV/JSONL, via a server or in-process",
     ),
     "export": ("export.commands", "export to ONNX, TorchScript or AOTInductor with proven parity into a repository"),
+    "tune": ("service.tune.commands", "find the settings that serve the most at a p99 target here, and prove it"),
 }
 
 

@@ -1,0 +1,161 @@
+"""``tune``'s second phase: predict every candidate worth predicting, and rank them.
+
+The settings multiply into thousands of candidates; the simulation predicts one in about a second, so the search
+walks the space one setting at a time (coordinate ascent, the "quick" search of Triton's Model Analyzer, here on
+the model rather than on real restarts): from the current config and export's default, try every value of one
+setting with the others held, keep the best, go on to the next setting, and repeat while a round improves.
+Every candidate predicted on the way is ranked, so the report shows what was considered, not only the winner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from service.tune.candidates import Candidate, Space, preferred_sizes
+from service.tune.measure import Measurements, RuntimeFigures
+from service.tune.model import Prediction, ServiceCurve, Simulator, Workload, predict
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Ranked:
+    candidate: Candidate
+    prediction: Prediction
+
+    @property
+    def rate(self) -> float:
+        return self.prediction.rate
+
+
+class Predictor:
+    """Predictions of candidates from one set of measurements, cached."""
+
+    def __init__(self, measured: Measurements, workload: Workload, target_p99_ms: float) -> None:
+        self.workload = workload
+        self.target = target_p99_ms
+        self.curves: dict[tuple[str, str, int], ServiceCurve] = {}
+        for figures in measured.runtimes:
+            if figures.batch_ms:
+                self.curves[figures.key] = ServiceCurve(figures, _largest(figures))
+        self.cache: dict[Candidate, Prediction] = {}
+
+    def with_workload(self, workload: Workload) -> Predictor:
+        """A predictor of the same measurements under another workload (nothing cached)."""
+        other = Predictor.__new__(Predictor)
+        other.workload, other.target, other.curves, other.cache = workload, self.target, self.curves, {}
+        return other
+
+    def runtimes(self) -> list[tuple[str, str]]:
+        return sorted({(b, p) for b, p, _t in self.curves})
+
+    def curve_for(self, candidate: Candidate) -> ServiceCurve | None:
+        return self.curves.get((candidate.backend, candidate.precision, candidate.threads))
+
+    def normal(self, candidate: Candidate) -> Candidate:
+        """``candidate`` with its batch sizes capped at the largest measured (larger ones miss the target alone)."""
+        curve = self.curve_for(candidate)
+        if curve is None or candidate.max_batch_size <= curve.largest:
+            return candidate
+        b = curve.largest
+        preferred = tuple(p for p in candidate.preferred_batch_sizes if p <= b)
+        return msgspec.structs.replace(candidate, max_batch_size=b, preferred_batch_sizes=preferred)
+
+    def predict(self, candidate: Candidate) -> Prediction | None:
+        """None when the candidate's runtime was not measured."""
+        candidate = self.normal(candidate)
+        if candidate in self.cache:
+            return self.cache[candidate]
+        curve = self.curve_for(candidate)
+        if curve is None:
+            return None
+        prediction = predict(Simulator(candidate, curve, self.workload), self.target)
+        self.cache[candidate] = prediction
+        return prediction
+
+
+def _largest(figures: RuntimeFigures) -> int:
+    return max(figures.batch_ms)
+
+
+def _variations(c: Candidate, space: Space, runtimes: list[tuple[str, str]]) -> Iterable[list[Candidate]]:
+    """For each setting, ``c`` with that setting at each of its values."""
+    replace = msgspec.structs.replace
+
+    def sized(b: int, pref_of: Candidate) -> Candidate:
+        kind = "half" if pref_of.preferred_batch_sizes else "none"
+        return replace(c, max_batch_size=b, preferred_batch_sizes=preferred_sizes(kind, b))
+
+    yield [replace(c, backend=b, precision=p) for b, p in runtimes]
+    yield [replace(c, threads=t) for t in space.threads]
+    yield [replace(c, instances=n) for n in space.instances]
+    yield [sized(b, c) for b in space.max_batch_size]
+    yield [replace(c, max_queue_delay_ms=d) for d in space.max_queue_delay_ms]
+    yield [replace(c, preferred_batch_sizes=preferred_sizes(k, c.max_batch_size)) for k in space.preferred]
+    yield [replace(c, batch_policy=p) for p in space.batch_policy]
+    yield [replace(c, workers=w) for w in space.workers]
+
+
+def rank(
+    predictor: Predictor,
+    starts: list[Candidate],
+    space: Space,
+    *,
+    seconds: float,
+    say: Say | None = None,
+    max_rounds: int = 3,
+) -> list[Ranked]:
+    """Every candidate predicted, best first (highest predicted rate; then lower predicted p50)."""
+    say = say or (lambda _m: None)
+    started = time.perf_counter()
+    runtimes = predictor.runtimes()
+
+    def score(c: Candidate) -> tuple[float, float]:
+        p = predictor.predict(c)
+        if p is None:
+            return (-1.0, 0.0)
+        return (p.rate, -(p.at.p50_ms if p.at else p.floor_p99_ms))
+
+    for start in starts:
+        best = predictor.normal(start)
+        for round_ in range(max_rounds):
+            before = best
+            for options in _variations(best, space, runtimes):
+                if time.perf_counter() - started > seconds:
+                    say(f"prediction budget ({seconds:.0f} s) spent after {len(predictor.cache)} candidates")
+                    return _ranked(predictor)
+                best = max([predictor.normal(o) for o in options] + [best], key=score)
+            say(f"round {round_ + 1} from {start.label}: best {best.label}, {score(best)[0]:.1f} req/s predicted")
+            if best == before:
+                break
+    return _ranked(predictor)
+
+
+def _ranked(predictor: Predictor) -> list[Ranked]:
+    out = [Ranked(c, p) for c, p in predictor.cache.items()]
+    out.sort(key=lambda r: (-r.rate, r.prediction.at.p50_ms if r.prediction.at else r.prediction.floor_p99_ms))
+    return out
+
+
+def structural(c: Candidate) -> tuple[object, ...]:
+    """What makes two candidates really different (the queue delay and preferred sizes only fine-tune)."""
+    return (c.backend, c.precision, c.max_batch_size, c.instances, c.threads, c.workers)
+
+
+def shortlist(ranked: list[Ranked], count: int, exclude: Iterable[Candidate] = ()) -> list[Ranked]:
+    """The best ``count``, one per structure: close variants of one configuration would spend the verification
+    budget measuring the same thing within the noise."""
+    seen = {structural(c) for c in exclude}
+    chosen: list[Ranked] = []
+    for r in ranked:
+        if len(chosen) >= count:
+            break
+        if r.rate <= 0 or structural(r.candidate) in seen:
+            continue
+        seen.add(structural(r.candidate))
+        chosen.append(r)
+    return chosen

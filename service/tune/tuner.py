@@ -1,0 +1,285 @@
+"""``visionserve tune`` from start to end: measure, predict and rank, verify the best few for real, decide.
+
+The budget is split as the work needs it: about a fifth to measuring, a little to predicting, the rest to
+verification, where each candidate costs a server start and the steps of a search; the steps are scaled so the
+planned candidates fit, and verification stops when the next candidate would overrun. The repository's current
+config and export's default are always verified beside the best predicted, so the answer is held against both.
+Everything is kept in a :class:`TuneRun` as it happens, so an interruption (Ctrl-C) still leaves a report.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from service.core.config import ModelConfig
+from service.core.repository import ModelRepository
+from service.core.samples import image_files, photo_like_jpegs
+from service.runtime import choose_backend
+from service.tune.candidates import Candidate, apply, candidate_from, export_default_config, space_for
+from service.tune.measure import Measurements, measure
+from service.tune.model import Workload
+from service.tune.rank import Predictor, Ranked, rank, shortlist
+from service.tune.verify import StepPlan, Verified, verify
+
+Say = Callable[[str], None]
+MEASURE_SHARE = 0.2
+PREDICT_SHARE = 0.08
+RESERVE_S = 5.0  # the report and the config at the end
+SERVER_OVERHEAD_S = 10.0  # a start and a stop, until the first one is measured
+CALIBRATE_MIN_S = 4.0  # spare time the calibration and re-ranking need to be worth starting
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    repository: str
+    model: str
+    slo_p99_ms: float
+    budget_s: float = 600.0
+    images: str | None = None
+    image_size: tuple[int, int] = (500, 375)
+    device: str = "auto"
+    verify: int = 4  # best predicted candidates to verify (beside the current config and export's default)
+    workers: int = 0  # the front ends the current deployment runs (0: serve's default)
+    work: str = ""  # folder for the candidates' repositories and server logs
+
+
+@dataclass
+class TuneRun:
+    """What a run found, phase by phase (filled in as it goes)."""
+
+    options: TuneOptions
+    started: float = field(default_factory=time.perf_counter)
+    measured: Measurements | None = None
+    ranked: list[Ranked] = field(default_factory=list)
+    current: Candidate | None = None
+    default: Candidate | None = None
+    verified: list[Verified] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # candidates not verified, and why
+    phases_s: dict[str, float] = field(default_factory=dict)
+    plan: StepPlan | None = None
+    interrupted: bool = False
+    base_config: ModelConfig | None = None
+    calibration: dict[str, Any] | None = None  # the first verified candidate's fit of the server's CPU per request
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def winner(self) -> Verified | None:
+        """The verified candidate that served the most at the target (None: none met it)."""
+        met = [v for v in self.verified if v.best_rate]
+        return max(met, key=lambda v: v.best_rate or 0.0) if met else None
+
+    def find(self, candidate: Candidate | None) -> Verified | None:
+        return next((v for v in self.verified if v.candidate == candidate), None)
+
+    def best_seen(self) -> dict[str, Any] | None:
+        """The lowest p99 of any step, and its rate: what to say when nothing met the target."""
+        steps = [(s, v) for v in self.verified for s in v.steps if s["requests"] > 0]
+        if not steps:
+            return None
+        step, v = min(steps, key=lambda sv: (sv[0]["p99_ms"], -sv[0]["rate"]))
+        return {"p99_ms": step["p99_ms"], "rate": step["rate"], "errors": step["errors"], "label": v.candidate.label}
+
+
+def _load_images(options: TuneOptions) -> tuple[list[bytes], str]:
+    if options.images:
+        return image_files(options.images), options.images
+    w, h = options.image_size
+    return photo_like_jpegs(32, (w, h)), f"32 generated {w}x{h} JPEGs"
+
+
+def _default_workers() -> int:
+    from service.supervisor import default_workers
+
+    return default_workers()
+
+
+def _plan_steps(remaining_s: float, count: int, overhead_s: float) -> tuple[StepPlan, int]:
+    """Step shapes so that ``count`` verifications fit ``remaining_s`` (fewer candidates if even the shortest
+    steps do not fit): (plan, how many fit)."""
+    shortest = StepPlan(warmup_s=0.5, duration_s=1.0, max_steps=4, precision=0.1)
+    for n in range(count, 0, -1):
+        per = remaining_s / n - overhead_s
+        for steps, precision in ((6, 0.05), (5, 0.08), (4, 0.1)):
+            duration = per / steps - 1.0 - 0.6
+            if duration >= 1.0:
+                return StepPlan(warmup_s=1.0, duration_s=min(5.0, duration), max_steps=steps, precision=precision), n
+        if per >= shortest.step_s * shortest.max_steps:
+            return shortest, n
+    return shortest, 1 if remaining_s > overhead_s + shortest.step_s * 2 else 0
+
+
+def tune(options: TuneOptions, run: TuneRun, say: Say) -> TuneRun:
+    """Run every phase, filling ``run`` in place (so a KeyboardInterrupt leaves it usable: the caller catches it)."""
+    from loadtest.inputs import payloads
+    from loadtest.pool import WorkerPool
+
+    budget = options.budget_s
+    entry = ModelRepository(options.repository).model(options.model)
+    version = entry.latest
+    run.base_config = entry.config
+    images, label = _load_images(options)
+
+    # 1. measure
+    t = time.perf_counter()
+    say(f"measuring {options.model} v{version.version} in-process ({MEASURE_SHARE * budget:.0f} s of {budget:.0f} s)")
+    run.measured = Measurements(options.model, version.version, "?", 0, 0.0, label)
+    threads = space_for(_cores(), False, (), 1).threads
+    measure(options.repository, options.model, images=images, images_label=label, slo_p99_ms=options.slo_p99_ms,
+            seconds=MEASURE_SHARE * budget, threads=threads, device=options.device, say=say,
+            out=run.measured)  # fmt: skip
+    run.phases_s["measure"] = time.perf_counter() - t
+    measured = run.measured
+    cuda = measured.device.startswith("cuda")
+
+    # 2. predict and rank
+    t = time.perf_counter()
+    plan0 = StepPlan()
+    workload = Workload(cores=measured.cores, decode_ms=measured.decode_ms, cuda=cuda, warmup_s=plan0.warmup_s,
+                        duration_s=plan0.duration_s, max_queue_size=entry.config.max_queue_size)  # fmt: skip
+    predictor = Predictor(measured, workload, options.slo_p99_ms)
+    largest = max((max(f.batch_ms) for f in measured.runtimes if f.batch_ms), default=1)
+    space = space_for(measured.cores, cuda, tuple(predictor.runtimes()), max(largest, entry.config.max_batch_size))
+    workers_now = options.workers or _default_workers()
+    run.current = candidate_from(entry.config, choose_backend(version, entry.config, measured.device), workers_now)
+    default_config = export_default_config(entry.config.max_batch_size)
+    run.default = candidate_from(default_config, choose_backend(version, default_config, measured.device),
+                                 _default_workers())  # fmt: skip
+    say(f"predicting: {len(predictor.runtimes())} runtimes measured; searching the settings")
+    run.ranked = rank(predictor, [run.current, run.default], space, seconds=PREDICT_SHARE * budget, say=say)
+    run.phases_s["predict"] = time.perf_counter() - t
+
+    # 3. verify
+    t = time.perf_counter()
+    todo: list[tuple[Candidate, float]] = []
+    for r in shortlist(run.ranked, 1):
+        todo.append((r.candidate, r.rate))
+    for c in (run.current, run.default):
+        if all(c != d for d, _ in todo):
+            p = predictor.predict(c)
+            todo.append((c, p.rate if p else 0.0))
+    todo += [(r.candidate, r.rate) for r in shortlist(run.ranked, options.verify - 1, exclude=[c for c, _ in todo])]
+    # Planned with slack: the re-prediction below and the calibration after the first candidate take time too,
+    # and a plan that fits to the second would refuse its own last candidate.
+    remaining = budget - run.elapsed() - RESERVE_S
+    plan, fits = _plan_steps(0.9 * remaining - 2.0, len(todo), SERVER_OVERHEAD_S)
+    run.plan = plan
+    for c, _ in todo[fits:]:
+        run.skipped.append(f"{c.label}: not verified, the budget fits {fits} of {len(todo)}")
+    todo = todo[:fits]
+    # Predicted again for the steps as they will run (the ranking assumed the default step): a short step lets a
+    # rate just past capacity pass before its queue has grown, and the prediction should know it.
+    shaped = Predictor(measured, replace(workload, warmup_s=plan.warmup_s, duration_s=plan.duration_s),
+                       options.slo_p99_ms)  # fmt: skip
+    shaped.curves = predictor.curves
+    todo = [(c, _rate(shaped, c)) for c, _ in todo]
+    steps = f"{plan.max_steps} steps of {plan.duration_s:.1f} s at most"
+    say(f"verifying {len(todo)} candidates on a real server ({steps})")
+    overhead = SERVER_OVERHEAD_S
+    folder = Path(options.work)
+    with WorkerPool(1, payloads(options.model, images)) as pool:
+        i = 0
+        while i < len(todo):
+            c, predicted = todo[i]
+            needed = overhead + plan.max_steps * plan.step_s
+            if budget - run.elapsed() - RESERVE_S < needed:
+                run.skipped += [f"{d.label}: not verified, the budget ran out" for d, _ in todo[i:]]
+                say(f"stopping verification: {budget - run.elapsed():.0f} s left, a candidate needs {needed:.0f} s")
+                break
+            start = 0.7 * predicted if predicted > 0 else _fallback_start(run)
+            say(f"verifying {i + 1}/{len(todo)}: {c.label} (predicted {predicted:.1f} req/s)")
+            record = Verified(c, predicted)
+            run.verified.append(record)
+            verify(c, apply(entry.config, c), repository=Path(options.repository), model=options.model,
+                   folder=folder / f"candidate-{i + 1}", pool=pool, target_p99_ms=options.slo_p99_ms,
+                   predicted_rate=predicted, start_rate=max(0.5, round(start, 1)), plan=plan, say=say,
+                   record=record)  # fmt: skip
+            steps_s = sum(plan.step_s for _ in record.steps)
+            overhead = max(SERVER_OVERHEAD_S / 2, record.wall_s - steps_s)
+            measured_text = f"{record.best_rate:.1f} req/s" if record.best_rate else "nothing met the target"
+            say(f"  measured: {measured_text} ({record.wall_s:.0f} s; {run.elapsed():.0f} s of {budget:.0f} s used)")
+            i += 1
+            left = budget - run.elapsed() - RESERVE_S - needed * (len(todo) - 1)
+            if i == 1 and record.best_rate and len(todo) > 1 and left > CALIBRATE_MIN_S:
+                # The first measurement calibrates the model: the server's own CPU per request (HTTP, transport,
+                # the loops' jitter) is what the in-process figures cannot see. Everything after is predicted
+                # again with it, so their prediction errors are out of sample.
+                t_cal = time.perf_counter()
+                frontend_ms = calibrate(shaped, c, record.best_rate, seconds=left / 2)
+                run.calibration = {"candidate": c.label, "frontend_ms": frontend_ms,
+                                   "frontend_ms_before": workload.frontend_ms,
+                                   "predicted_before": predicted, "measured": record.best_rate}  # fmt: skip
+                record.calibrates = True
+                say(f"calibrated: {frontend_ms:.2f} ms of server CPU per request (assumed {workload.frontend_ms:g})")
+                workload = replace(workload, frontend_ms=frontend_ms)
+                predictor = predictor.with_workload(workload)
+                seconds = max(1.0, min(PREDICT_SHARE * budget / 2, left - (time.perf_counter() - t_cal)))
+                run.ranked = rank(predictor, [run.current, run.default, c], space, seconds=seconds, say=say)
+                shaped = predictor.with_workload(replace(workload, warmup_s=plan.warmup_s, duration_s=plan.duration_s))
+                done = [v.candidate for v in run.verified]
+                rest: list[Candidate] = []
+                for d in (run.current, run.default):
+                    if d is not None and d not in done and d not in rest:
+                        rest.append(d)
+                slots = len(todo) - 1
+                rest += [r.candidate for r in shortlist(run.ranked, slots, exclude=done + rest)]
+                todo = todo[:1] + [(d, _rate(shaped, d)) for d in rest[:slots]]
+                run.phases_s["calibrate"] = time.perf_counter() - t_cal
+    run.phases_s["verify"] = time.perf_counter() - t
+    return run
+
+
+def _rate(predictor: Predictor, c: Candidate) -> float:
+    p = predictor.predict(c)
+    return p.rate if p else 0.0
+
+
+def calibrate(
+    predictor: Predictor, c: Candidate, measured_rate: float, *, seconds: float = 30.0, tolerance: float = 0.03
+) -> float:
+    """The server CPU per request (``Workload.frontend_ms``) at which ``predictor`` predicts ``measured_rate``
+    for ``c``, by bisection (the predicted rate falls as it grows); clamped to [0.05, 50] ms. Past ``seconds``
+    the bracket's middle is taken as it stands."""
+    low, high = 0.05, 50.0
+    deadline = time.perf_counter() + seconds
+
+    def rate_at(frontend_ms: float) -> float:
+        return _rate(predictor.with_workload(replace(predictor.workload, frontend_ms=frontend_ms)), c)
+
+    if rate_at(low) <= measured_rate:
+        return low
+    if rate_at(high) >= measured_rate:
+        return high
+    while high / low > 1 + tolerance and time.perf_counter() < deadline:
+        mid = math.sqrt(low * high)
+        if rate_at(mid) > measured_rate:
+            low = mid
+        else:
+            high = mid
+    return math.sqrt(low * high)
+
+
+def _fallback_start(run: TuneRun) -> float:
+    """Where a search starts when the prediction says nothing meets the target: below the best rate seen."""
+    rates = [v.best_rate for v in run.verified if v.best_rate]
+    return max(rates) / 2 if rates else 5.0
+
+
+def _cores() -> int:
+    from service.tune.measure import cpu_cores
+
+    return cpu_cores()
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

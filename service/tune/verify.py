@@ -1,0 +1,212 @@
+"""``tune``'s proof: a candidate served for real and loaded with the load tester's p99-target search.
+
+Each candidate gets a model repository of its own (the model's version folders linked, its ``config.toml``
+written), a real ``visionserve serve`` process with its front-end count on 127.0.0.1 and a free port, and the
+open-loop search of ``visionserve loadtest --slo-p99-ms`` (double the rate until a step fails, then bisect). The
+server runs in a session of its own and is stopped however the search ends (an interruption included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.pool import WorkerPool
+from loadtest.slo import search
+from loadtest.step import StepBounds, StepResult, StepSpec, run_step
+from service.core.config import CONFIG_FILE, ModelConfig
+from service.core.errors import VisionServeError
+from service.tune.candidates import Candidate, config_text
+
+Say = Callable[[str], None]
+READY_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How each step of a verification runs, and how many steps it may take."""
+
+    warmup_s: float = 1.0
+    duration_s: float = 4.0
+    drain_s: float = 2.0
+    max_steps: int = 6
+    precision: float = 0.05  # the search stops when its bracket is this narrow (relative)
+    timeout_s: float = 10.0  # per request
+
+    @property
+    def step_s(self) -> float:
+        """About how long one step takes, start to end."""
+        return self.warmup_s + self.duration_s + 0.6
+
+
+@dataclass
+class Verified:
+    """What a candidate did on a real server."""
+
+    candidate: Candidate
+    predicted_rate: float
+    steps: list[dict[str, Any]] = field(default_factory=list)  # rate, p50/p99 ms, errors, met, achieved req/s
+    best_rate: float | None = None  # the highest rate that met the target (None: none did)
+    best_p99_ms: float | None = None
+    start_s: float = 0.0
+    wall_s: float = 0.0
+    error: str | None = None  # the server did not start, or the search failed
+    interrupted: bool = False
+    calibrates: bool = False  # its measurement calibrated the prediction of the candidates after it
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured, where both exist."""
+        if not self.best_rate or not self.predicted_rate:
+            return None
+        return (self.predicted_rate - self.best_rate) / self.best_rate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.candidate.label, "candidate": self.candidate.to_dict(),
+                "predicted_rate": self.predicted_rate, "measured_rate": self.best_rate,
+                "measured_p99_ms": self.best_p99_ms, "prediction_error": self.prediction_error,
+                "steps": self.steps, "server_start_s": self.start_s, "wall_s": self.wall_s, "error": self.error,
+                "interrupted": self.interrupted, "calibrates": self.calibrates}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def candidate_repository(repository: Path, model: str, config: ModelConfig, folder: Path) -> Path:
+    """A repository in ``folder`` holding only ``model``, its versions linked, its config ``config``."""
+    root = folder / "repo"
+    target = root / model
+    target.mkdir(parents=True, exist_ok=True)
+    source = repository / model
+    for version in source.iterdir():
+        if version.is_dir() and version.name.isdigit() and not (target / version.name).exists():
+            (target / version.name).symlink_to(version.resolve(), target_is_directory=True)
+    (target / CONFIG_FILE).write_text(config_text(config))
+    return root
+
+
+class Server:
+    """``visionserve serve`` in a process of its own session; a context manager that always stops it."""
+
+    def __init__(self, repository: Path, workers: int, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repository),
+               "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", "0",
+               "--workers", str(workers), "--log-level", "info"]  # fmt: skip
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise VisionServeError(f"the server exited with {self.process.returncode}: {self._tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200 and self._all_up():
+                    return
+            time.sleep(0.1)
+        raise VisionServeError(f"the server was not ready in {timeout_s:g} s: {self._tail()}")
+
+    def _tail(self) -> str:
+        return self.log.read_text(errors="replace")[-1500:]
+
+    def _all_up(self) -> bool:
+        """Every front end has reached the engine (readiness is per front end)."""
+        text = self.log.read_text(errors="replace")
+        started = re.search(r"with (\d+) front ends .* and (\d+) engine", text)
+        return started is not None and text.count(" is up: ") >= int(started[1]) * int(started[2])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # what a killed supervisor left behind
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def _step_record(step: StepResult, target_p99_ms: float) -> dict[str, Any]:
+    met = step.error_count == 0 and step.requests > 0 and step.latency_ms(99) <= target_p99_ms
+    return {"rate": step.spec.rate, "achieved_rps": step.requests_per_s, "requests": step.requests,
+            "p50_ms": step.latency_ms(50), "p99_ms": step.latency_ms(99), "errors": step.error_count,
+            "met": met, "client_limited": step.client_limited,
+            "mean_batch": (step.server or {}).get("mean_batch_size")}  # fmt: skip
+
+
+def verify(
+    candidate: Candidate,
+    config: ModelConfig,
+    *,
+    repository: Path,
+    model: str,
+    folder: Path,
+    pool: WorkerPool,
+    target_p99_ms: float,
+    predicted_rate: float,
+    start_rate: float,
+    plan: StepPlan,
+    say: Say,
+    record: Verified | None = None,
+) -> Verified:
+    """Serve ``candidate`` and search its highest rate meeting the target; ``record`` (when given) is filled in
+    place, so an interruption leaves in it the steps run so far."""
+    result = record or Verified(candidate, predicted_rate)
+    started = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
+    repo = candidate_repository(repository, model, config, folder)
+    try:
+        with Server(repo, candidate.workers, folder / "server.log") as server:
+            server.wait_ready()
+            result.start_s = time.perf_counter() - started
+            bounds = StepBounds(url=server.url, warmup_s=plan.warmup_s, duration_s=plan.duration_s,
+                                drain_s=plan.drain_s, timeout_s=plan.timeout_s, max_requests=1_000_000)  # fmt: skip
+
+            def step(rate: float) -> StepResult:
+                outcome = run_step(pool, StepSpec("open", rate=rate), bounds, model)
+                result.steps.append(_step_record(outcome, target_p99_ms))
+                met = "meets" if result.steps[-1]["met"] else "misses"
+                say(f"  {rate:8.1f} req/s: p99 {outcome.latency_ms(99):8.1f} ms, "
+                    f"{outcome.error_count} errors: {met} the target")  # fmt: skip
+                return outcome
+
+            found = search(step, target_p99_ms, start_rate=start_rate, max_steps=plan.max_steps,
+                           precision=plan.precision)  # fmt: skip
+            if found.passed is not None:
+                result.best_rate = found.passed.spec.rate
+                result.best_p99_ms = found.passed.latency_ms(99)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        raise
+    except (VisionServeError, OSError, RuntimeError) as exc:
+        result.error = str(exc)
+        say(f"  failed: {exc}")
+    finally:
+        result.wall_s = time.perf_counter() - started
+    return result
