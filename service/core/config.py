@@ -38,6 +38,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
     instances: int = 1
     threads: int = 0  # intra-op threads per runtime instance; 0: the runtime's own default
+    intra_op_spinning: bool = True  # onnxruntime's intra-op threads spin-wait between parallel sections
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
     batch_policy: Literal["delay", "adaptive"] = "adaptive"
@@ -148,6 +149,9 @@ precision = "fp32"            # fp32 | fp16 | bf16 (GPU only) | int8 (model.int8
 instances = 1                 # runtime instances per device
 threads = 0                   # intra-op threads per instance (CPU); 0: the runtime's default (onnxruntime and
                               # torch: one per core). instances x threads above the cores oversubscribes them
+intra_op_spinning = true      # onnxruntime: intra-op threads spin-wait for work between parallel sections (true:
+                              # lower tails under load, measured) or sleep (false: CPU left to other work, a
+                              # wake-up per section)
 max_batch_size = {max_batch_size}
 max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a fuller batch
 batch_policy = "adaptive"     # adaptive: with an instance idle, wait (never past max_queue_delay_ms) only while

@@ -146,9 +146,8 @@ def make_runtime(
                 name,
                 path,
             )
-        return OnnxRuntime(
-            version.spec, path, device=device, name=name, precision=precision, threads=config.threads or None
-        )
+        return OnnxRuntime(version.spec, path, device=device, name=name, precision=precision,
+                           threads=config.threads or None, spinning=config.intra_op_spinning)  # fmt: skip
     cls = AotiRuntime if backend == "aoti" else TorchScriptRuntime
     return cls(
         version.spec,

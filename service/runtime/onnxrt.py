@@ -77,9 +77,11 @@ class OnnxRuntime(Runtime):
         name: str = "model",
         threads: int | None = None,
         precision: str = "fp32",
+        spinning: bool = True,
     ) -> None:
         self.path = Path(path)
         self.threads = threads
+        self.spinning = spinning
         self.precision = precision
         super().__init__(spec, device=device, name=name)
 
@@ -91,10 +93,11 @@ class OnnxRuntime(Runtime):
         if self.threads:
             options.intra_op_num_threads = self.threads
         options.log_severity_level = 3
-        # onnxruntime's intra-op threads spin for work after each run by default: in a server that waits between
-        # requests that is CPU burnt for nothing, taken from the decoding threads (docs/performance.md, "CPU time
-        # per request").
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # onnxruntime's intra-op threads spin-wait for work between parallel sections (`intra_op_spinning`, on by
+        # default). Off, they sleep: CPU other work gets back, but each section waits for its threads to wake and
+        # find a core; on 2 cores under open-loop load that lengthened p99 by up to 1.6x (docs/performance.md,
+        # "Where each request waits").
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
         providers: list[Any]
         if self.device.startswith("cuda") and self.precision == "int8":
             providers = int8_cuda_providers(ort.get_available_providers(), _cuda_index(self.device), self.path)

@@ -1,4 +1,5 @@
-"""``threads`` in config.toml reaches every CPU runtime: a setting ``tune`` chooses must not be ignored."""
+"""``threads`` and ``intra_op_spinning`` in config.toml reach the CPU runtimes: settings that ``tune`` and users
+choose must not be ignored."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def test_zero_leaves_the_runtime_default_and_a_negative_count_is_refused(aoti_re
         runtime.close()
     with pytest.raises(ConfigError, match="threads"):
         parse_config({"threads": -1}, source="config.toml")
+
+
+@pytest.mark.parametrize(("spinning", "entry"), [(True, "1"), (False, "0")])
+def test_onnxruntime_takes_the_configured_spinning(aoti_repo: Path, spinning: bool, entry: str) -> None:
+    version = ModelRepository(aoti_repo).model("digits").latest
+    config = ModelConfig(intra_op_spinning=spinning, backend="onnxruntime")
+    runtime = make_runtime(version, config, "onnxruntime", "cpu")
+    try:
+        assert isinstance(runtime, OnnxRuntime)
+        options = runtime.session.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == entry
+    finally:
+        runtime.close()
