@@ -9,6 +9,7 @@ Every candidate predicted on the way is ranked, so the report shows what was con
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -73,9 +74,20 @@ class Predictor:
         curve = self.curve_for(candidate)
         if curve is None:
             return None
+        if oversubscribed(candidate, self.workload):
+            self.cache[candidate] = Prediction(0.0, None, math.inf)
+            return self.cache[candidate]
         prediction = predict(Simulator(candidate, curve, self.workload), self.target)
         self.cache[candidate] = prediction
         return prediction
+
+
+def oversubscribed(candidate: Candidate, workload: Workload) -> bool:
+    """More intra-op threads than cores on the CPU: predicted to serve nothing at the target. The simulation shares
+    the cores in proportion, but a parallel region waits at its barrier for its slowest thread, and with spinning
+    threads that is far worse: two instances of two threads on two cores measured 10.8-12.1 requests/s at p99 <= 100
+    ms against 19-25 for one (resnet18; docs/performance.md, "visionserve tune"), predicted 26-28."""
+    return not workload.cuda and candidate.instances * (candidate.threads or workload.cores) > workload.cores
 
 
 def _largest(figures: RuntimeFigures) -> int:
