@@ -32,6 +32,7 @@ MAX_BATCH, QUEUE, DELAY_MS = 4, 32, 40.0
 # with the load generator at three times capacity on the same two cores, 2.6 ms on a quieter run.
 AT_ONCE_S = DELAY_MS / 1000 / 4
 HELD_S = 2.0
+STALLED_S = 0.1  # the generator's send lag p99 past which a run measured a stalled machine
 PACED = (
     f"max_batch_size = {MAX_BATCH}\nmax_queue_delay_ms = 0\nmax_queue_size = {QUEUE}\n[faults]\ndelay_ms = {DELAY_MS}\n"
 )
@@ -80,7 +81,14 @@ def test_three_times_capacity_is_refused_early_and_accepted_work_stays_within_th
         time.sleep(1)
         rss_before = server_rss_mb(server)
         rate = 3 * measured
-        records = asyncio.run(run_open_loop(server.url, [REQUEST], rate=rate, duration_s=30, timeout_s=20))
+        for _attempt in range(2):
+            records = asyncio.run(run_open_loop(server.url, [REQUEST], rate=rate, duration_s=30, timeout_s=20))
+            # The generator shares the server's cores: when it could not send on schedule, the machine stalled (CI
+            # saw a send lag p99 of 476 ms and refusals' p99 of 184 ms in one run, against 1.5 and 3 ms in others)
+            # and the run measured the machine, not the queue's bound. Measured again once; a second stall fails.
+            if percentile([r.sent_s - r.due_s for r in records], 0.99) <= STALLED_S:
+                break
+            print("\noverload: the load generator fell behind its schedule (a machine stall): measuring again")
         time.sleep(2)
         rss_after = server_rss_mb(server)
         outcomes = summary(records)
