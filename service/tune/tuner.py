@@ -180,9 +180,7 @@ def tune(options: TuneOptions, run: TuneRun, say: Say) -> TuneRun:
     todo = todo[:fits]
     # Predicted again for the steps as they will run (the ranking assumed the default step): a short step lets a
     # rate just past capacity pass before its queue has grown, and the prediction should know it.
-    shaped = Predictor(measured, replace(workload, warmup_s=plan.warmup_s, duration_s=plan.duration_s),
-                       options.slo_p99_ms)  # fmt: skip
-    shaped.curves = predictor.curves
+    shaped = predictor.with_workload(replace(workload, warmup_s=plan.warmup_s, duration_s=plan.duration_s))
     todo = [(c, _rate(shaped, c)) for c, _ in todo]
     steps = f"{plan.max_steps} steps of {plan.duration_s:.1f} s at most"
     say(f"verifying {len(todo)} candidates on a real server ({steps})")
