@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
@@ -200,17 +201,13 @@ def run_export(args: argparse.Namespace) -> int:
                 raise ConfigError("--input-size with --arch takes one SIZE (square inputs)")
             size = args.input_size[0] if args.input_size else None
             source = sources.from_architecture(args.arch, weights=args.weights, input_size=size)
-        images, real_source = source.real_images, source.real_source
         if args.calibration_images:
             images = sources.calibration_images(args.calibration_images, source.spec)
-            real_source = f"{len(images)} images from {args.calibration_images} and random uint8 batches"
-        report = exporter.export_model(
-            source.eager,
-            source.spec,
+            described = f"{len(images)} images from {args.calibration_images} and random uint8 batches"
+            source = dataclasses.replace(source, real_images=images, real_source=described)
+        report = exporter.export_source(
+            source,
             request,
-            real_images=images,
-            real_source=real_source,
-            source_sha256=source.sha256,
             progress=progress,
             int8_data=_int8_source(args, dataset=_checkpoint_dataset(args.checkpoint) if args.checkpoint else None),
         )

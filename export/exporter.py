@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -41,6 +42,9 @@ from service.core.errors import ConfigError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
 from service.core.spec import SPEC_FILE, ExportRecord, ModelSpec, write_spec
 from service.runtime import AotiRuntime, OnnxRuntime, Runtime, TorchScriptRuntime
+
+if TYPE_CHECKING:
+    from export.sources import Source
 
 FORMATS = ("onnx", "torchscript", "aoti")
 DEFAULT_FORMATS = ("onnx", "torchscript")
@@ -99,7 +103,7 @@ class ExportReport:
         return bool(self.artifacts) and all(a.parity.passed for a in self.artifacts)
 
 
-def _check_request(request: ExportRequest) -> None:
+def check_request(request: ExportRequest) -> None:
     bad = [f for f in request.formats if f not in FORMATS]
     if bad or not request.formats:
         raise ConfigError(f"--formats takes a comma-separated list of {', '.join(FORMATS)}, got {bad or '(none)'}")
@@ -229,7 +233,7 @@ def export_model(
     ``artifact_model`` is what gets exported when it differs from the reference (tests use it to prove that a
     broken wrapper is refused); by default it is ``eager`` itself.
     """
-    _check_request(request)
+    check_request(request)
     eager = eager.eval()
     candidates = module_candidates((artifact_model or eager).eval(), spec, request)
 
@@ -249,6 +253,43 @@ def export_model(
     )
 
 
+def export_source(
+    source: Source,
+    request: ExportRequest,
+    *,
+    progress: Progress | None = None,
+    int8_data: Int8Source | None = None,
+) -> ExportReport:
+    """Export where an export starts (:mod:`export.sources`: a checkpoint or a zoo architecture), its parity proved
+    on the source's own real images and its checkpoint's sha256 recorded."""
+    return export_model(
+        source.eager,
+        source.spec,
+        request,
+        real_images=source.real_images,
+        real_source=source.real_source,
+        source_sha256=source.sha256,
+        progress=progress,
+        int8_data=int8_data,
+    )
+
+
+@dataclass
+class _Stage:
+    """One export in progress: its staging folder, and what each candidate is checked against there."""
+
+    spec: ModelSpec
+    request: ExportRequest
+    folder: Path
+    device: str  # where the latency is measured
+    max_batch: int
+    batches: list[np.ndarray]
+    expected: list[np.ndarray]  # the reference's outputs on ``batches``
+    real_source: str
+    source_sha256: str | None
+    say: Progress
+
+
 def publish(
     spec: ModelSpec,
     request: ExportRequest,
@@ -265,21 +306,16 @@ def publish(
     """Produce each candidate in a staging folder, prove its parity against ``reference``, and move the ones that
     pass into the repository with ``spec.json``; with ``request.int8``, quantize the fp32 ONNX artifact on
     ``int8_data(spec)`` and add it if it passes its gate."""
-    _check_request(request)
+    check_request(request)
     say = progress or (lambda _msg: None)
     int8 = None
     if request.int8:
         if int8_data is None:
             raise ConfigError(NO_INT8_DATA)
         int8 = int8_data(spec)  # before any export: unusable images are refused at once
-    repo = ModelRepository(request.repository)
     model_dir = Path(request.repository) / request.name
-    version = request.version or repo.next_version(request.name)
+    version, max_batch = _next_version(request, model_dir)
     version_dir = model_dir / str(version)
-    if version_dir.exists():
-        raise ConfigError(f"{version_dir} already exists: pick another --version or leave it out for the next free one")
-    existing_config = load_config(model_dir / CONFIG_FILE)
-    max_batch = request.max_batch_size or existing_config.max_batch_size
     device = _device(request.device)
     shape = (spec.input.channels, spec.input.height, spec.input.width)
     batches = parity_batches(real_images, shape, max_batch)
@@ -288,65 +324,24 @@ def publish(
 
     model_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=model_dir))
+    stage = _Stage(spec, request, staging, device, max_batch, batches, expected, real_source, source_sha256, say)
     reports: list[ArtifactReport] = []
     records: list[ExportRecord] = []
     final_spec: ModelSpec | None = None
     try:
         for candidate in candidates:
-            fmt, precision = candidate.format, candidate.precision
-            file_name = (FP16_FILES if precision == "fp16" else MODEL_FILES)[fmt]
-            target = staging / file_name
-            say(f"exporting {fmt} {precision}")
-            started = time.perf_counter()
-            candidate.produce(target)
-            export_s = time.perf_counter() - started
-            runtime: Runtime | None = None
-            if precision == "fp16" and not torch.cuda.is_available():
-                parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note="no GPU here")
-            else:
-                say(f"parity {fmt} {precision}")
-                check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
-                runtime = make_runtime(fmt, spec, target, check_device, max_batch)
-                parity = compare(expected, runtime.run, batches, FP32 if precision == "fp32" else FP16)
-            report = ArtifactReport(fmt, precision, file_name, target.stat().st_size, export_s, parity)
+            report, record = _gate(stage, candidate)
             reports.append(report)
-            if runtime is not None and parity.passed and request.latency:
-                if runtime.device != device and candidate.device is None:  # a compiled package stays on its own
-                    runtime.close()
-                    runtime = make_runtime(fmt, spec, target, device, max_batch)
-                say(f"latency {fmt} {precision} on {runtime.device}")
-                report.latency_ms = measure_latency(runtime, spec, sorted({1, min(8, max_batch), max_batch}))
-            if runtime is not None:
-                runtime.close()
-            if not parity.passed:
-                target.unlink()
-                continue
-            records.append(
-                ExportRecord(
-                    format="onnx" if fmt == "onnx" else ("aoti" if fmt.startswith("aoti") else "torchscript"),
-                    file=file_name,
-                    precision="fp16" if precision == "fp16" else "fp32",
-                    opset=request.opset if fmt == "onnx" else None,
-                    versions=_versions(),
-                    source_sha256=source_sha256,
-                    parity_max_rel_error=parity.max_rel_error if parity.checked else None,
-                    parity_top1_agreement=parity.top1_agreement if parity.checked else None,
-                    parity_checked_on=f"{real_source}; {parity.images} images" if parity.checked else parity.note,
-                    created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                )
-            )
+            if record is not None:
+                records.append(record)
         if int8 is not None:
-            record = _int8_artifact(staging, spec, request, int8, reports, say, device, max_batch)
+            record = _int8_artifact(stage, int8, reports)
             if record is not None:
                 records.append(msgspec.structs.replace(record, source_sha256=source_sha256))
         if records:
-            final_spec = msgspec.structs.replace(spec, name=request.name, exports=tuple(records))
-            write_spec(final_spec, staging / SPEC_FILE)
-            staging.rename(version_dir)
+            final_spec = _commit(stage, records, version_dir)
             for report in reports:
                 report.written = report.parity.passed
-            if not (model_dir / CONFIG_FILE).exists():
-                (model_dir / CONFIG_FILE).write_text(default_config_text(max_batch))
     finally:
         if staging.exists():
             shutil.rmtree(staging)
@@ -364,24 +359,91 @@ def publish(
     )
 
 
-def _int8_artifact(
-    staging: Path,
-    spec: ModelSpec,
-    request: ExportRequest,
-    data: Int8Data,
-    reports: list[ArtifactReport],
-    say: Progress,
-    device: str,
-    max_batch: int,
-) -> ExportRecord | None:
+def _next_version(request: ExportRequest, model_dir: Path) -> tuple[int, int]:
+    """(the version to write, refused if it exists; the largest batch to check: the request's, else the config's)."""
+    repo = ModelRepository(request.repository)
+    version = request.version or repo.next_version(request.name)
+    version_dir = model_dir / str(version)
+    if version_dir.exists():
+        raise ConfigError(f"{version_dir} already exists: pick another --version or leave it out for the next free one")
+    existing_config = load_config(model_dir / CONFIG_FILE)
+    return version, request.max_batch_size or existing_config.max_batch_size
+
+
+def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRecord | None]:
+    """Produce ``candidate`` in the staging folder and check its parity (and latency); its record if it passed,
+    else it is deleted again."""
+    fmt, precision = candidate.format, candidate.precision
+    file_name = (FP16_FILES if precision == "fp16" else MODEL_FILES)[fmt]
+    target = stage.folder / file_name
+    stage.say(f"exporting {fmt} {precision}")
+    started = time.perf_counter()
+    candidate.produce(target)
+    export_s = time.perf_counter() - started
+    runtime: Runtime | None = None
+    if precision == "fp16" and not torch.cuda.is_available():
+        parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note="no GPU here")
+    else:
+        stage.say(f"parity {fmt} {precision}")
+        check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
+        runtime = make_runtime(fmt, stage.spec, target, check_device, stage.max_batch)
+        parity = compare(stage.expected, runtime.run, stage.batches, FP32 if precision == "fp32" else FP16)
+    report = ArtifactReport(fmt, precision, file_name, target.stat().st_size, export_s, parity)
+    if runtime is not None and parity.passed and stage.request.latency:
+        if runtime.device != stage.device and candidate.device is None:  # a compiled package stays on its own
+            runtime.close()
+            runtime = make_runtime(fmt, stage.spec, target, stage.device, stage.max_batch)
+        stage.say(f"latency {fmt} {precision} on {runtime.device}")
+        report.latency_ms = measure_latency(runtime, stage.spec, _latency_sizes(stage.max_batch))
+    if runtime is not None:
+        runtime.close()
+    if not parity.passed:
+        target.unlink()
+        return report, None
+    return report, _export_record(stage, fmt, precision, file_name, parity)
+
+
+def _latency_sizes(max_batch: int) -> list[int]:
+    return sorted({1, min(8, max_batch), max_batch})
+
+
+def _export_record(stage: _Stage, fmt: str, precision: str, file_name: str, parity: ParityResult) -> ExportRecord:
+    return ExportRecord(
+        format="onnx" if fmt == "onnx" else ("aoti" if fmt.startswith("aoti") else "torchscript"),
+        file=file_name,
+        precision="fp16" if precision == "fp16" else "fp32",
+        opset=stage.request.opset if fmt == "onnx" else None,
+        versions=_versions(),
+        source_sha256=stage.source_sha256,
+        parity_max_rel_error=parity.max_rel_error if parity.checked else None,
+        parity_top1_agreement=parity.top1_agreement if parity.checked else None,
+        parity_checked_on=f"{stage.real_source}; {parity.images} images" if parity.checked else parity.note,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+def _commit(stage: _Stage, records: list[ExportRecord], version_dir: Path) -> ModelSpec:
+    """Write ``spec.json`` into the staging folder and move it into place as the version (and a default
+    ``config.toml`` beside it, for a new model); the spec written."""
+    final_spec = msgspec.structs.replace(stage.spec, name=stage.request.name, exports=tuple(records))
+    write_spec(final_spec, stage.folder / SPEC_FILE)
+    stage.folder.rename(version_dir)
+    config = version_dir.parent / CONFIG_FILE
+    if not config.exists():
+        config.write_text(default_config_text(stage.max_batch))
+    return final_spec
+
+
+def _int8_artifact(stage: _Stage, data: Int8Data, reports: list[ArtifactReport]) -> ExportRecord | None:
     """Quantize the staged fp32 ``model.onnx`` into ``model.int8.onnx`` and gate it; its record if it is kept."""
-    fp32 = staging / MODEL_FILES["onnx"]
+    fp32 = stage.folder / MODEL_FILES["onnx"]
     if not fp32.is_file():  # its own parity failed: there is nothing trustworthy to quantize
         return None
-    target = staging / INT8_FILE
+    target = stage.folder / INT8_FILE
+    request, spec = stage.request, stage.spec
     options = Int8Options(method=request.int8_method, ungated=request.int8_ungated, exclude=request.int8_exclude)
     started = time.perf_counter()
-    verdict = quantize_model(fp32, target, data, options, progress=say)
+    verdict = quantize_model(fp32, target, data, options, progress=stage.say)
     report = ArtifactReport("onnx", "int8", INT8_FILE, 0, time.perf_counter() - started, verdict)
     reports.append(report)
     if not target.is_file():
@@ -389,10 +451,10 @@ def _int8_artifact(
     report.size_bytes = target.stat().st_size
     if request.latency:
         # INT8 is onnxruntime's CPU path here; on CUDA it needs TensorRT, which export does not assume.
-        say("latency onnx int8 on cpu")
+        stage.say("latency onnx int8 on cpu")
         runtime = OnnxRuntime(spec, target, device="cpu", name=spec.name)
         try:
-            report.latency_ms = measure_latency(runtime, spec, sorted({1, min(8, max_batch), max_batch}))
+            report.latency_ms = measure_latency(runtime, spec, _latency_sizes(stage.max_batch))
         finally:
             runtime.close()
     gate = verdict.record

@@ -216,6 +216,23 @@ def _check_width(out: np.ndarray, labels: Sequence[str], src: Path) -> None:
         )
 
 
+def _probe_onnx(wrapped: Path, src: Path, spec: ModelSpec, labels: Sequence[str], layout: str) -> list[str]:
+    """Refuse a wrapped graph that does not run on the described input or gives other than one output per label;
+    the report's notes (a batch of one fixed inside the graph, served unbatched)."""
+    probe = OnnxReference(wrapped, spec, layout)
+    try:
+        first = probe(np.zeros((1, 3, spec.input.height, spec.input.width), np.uint8))
+    except Exception as exc:
+        raise ConfigError(f"{src} does not run on a batch of the described input: {exc}") from exc
+    _check_width(first, labels, src)
+    if runs_batches(probe, spec):
+        return []
+    return [
+        f"{src.name} has a batch size of 1 fixed inside its graph: it is served with max_batch_size = 1 "
+        "(re-export it with a dynamic batch dimension to batch)"
+    ]
+
+
 def place_outside_model(
     *,
     onnx_path: str | None,
@@ -248,18 +265,8 @@ def place_outside_model(
         with tempfile.TemporaryDirectory() as tmp:
             wrapped = Path(tmp) / "model.onnx"
             wrap_onnx(src, wrapped, spec, description.layout)
-            probe = OnnxReference(wrapped, spec, description.layout)
-            try:
-                first = probe(np.zeros((1, 3, spec.input.height, spec.input.width), np.uint8))
-            except Exception as exc:
-                raise ConfigError(f"{src} does not run on a batch of the described input: {exc}") from exc
-            _check_width(first, labels, src)
-            notes = []
-            if not runs_batches(probe, spec):
-                notes.append(
-                    f"{src.name} has a batch size of 1 fixed inside its graph: it is served with max_batch_size = 1 "
-                    "(re-export it with a dynamic batch dimension to batch)"
-                )
+            notes = _probe_onnx(wrapped, src, spec, labels, description.layout)
+            if notes:
                 say(notes[-1])
                 request = msgspec.structs.replace(request, max_batch_size=1)
             original = OnnxReference(src, spec, description.layout)

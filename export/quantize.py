@@ -225,48 +225,14 @@ def quantize_model(
     """Quantize ``fp32_path`` into ``target``, gate it on ``data.held_out``, and delete ``target`` again when it
     fails (unless ``options.ungated``). Raises :class:`ConfigError` for unusable inputs (too few images, an
     unknown method or excluded node)."""
-    import onnx
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     say = progress or (lambda _m: None)
     _check(data, options)
     calibration = data.calibration[:MAX_CALIBRATION]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="int8-") as tmp:
-        prepared = Path(tmp) / "prepared.onnx"
-        # Shape inference and onnxruntime's graph fusions first (Conv+BatchNorm, ...), as its guide asks: a tensor
-        # of unknown shape cannot be quantized.
-        quant_pre_process(str(fp32_path), str(prepared))
-        model = onnx.load(str(prepared))
-        input_name = model.graph.input[0].name
-        names = {n.name for n in model.graph.node}
-        unknown = [n for n in options.exclude if n not in names]
-        if unknown:
-            convs = [n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")][:8]
-            raise ConfigError(f"--int8-exclude names no node of the graph: {unknown} (layers include {convs})")
-        exclude = [*front_nodes(model), *options.exclude]
-        first_layer, last_layer = layer_names(model)
+        graph = _prepare(fp32_path, Path(tmp), options)
         fp32 = _session(fp32_path)
-        reference_cal = _run(fp32, calibration)
-        tried: dict[str, float] = {}
-        errors: dict[str, float] = {}
-        candidates = [options.method] if options.method != "auto" else ["minmax", "percentile"]
-        if options.method == "auto" and options.ungated:
-            candidates = ["minmax"]  # nothing meaningful to choose on when fp32's answers are noise
-        best: str | None = None
-        while candidates:
-            method = candidates.pop(0)
-            out = Path(tmp) / f"{method}.onnx"
-            say(f"int8: calibrating with {method} on {len(calibration)} images")
-            _quantize(prepared, out, input_name, calibration, method, exclude)
-            got = _run(_session(out), calibration)
-            tried[method] = float((got.argmax(1) == reference_cal.argmax(1)).mean())
-            errors[method] = float(_rel_error(got, reference_cal).mean())
-            best = max(tried, key=lambda m: (tried[m], -errors[m]))
-            auto = options.method == "auto" and not options.ungated
-            if auto and not candidates and "entropy" not in tried and tried[best] < options.min_top1_agreement:
-                candidates.append("entropy")  # slower (histograms), so only when the quick two miss
-        assert best is not None
+        best, tried = _calibrate(graph, fp32, calibration, options, say)
         (Path(tmp) / f"{best}.onnx").replace(target)
     quantize_s = time.perf_counter() - started
 
@@ -295,15 +261,73 @@ def quantize_model(
         calibration_source=data.calibration_source,
         calibration_method=best,  # type: ignore[arg-type]
         methods_tried=tried,
-        excluded_nodes=tuple(exclude),
+        excluded_nodes=tuple(graph.exclude),
         quantize_s=round(quantize_s, 3),
     )
     verdict = Int8Verdict(record, float(_rel_error(got, reference).max()))
     if not passed:
-        verdict.hints = _hints(record, options, first_layer, last_layer)
+        verdict.hints = _hints(record, options, graph.first_layer, graph.last_layer)
         if not options.ungated:
             target.unlink(missing_ok=True)
     return verdict
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """The fp32 graph made ready to quantize, and what quantizing it needs to know."""
+
+    path: Path  # shape-inferred and fused, in the working folder
+    input_name: str
+    exclude: list[str]  # nodes kept in float: the input's front, and the ones asked for
+    first_layer: str | None
+    last_layer: str | None
+
+
+def _prepare(fp32_path: Path, folder: Path, options: Int8Options) -> _Prepared:
+    import onnx
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    prepared = folder / "prepared.onnx"
+    # Shape inference and onnxruntime's graph fusions first (Conv+BatchNorm, ...), as its guide asks: a tensor
+    # of unknown shape cannot be quantized.
+    quant_pre_process(str(fp32_path), str(prepared))
+    model = onnx.load(str(prepared))
+    names = {n.name for n in model.graph.node}
+    unknown = [n for n in options.exclude if n not in names]
+    if unknown:
+        convs = [n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")][:8]
+        raise ConfigError(f"--int8-exclude names no node of the graph: {unknown} (layers include {convs})")
+    first_layer, last_layer = layer_names(model)
+    exclude = [*front_nodes(model), *options.exclude]
+    return _Prepared(prepared, model.graph.input[0].name, exclude, first_layer, last_layer)
+
+
+def _calibrate(
+    graph: _Prepared, fp32: Any, calibration: np.ndarray, options: Int8Options, say: Say
+) -> tuple[str, dict[str, float]]:
+    """Quantize with each method to try (``<method>.onnx`` beside the prepared graph) and pick the one whose
+    outputs agree best with fp32 on the calibration images: (that method, the agreement of each one tried)."""
+    reference_cal = _run(fp32, calibration)
+    tried: dict[str, float] = {}
+    errors: dict[str, float] = {}
+    candidates = [options.method] if options.method != "auto" else ["minmax", "percentile"]
+    if options.method == "auto" and options.ungated:
+        candidates = ["minmax"]  # nothing meaningful to choose on when fp32's answers are noise
+    best: str | None = None
+    while candidates:
+        method = candidates.pop(0)
+        out = graph.path.parent / f"{method}.onnx"
+        say(f"int8: calibrating with {method} on {len(calibration)} images")
+        _quantize(graph.path, out, graph.input_name, calibration, method, graph.exclude)
+        got = _run(_session(out), calibration)
+        tried[method] = float((got.argmax(1) == reference_cal.argmax(1)).mean())
+        errors[method] = float(_rel_error(got, reference_cal).mean())
+        best = max(tried, key=lambda m: (tried[m], -errors[m]))
+        auto = options.method == "auto" and not options.ungated
+        if auto and not candidates and "entropy" not in tried and tried[best] < options.min_top1_agreement:
+            candidates.append("entropy")  # slower (histograms), so only when the quick two miss
+    assert best is not None
+    return best, tried
 
 
 def _hints(record: Int8Record, options: Int8Options, first: str | None, last: str | None) -> list[str]:

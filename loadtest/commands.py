@@ -9,9 +9,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.core.arguments import comma_floats, comma_ints, size_pair
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from loadtest.inputs import Payload
+    from loadtest.slo import SloSearch
+    from loadtest.step import StepBounds, StepResult
 
 
 def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,37 +115,79 @@ def _preflight(url: str, payload: Any) -> str | None:
 
 def run_loadtest(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from loadtest.inputs import payloads
-    from loadtest.pool import WorkerPool
-    from loadtest.report import compare, print_comparison, print_report, write_files
-    from loadtest.slo import search
-    from loadtest.step import StepBounds, StepResult, StepSpec, run_step
-    from service.core.samples import image_files, photo_like_jpegs
+    from loadtest.report import compare, print_comparison, print_report
+    from loadtest.step import StepBounds
 
     err = Console(stderr=True)
-    if args.processes < 1 or args.images_per_request < 1 or min(args.duration, args.timeout) <= 0:
-        err.print("--processes and --images-per-request must be >= 1; --duration and --timeout > 0")
-        return 2
     url = args.url.rstrip("/")
-    try:
-        images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
-    except (OSError, ValueError) as exc:
-        err.print(f"--images: {exc}")
+    ready = _payloads(args, url, err)
+    if ready is None:
         return 2
-    bodies = payloads(args.model, images, protocol=args.protocol, per_request=args.images_per_request)
-    grpc_target = args.grpc_url if args.protocol == "grpc" else ""
-    problem = _preflight_grpc(grpc_target, bodies[0], 60) if grpc_target else _preflight(url, bodies[0])
-    if problem:
-        err.print(f"[red]not starting the load test:[/red] {problem}")
-        return 2
+    bodies, grpc_target = ready
     bounds = StepBounds(
         url=url, warmup_s=args.warmup, duration_s=args.duration, drain_s=args.drain, timeout_s=args.timeout,
         max_requests=args.max_requests, max_send_lag_ms=args.max_send_lag_ms, max_inflight=args.max_inflight,
         seed=args.seed, grpc_target=grpc_target,
     )  # fmt: skip
     mode = "open" if args.slo_p99_ms is not None else args.mode
+    steps, slo = _run_steps(args, bodies, bounds, mode, err)
+    report: dict[str, Any] = {
+        "url": url, "model": args.model, "mode": mode, "protocol": args.protocol,
+        "images_per_request": args.images_per_request, "processes": args.processes,
+        "warmup_s": args.warmup, "duration_s": args.duration, "steps": [s.summary() for s in steps],
+        "slo": slo.summary() if slo else None,
+    }  # fmt: skip
+    out = Console(width=None if sys.stdout.isatty() else 170)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report, out)
+    if args.out:
+        _write_files(args, report, steps, mode, err)
+    if args.compare:
+        rows, regressed = compare(report, json.loads(Path(args.compare).read_text()), args.tolerance)
+        print_comparison(rows, args.tolerance, err if args.json else out)
+        if not rows:
+            return 2
+        if regressed:
+            return 1
+    return 0
+
+
+def _payloads(args: argparse.Namespace, url: str, err: Console) -> tuple[list[Payload], str] | None:
+    """The request bodies, and the gRPC target ("" over HTTP), once the first body has been answered; None (and
+    why, on ``err``) when the flags, the images or the server rule the load test out."""
+    from loadtest.inputs import payloads
+    from service.core.samples import image_files, photo_like_jpegs
+
+    if args.processes < 1 or args.images_per_request < 1 or min(args.duration, args.timeout) <= 0:
+        err.print("--processes and --images-per-request must be >= 1; --duration and --timeout > 0")
+        return None
+    try:
+        images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
+    except (OSError, ValueError) as exc:
+        err.print(f"--images: {exc}")
+        return None
+    bodies = payloads(args.model, images, protocol=args.protocol, per_request=args.images_per_request)
+    grpc_target = args.grpc_url if args.protocol == "grpc" else ""
+    problem = _preflight_grpc(grpc_target, bodies[0], 60) if grpc_target else _preflight(url, bodies[0])
+    if problem:
+        err.print(f"[red]not starting the load test:[/red] {problem}")
+        return None
+    return bodies, grpc_target
+
+
+def _run_steps(
+    args: argparse.Namespace, bodies: list[Payload], bounds: StepBounds, mode: str, err: Console
+) -> tuple[list[StepResult], SloSearch | None]:
+    """The steps the flags ask for (the p99-target search's, with ``--slo-p99-ms``), with progress bars."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from loadtest.pool import WorkerPool
+    from loadtest.slo import search
+    from loadtest.step import StepSpec, run_step
+
     progress = None if args.no_progress else Progress(
         TextColumn("{task.description:>18}"), BarColumn(), TextColumn("{task.fields[answers]} answers"),
         TimeRemainingColumn(), console=err, transient=False,
@@ -168,31 +217,19 @@ def run_loadtest(args: argparse.Namespace) -> int:
         finally:
             if progress is not None:
                 progress.stop()
-    report: dict[str, Any] = {
-        "url": url, "model": args.model, "mode": mode, "protocol": args.protocol,
-        "images_per_request": args.images_per_request, "processes": args.processes,
-        "warmup_s": args.warmup, "duration_s": args.duration, "steps": [s.summary() for s in steps],
-        "slo": slo.summary() if slo else None,
-    }  # fmt: skip
-    out = Console(width=None if sys.stdout.isatty() else 170)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_report(report, out)
-    if args.out:
-        from loadtest.plots import draw_all
+    return steps, slo
 
-        folder = Path(args.out)
-        files = write_files(report, folder)
-        title = f"{args.model}: {mode} loop, {args.protocol} protocol"
-        files += draw_all(sorted(steps, key=lambda s: (s.spec.concurrency, s.spec.rate)), folder, title,
-                          args.slo_p99_ms)  # fmt: skip
-        err.print("wrote " + ", ".join(str(f) for f in files))
-    if args.compare:
-        rows, regressed = compare(report, json.loads(Path(args.compare).read_text()), args.tolerance)
-        print_comparison(rows, args.tolerance, err if args.json else out)
-        if not rows:
-            return 2
-        if regressed:
-            return 1
-    return 0
+
+def _write_files(
+    args: argparse.Namespace, report: dict[str, Any], steps: list[StepResult], mode: str, err: Console
+) -> None:
+    """results.json, steps.csv and the plots into ``--out``."""
+    from loadtest.plots import draw_all
+    from loadtest.report import write_files
+
+    folder = Path(args.out)
+    files = write_files(report, folder)
+    title = f"{args.model}: {mode} loop, {args.protocol} protocol"
+    files += draw_all(sorted(steps, key=lambda s: (s.spec.concurrency, s.spec.rate)), folder, title,
+                      args.slo_p99_ms)  # fmt: skip
+    err.print("wrote " + ", ".join(str(f) for f in files))

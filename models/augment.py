@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from service.core.preprocess import _DRAFT_GAP, _RESAMPLE
+from service.core.preprocess import DRAFT_GAP, RESAMPLE
 from service.core.spec import ModelSpec
 
 
@@ -83,7 +83,7 @@ def augment_pil(img: Image.Image, spec: ModelSpec, aug: Augmentation, key: tuple
         # The same reduced-scale decode as serving: the crop is then resized from at least twice the served
         # resolution, and decoding costs a quarter of the pixels for a 500x375 photo at 64x64.
         w, h = img.size
-        scale = spec.resize_size * _DRAFT_GAP / min(w, h)
+        scale = spec.resize_size * DRAFT_GAP / min(w, h)
         if scale < 1:
             img.draft(mode, (int(w * scale) + 1, int(h * scale) + 1))
     img.load()
@@ -91,7 +91,7 @@ def augment_pil(img: Image.Image, spec: ModelSpec, aug: Augmentation, key: tuple
         img = img.convert(mode)
     d = draw(aug, img.width, img.height, *key)
     box = (d.left, d.top, d.left + d.width, d.top + d.height)
-    out = img.resize((spec.input.width, spec.input.height), _RESAMPLE[spec.interpolation], box=box)
+    out = img.resize((spec.input.width, spec.input.height), RESAMPLE[spec.interpolation], box=box)
     if d.flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     arr = np.asarray(out, dtype=np.uint8)

@@ -1,11 +1,19 @@
-"""``visionserve train`` and ``visionserve models``. Heavy imports wait until a command runs."""
+"""``visionserve train`` and ``visionserve models``. Heavy imports wait until a command runs.
+
+``train --export`` goes on, after training, to export the checkpoint into a model repository (and ``--reload`` a
+running server). That step is export/'s, which models/ stands below and may not import, so the command line hands
+it in (:data:`PrepareExport`, ``service/cli.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import shutil
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from service.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -71,6 +79,32 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--resume", default=None, help="continue an interrupted run from this checkpoint (same flags otherwise)"
     )
+    _add_export_arguments(p)
+
+
+def _add_export_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("export after training (train -> serve in one command)")
+    g.add_argument(
+        "--export",
+        action="store_true",
+        help="after training, export the checkpoint (--out) into --repository as the next version, parity-gated",
+    )
+    g.add_argument("--repository", default="model_repository", help="with --export: the model repository")
+    g.add_argument(
+        "--name",
+        default=None,
+        help="with --export: the model's name in the repository; default: the dataset folder's name "
+        "(digits and synthetic: the dataset's name)",
+    )
+    g.add_argument("--formats", default="onnx,torchscript", help="with --export: onnx, torchscript and/or aoti")
+    g.add_argument(
+        "--reload",
+        default=None,
+        metavar="URL",
+        help="with --export: a running server (http://HOST:PORT) to load the new version through its repository "
+        "API; needs its admin token in --admin-token or VISIONSERVE_ADMIN_TOKEN",
+    )
+    g.add_argument("--admin-token", default=None, help="with --reload: the server's admin token")
 
 
 class _RichProgress:
@@ -170,9 +204,26 @@ def train_from_args(args: argparse.Namespace) -> TrainResult:
     return result
 
 
-def run_train(args: argparse.Namespace) -> int:
-    train_from_args(args)
-    return 0
+ExportStep = Callable[[str], int]
+"""Exports the checkpoint at a path after training; the command's exit status."""
+PrepareExport = Callable[[argparse.Namespace], ExportStep]
+"""Checks the ``--export`` flags (before a long training run, not after it) and gives the step that runs after."""
+
+
+def run_train(args: argparse.Namespace, *, export: PrepareExport | None = None) -> int:
+    """``visionserve train``; with ``--export``, ``export`` (handed in by the command line) runs after training on
+    rank 0, on the checkpoint written."""
+    step: ExportStep | None = None
+    if args.export:
+        if export is None:
+            raise ConfigError("--export needs the export step, which `visionserve train` hands in")
+        step = export(args)
+    elif args.reload:
+        raise ConfigError("--reload loads what --export wrote: add --export")
+    result = train_from_args(args)
+    if step is None or result.rank != 0 or result.path is None:
+        return 0
+    return step(result.path)
 
 
 def add_models_arguments(p: argparse.ArgumentParser) -> None:

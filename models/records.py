@@ -5,17 +5,14 @@ from __future__ import annotations
 import platform
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 import torch
 import torchvision
 
 from models.checkpoint import EpochRecord, SkippedImage, TrainRecord
+from models.config import TrainConfig
 from models.feeds import Feed
 from models.folder import MAX_LISTED_SKIPS
-
-if TYPE_CHECKING:
-    from models.train import TrainConfig
 
 
 def training_record(

@@ -15,9 +15,10 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -28,6 +29,7 @@ from torch import nn
 from models import resume as resuming
 from models.augment import augmentation_for
 from models.checkpoint import (
+    Checkpoint,
     EpochRecord,
     TrainRecord,
     apply_weights,
@@ -35,6 +37,7 @@ from models.checkpoint import (
     load_weights,
     save_checkpoint,
 )
+from models.config import TrainConfig
 from models.datasets import Dataset, load_dataset
 from models.feeds import Batch, Feed, MemoryFeed
 from models.folder import StreamFeed, choose_mode, default_workers, memory_feed, scan_folder
@@ -44,27 +47,6 @@ from models.records import training_record
 from models.registry import get_architecture, with_input_size
 from service.core.errors import ConfigError
 from service.core.spec import ModelSpec
-
-
-class TrainConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Settings of one training run; the defaults train the embedded digits model."""
-
-    arch: str = "smallcnn"
-    dataset: str = "digits"
-    epochs: int = 10
-    batch_size: int = 32
-    lr: float = 0.01
-    weight_decay: float = 5e-4
-    seed: int = 0
-    device: str = "auto"
-    input_size: int | None = None
-    weights: str | None = None
-    out: str = "checkpoints/digits.pt"
-    workers: int | None = None  # DataLoader workers for folders; None: models.folder.default_workers()
-    loader: str = "auto"  # folders: auto | memory | stream
-    augment: bool = True  # folders: random resized crop and flip (models/augment.py)
-    resume: str | None = None  # a checkpoint written by an earlier, interrupted run of this same config
-    limit_batches: int | None = None  # benchmarks and smoke runs: at most this many batches per epoch and pass
 
 
 @dataclass(frozen=True)
@@ -208,6 +190,46 @@ def _make_feed(
     return feed, []
 
 
+@dataclass
+class _Run:
+    """One run's state as its epochs go: what each epoch trains with, and what its checkpoints record."""
+
+    config: TrainConfig
+    feed: Feed
+    device: torch.device
+    rank: int
+    world: int
+    spec: ModelSpec  # named after the architecture and the dataset: what the checkpoints carry
+    network: nn.Module
+    model: nn.Module  # the uint8 classifier around ``network``, on the device
+    train_model: nn.Module  # ``model``, or DistributedDataParallel around it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    amp_dtype: torch.dtype | None
+    steps_per_epoch: int
+    skipped: dict[str, str]
+    history: list[EpochRecord] = field(default_factory=list)
+    best: tuple[int, float] | None = None
+    first_epoch: int = 1
+    resumed_from: int | None = None
+    started: float = 0.0
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.feed.generator if isinstance(self.feed, MemoryFeed) else None
+
+    @property
+    def best_path(self) -> Path | None:
+        return best_path_for(self.config.out) if self.config.out else None
+
+    def summary(self) -> TrainRecord:
+        return training_record(
+            self.config, self.feed, self.device, self.world, self.history, self.best, self.skipped, self.started,
+            self.resumed_from,
+        )  # fmt: skip
+
+
 def train(
     config: TrainConfig,
     *,
@@ -221,126 +243,186 @@ def train(
     resume_from = load_resume_state(config.resume) if config.resume else None
 
     with _distributed(device) as (rank, world, device):
-        feed, skipped_list = _make_feed(config, _spec_for(config), dataset, rank, world, device)
-        skipped = dict(skipped_list)
-        spec = _spec_for(config, feed.labels)
-        if feed.train_size == 0:
-            raise ConfigError(f"dataset {config.dataset} has no training images")
-        _seed_everything(config.seed)
-        network = get_architecture(config.arch).build(num_classes=len(feed.labels))
-        if resume_from is not None:
-            previous = resuming.check_compatible(
-                resume_from[0],
-                arch=config.arch,
-                dataset=feed.name,
-                epochs=config.epochs,
-                batch_size=config.batch_size,
-                lr=config.lr,
-                seed=config.seed,
-                world=world,
-            )
-            apply_weights(network, resume_from[0].state_dict, source=str(config.resume))
-        elif config.weights:
-            state = load_weights(config.weights)
-            # A classifier head of another width (ImageNet weights fine-tuned on a folder) is re-initialised.
-            own = network.state_dict()
-            state = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-            apply_weights(network, {**own, **state}, source=config.weights)
-        model: nn.Module = Uint8Classifier(network, spec.mean, spec.std).to(device)
-        if device.type == "cuda":
-            model = model.to(memory_format=torch.channels_last)
-        train_model: nn.Module = model
-        if world > 1:
-            train_model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
-
-        steps_per_epoch = min(feed.steps_per_epoch(), config.limit_batches or feed.steps_per_epoch())
-        optimizer = torch.optim.SGD(
-            model.parameters(), lr=config.lr, momentum=0.9, nesterov=True, weight_decay=config.weight_decay
-        )
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=config.lr, total_steps=config.epochs * steps_per_epoch, pct_start=0.2
-        )
-        amp_dtype = _amp_dtype(device)
-        scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
-        generator = feed.generator if isinstance(feed, MemoryFeed) else None
-        history: list[EpochRecord] = []
-        best: tuple[int, float] | None = None
-        first_epoch = 1
-        resumed_from: int | None = None
-        if resume_from is not None:
-            done, seen_bad = resuming.restore(
-                resume_from[1], optimizer=optimizer, scheduler=scheduler, scaler=scaler, generator=generator
-            )
-            skipped |= seen_bad
-            history = list(previous.history)
-            if previous.best_epoch is not None and previous.best_val_accuracy is not None:
-                best = (previous.best_epoch, previous.best_val_accuracy)
-            first_epoch, resumed_from = done + 1, done
-        started = time.perf_counter() - (sum(h.duration_s for h in history))
-        best_path = best_path_for(config.out) if config.out else None
-        named = msgspec.structs.replace(spec, name=f"{config.arch}-{feed.name.split(':')[0]}")
+        run = _prepare(config, dataset, resume_from, rank, world, device)
         threads = torch.get_num_threads()
-        torch.set_num_threads(_compute_threads(device, feed, threads))
+        torch.set_num_threads(_compute_threads(device, run.feed, threads))
         try:
-            for epoch in range(first_epoch, config.epochs + 1):
-                epoch_start = time.perf_counter()
-                feed.set_epoch(epoch)
-                if rank == 0:
-                    progress.start_epoch(epoch, steps_per_epoch)
-                stats = train_epoch(
-                    train_model,
-                    islice(feed.train_batches(), steps_per_epoch),
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    scaler=scaler,
-                    device=device,
-                    amp_dtype=amp_dtype,
-                    progress=progress if rank == 0 else None,
-                )
-                val_acc, val_stats = evaluate_batches(model, islice(feed.val_batches(), config.limit_batches), device)
-                skipped |= dict(stats.skipped) | dict(val_stats.skipped)
-                record = EpochRecord(
-                    epoch=epoch,
-                    train_loss=stats.loss_sum / max(stats.seen, 1),
-                    train_accuracy=stats.correct / max(stats.seen, 1),
-                    val_accuracy=None if math.isnan(val_acc) else val_acc,
-                    duration_s=time.perf_counter() - epoch_start,
-                    images_per_s=stats.images_per_s,
-                    data_wait_s=stats.data_wait_s,
-                    compute_s=stats.compute_s,
-                    skipped_images=len(stats.skipped) + len(val_stats.skipped),
-                )
-                history.append(record)
-                improved = record.val_accuracy is not None and (best is None or record.val_accuracy > best[1])
-                if improved and record.val_accuracy is not None:
-                    best = (epoch, record.val_accuracy)
-                summary = training_record(config, feed, device, world, history, best, skipped, started, resumed_from)
-                if rank == 0 and config.out:
-                    state = resuming.capture(
-                        epoch=epoch,
-                        optimizer=optimizer,
-                        scheduler=scheduler,
-                        scaler=scaler,
-                        generator=generator,
-                        skipped=skipped,
-                    )
-                    weights = network.state_dict()
-                    save_checkpoint(config.out, state_dict=weights, spec=named, record=summary, resume=state)
-                    if improved and best_path is not None:
-                        save_checkpoint(best_path, state_dict=weights, spec=named, record=summary)
-                if rank == 0:
-                    progress.end_epoch(record)
+            for epoch in range(run.first_epoch, config.epochs + 1):
+                summary = _train_epoch(run, epoch, progress)
         finally:
             torch.set_num_threads(threads)
-            feed.close()
+            run.feed.close()
         if world > 1:  # each rank saw its own share of the files: the record names them all
-            gathered: list[dict[str, str] | None] = [None] * world
-            dist.all_gather_object(gathered, skipped)
-            for part in gathered:
-                skipped |= part or {}
-            summary = training_record(config, feed, device, world, history, best, skipped, started, resumed_from)
+            summary = _gather_skipped(run)
         path = config.out if rank == 0 and config.out else None
+        best_path = run.best_path
         best_written = str(best_path) if path and best_path is not None and best_path.exists() else None
-        return TrainResult(spec=named, record=summary, path=path, rank=rank, best_path=best_written)
+        return TrainResult(spec=run.spec, record=summary, path=path, rank=rank, best_path=best_written)
+
+
+def _prepare(
+    config: TrainConfig,
+    dataset: Dataset | None,
+    resume_from: tuple[Checkpoint, dict[str, Any]] | None,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> _Run:
+    """The feed, the network (resumed, or from ``--weights``) on the device, its optimiser, and the state so far."""
+    feed, skipped_list = _make_feed(config, _spec_for(config), dataset, rank, world, device)
+    spec = _spec_for(config, feed.labels)
+    if feed.train_size == 0:
+        raise ConfigError(f"dataset {config.dataset} has no training images")
+    _seed_everything(config.seed)
+    network = get_architecture(config.arch).build(num_classes=len(feed.labels))
+    previous = _load_start(config, network, feed.name, world, resume_from)
+    model, train_model = _place(network, spec, device, world)
+    steps_per_epoch = min(feed.steps_per_epoch(), config.limit_batches or feed.steps_per_epoch())
+    optimizer, scheduler, scaler, amp_dtype = _optimiser(config, model, steps_per_epoch, device)
+    run = _Run(
+        config=config, feed=feed, device=device, rank=rank, world=world,
+        spec=msgspec.structs.replace(spec, name=f"{config.arch}-{feed.name.split(':')[0]}"),
+        network=network, model=model, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
+        scaler=scaler, amp_dtype=amp_dtype, steps_per_epoch=steps_per_epoch, skipped=dict(skipped_list),
+    )  # fmt: skip
+    if resume_from is not None and previous is not None:
+        _restore(run, resume_from[1], previous)
+    run.started = time.perf_counter() - (sum(h.duration_s for h in run.history))
+    return run
+
+
+def _load_start(
+    config: TrainConfig,
+    network: nn.Module,
+    dataset: str,
+    world: int,
+    resume_from: tuple[Checkpoint, dict[str, Any]] | None,
+) -> TrainRecord | None:
+    """Load the weights the run starts from; the interrupted run's record when resuming."""
+    if resume_from is not None:
+        previous = resuming.check_compatible(
+            resume_from[0],
+            arch=config.arch,
+            dataset=dataset,
+            epochs=config.epochs,
+            batch_size=config.batch_size,
+            lr=config.lr,
+            seed=config.seed,
+            world=world,
+        )
+        apply_weights(network, resume_from[0].state_dict, source=str(config.resume))
+        return previous
+    if config.weights:
+        state = load_weights(config.weights)
+        # A classifier head of another width (ImageNet weights fine-tuned on a folder) is re-initialised.
+        own = network.state_dict()
+        state = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+        apply_weights(network, {**own, **state}, source=config.weights)
+    return None
+
+
+def _place(network: nn.Module, spec: ModelSpec, device: torch.device, world: int) -> tuple[nn.Module, nn.Module]:
+    """(the uint8 classifier on the device, what the optimiser steps: it, or DDP around it)."""
+    model: nn.Module = Uint8Classifier(network, spec.mean, spec.std).to(device)
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    if world <= 1:
+        return model, model
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model, ddp
+
+
+def _optimiser(
+    config: TrainConfig, model: nn.Module, steps_per_epoch: int, device: torch.device
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler, torch.dtype | None]:
+    """SGD with Nesterov momentum on a one-cycle schedule, and AMP's scaler (on only for float16)."""
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=0.9, nesterov=True, weight_decay=config.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=config.lr, total_steps=config.epochs * steps_per_epoch, pct_start=0.2
+    )
+    amp_dtype = _amp_dtype(device)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    return optimizer, scheduler, scaler, amp_dtype
+
+
+def _restore(run: _Run, state: dict[str, Any], previous: TrainRecord) -> None:
+    """Put an interrupted run's optimiser, random states, history and best epoch back into ``run``."""
+    done, seen_bad = resuming.restore(
+        state, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler, generator=run.generator
+    )
+    run.skipped |= seen_bad
+    run.history = list(previous.history)
+    if previous.best_epoch is not None and previous.best_val_accuracy is not None:
+        run.best = (previous.best_epoch, previous.best_val_accuracy)
+    run.first_epoch, run.resumed_from = done + 1, done
+
+
+def _train_epoch(run: _Run, epoch: int, progress: BatchProgress) -> TrainRecord:
+    """Train and validate one epoch, record it, and (rank 0) write the checkpoints; the training record so far."""
+    epoch_start = time.perf_counter()
+    run.feed.set_epoch(epoch)
+    if run.rank == 0:
+        progress.start_epoch(epoch, run.steps_per_epoch)
+    stats = train_epoch(
+        run.train_model,
+        islice(run.feed.train_batches(), run.steps_per_epoch),
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        scaler=run.scaler,
+        device=run.device,
+        amp_dtype=run.amp_dtype,
+        progress=progress if run.rank == 0 else None,
+    )
+    val_acc, val_stats = evaluate_batches(
+        run.model, islice(run.feed.val_batches(), run.config.limit_batches), run.device
+    )
+    run.skipped |= dict(stats.skipped) | dict(val_stats.skipped)
+    record = EpochRecord(
+        epoch=epoch,
+        train_loss=stats.loss_sum / max(stats.seen, 1),
+        train_accuracy=stats.correct / max(stats.seen, 1),
+        val_accuracy=None if math.isnan(val_acc) else val_acc,
+        duration_s=time.perf_counter() - epoch_start,
+        images_per_s=stats.images_per_s,
+        data_wait_s=stats.data_wait_s,
+        compute_s=stats.compute_s,
+        skipped_images=len(stats.skipped) + len(val_stats.skipped),
+    )
+    run.history.append(record)
+    improved = record.val_accuracy is not None and (run.best is None or record.val_accuracy > run.best[1])
+    if improved and record.val_accuracy is not None:
+        run.best = (epoch, record.val_accuracy)
+    summary = run.summary()
+    if run.rank == 0 and run.config.out:
+        _save(run, epoch, summary, improved)
+    if run.rank == 0:
+        progress.end_epoch(record)
+    return summary
+
+
+def _save(run: _Run, epoch: int, summary: TrainRecord, improved: bool) -> None:
+    """The checkpoint with the state ``--resume`` needs, and the best epoch's beside it when this one is."""
+    state = resuming.capture(
+        epoch=epoch,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        scaler=run.scaler,
+        generator=run.generator,
+        skipped=run.skipped,
+    )
+    weights = run.network.state_dict()
+    save_checkpoint(run.config.out, state_dict=weights, spec=run.spec, record=summary, resume=state)
+    best_path = run.best_path
+    if improved and best_path is not None:
+        save_checkpoint(best_path, state_dict=weights, spec=run.spec, record=summary)
+
+
+def _gather_skipped(run: _Run) -> TrainRecord:
+    """The unreadable files every rank saw, in this rank's record."""
+    gathered: list[dict[str, str] | None] = [None] * run.world
+    dist.all_gather_object(gathered, run.skipped)
+    for part in gathered:
+        run.skipped |= part or {}
+    return run.summary()

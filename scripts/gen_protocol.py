@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from google.protobuf import descriptor_pb2
-    from grpc_tools import protoc
+    from grpc_tools import protoc  # type: ignore[import-untyped]
     from tritonclient.grpc import model_config_pb2, service_pb2
 
     files = descriptor_pb2.FileDescriptorSet()

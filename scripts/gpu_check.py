@@ -32,8 +32,6 @@ import os
 import platform
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -321,14 +319,16 @@ class Check:
             config.write_text(
                 'device = "cuda"\nprecision = "fp16"\nmax_batch_size = 64\nmax_queue_delay_ms = 2.0\ninstances = 2\n'
             )
-        port = free_port()
-        log = (self.out / "server.log").open("w")
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(self.repo), "--host", "127.0.0.1",
-               "--port", str(port), "--max-images", "64"]  # fmt: skip
-        server = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
+        # Imported here: the carried packages (.site) are importable only once the install step has run.
+        sys.path[:0] = [p for p in (str(ROOT), str(self.site)) if p not in sys.path]
+        from service import launcher
+
+        started = time.monotonic()
+        server = launcher.start(self.repo, "--max-images", "64", log=self.out / "server.log", env=self.env,
+                                ready_timeout_s=min(300.0, self.left_s()))  # fmt: skip
+        ready_s = time.monotonic() - started
+        url = server.url
         try:
-            ready_s = wait_ready(url, server, min(300.0, self.left_s()))
             closed = ["loadtest", "--url", url, "--model", self.model, "--mode", "closed", "--json",
                       "--concurrency", ",".join(map(str, self.args.concurrency)),
                       "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.loadtest_warmup_s),
@@ -340,8 +340,7 @@ class Check:
                    "--processes", str(self.args.loadtest_processes)]  # fmt: skip
             slo_result = json.loads(self.cli(*slo, timeout_s=300, log="loadtest-slo").stdout.splitlines()[-1])
         finally:
-            stop(server)
-            log.close()
+            server.stop(60)
         return {
             "model": self.model,
             "config": config.read_text(),
@@ -427,38 +426,6 @@ class StepError(Exception):
 
 def say(message: str) -> None:
     print(f"gpu-check: {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float) -> float:
-    import httpx
-
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if server.poll() is not None:
-            raise StepError(f"the server exited with {server.returncode} before it was ready (see server.log)")
-        try:
-            if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
-                return time.monotonic() - started
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise StepError(f"the server was not ready in {timeout_s:.0f} s (see server.log)")
-
-
-def stop(server: subprocess.Popen[bytes]) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def last_line(text: str) -> str:

@@ -25,7 +25,7 @@ SHAPES = ("circle", "square", "triangle", "cross", "ring", "hbar", "vbar", "diam
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder to create (one sub-folder per class)")
+    p.add_argument("--out", required=True, help="folder to create, one sub-folder per class (required, no default)")
     p.add_argument("--images", type=int, default=5000, help="images in all (default: 5000)")
     p.add_argument("--classes", type=int, default=10, help="number of classes (default: 10)")
     p.add_argument(
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=int, default=375, help="image height in pixels (default: 375)")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality (default: 90)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    p.add_argument("--split", action="store_true", help="write train/ and val/ (a fifth) instead of one level")
+    p.add_argument("--split", action="store_true", help="write train/ and val/ (a fifth) (default: one level)")
     return p
 
 

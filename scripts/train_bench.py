@@ -20,42 +20,16 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from service import launcher
+
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "loader", "rss", "finetune")
-
-# Runs in a process of its own, so that RUSAGE_CHILDREN holds this one training run only. It samples the summed
-# RSS of the training process and its DataLoader workers too (shared pages are counted once per process).
-_MEASURE = r"""
-import json, os, resource, subprocess, sys, time
-def tree(pid):
-    out = [pid]
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                for child in fh.read().split():
-                    out += tree(int(child))
-    except OSError:
-        pass
-    return out
-def rss_kb(pid):
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            return next(int(l.split()[1]) for l in fh if l.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return 0
-proc = subprocess.Popen(sys.argv[1:])
-peak = 0
-while proc.poll() is None:
-    peak = max(peak, sum(rss_kb(p) for p in tree(proc.pid)))
-    time.sleep(0.2)
-print(json.dumps({"rc": proc.returncode, "maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-                  "tree_peak_kb": peak}))
-"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +88,19 @@ def linked_copies(source: Path, target: Path, copies: int) -> Path:
     return target
 
 
+def peak_memory(proc: subprocess.Popen[bytes]) -> dict[str, float]:
+    """Wait for ``proc``, sampling the summed RSS of it and its DataLoader workers every 0.2 s (shared pages counted
+    once per process); with the peak RSS of its largest process, from wait4 (this run's alone)."""
+    tree_peak_mb = 0.0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return {"maxrss_mb": usage.ru_maxrss / 1024, "tree_peak_mb": tree_peak_mb}
+        tree_peak_mb = max(tree_peak_mb, launcher.tree_rss_mb(proc.pid))
+        time.sleep(0.2)
+
+
 def train(
     args: argparse.Namespace,
     folder: Path,
@@ -145,15 +132,13 @@ def train(
     ]
     started = time.perf_counter()
     result: dict[str, Any] = {}
-    if measure:
-        proc = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], cwd=ROOT, capture_output=True, text=True, env=env)
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        ok = result["rc"] == 0
-    else:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-        ok = proc.returncode == 0
-    if not ok:
-        sys.exit(f"training failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryFile() as err:  # a file: a pipe nobody reads while it runs could fill and stall it
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        if measure:
+            result = peak_memory(proc)
+        if proc.wait() != 0:
+            err.seek(0)
+            sys.exit(f"training failed: {' '.join(cmd)}\n{err.read().decode(errors='replace')[-3000:]}")
     from models.checkpoint import load_checkpoint
 
     record = load_checkpoint(out).record
@@ -228,10 +213,10 @@ def rss(args: argparse.Namespace, folder: Path, work: Path) -> dict[str, Any]:
             str(args.batches),
             measure=True,
         )
-        rows[name] = {"maxrss_mb": run["maxrss_kb"] / 1024, "tree_peak_mb": run["tree_peak_kb"] / 1024}
+        rows[name] = {"maxrss_mb": run["maxrss_mb"], "tree_peak_mb": run["tree_peak_mb"]}
         print(
-            f"  {name} images: peak RSS {run['maxrss_kb'] / 1024:.0f} MB (largest process), "
-            f"{run['tree_peak_kb'] / 1024:.0f} MB summed over the process and its workers",
+            f"  {name} images: peak RSS {run['maxrss_mb']:.0f} MB (largest process), "
+            f"{run['tree_peak_mb']:.0f} MB summed over the process and its workers",
             flush=True,
         )
     small, large = rows[str(args.images)], rows[str(4 * args.images)]

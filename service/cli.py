@@ -10,7 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from service.core.arguments import HelpFormatter, comma_floats, comma_ints, size_pair
 from service.core.errors import ConfigError, VisionServeError
@@ -19,7 +19,7 @@ __all__ = ["build_parser", "comma_floats", "comma_ints", "main", "size_pair"]
 
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("export.train_command", "train a model on digits, a folder of images, or synthetic data [and export it]"),
+    "train": ("models.commands", "train a model on digits, a folder of images, or synthetic data [and export it]"),
     "models": ("models.commands", "list the architectures (and the repository's models)"),
     "serve": ("service.commands", "serve the repository's models over HTTP"),
     "bench": ("service.commands", "measure the engine in-process: runtime, decode pipeline, batcher"),
@@ -31,6 +31,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export.commands", "export to ONNX, TorchScript or AOTInductor with proven parity into a repository"),
     "tune": ("service.tune.commands", "find the settings that serve the most at a p99 target here, and prove it"),
 }
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    """``train`` is models/'s command; its ``--export`` step is export/'s, which models/ may not import: handed in
+    here, where the command line stands on both."""
+    from export.after_training import prepare_export
+    from models.commands import run_train
+
+    return run_train(args, export=prepare_export)
+
+
+# Commands whose run needs more than their own module (name -> run); the others run their module's run_{name}.
+RUNS: dict[str, Callable[[argparse.Namespace], int]] = {"train": _run_train}
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -57,7 +70,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(module_name)
         getattr(module, f"add_{name}_arguments")(p)
-        p.set_defaults(_run=getattr(module, f"run_{name}"))
+        p.set_defaults(_run=RUNS.get(name) or getattr(module, f"run_{name}"))
     return parser
 
 

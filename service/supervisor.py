@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import selectors
 import shutil
 import signal
@@ -34,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from service.core.devices import gpu_count
 from service.core.settings import ServerSettings
 from service.engine.process import LAUNCH_ENV as ENGINE_ENV
 from service.engine.process import EngineLaunch
@@ -55,14 +55,6 @@ def default_workers(cores: int | None = None) -> int:
     """Front ends for ``cores``: half the cores (the rest decode in threads and run the engine), 1 to 8."""
     cores = cores or cpu_count()
     return max(1, min(8, cores // 2))
-
-
-def gpu_count() -> int:
-    """GPUs this process may use, without importing torch (the engines check that each one really works)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len([p for p in Path("/dev").glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)])
 
 
 class SupervisorOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,7 +116,7 @@ class Supervisor:
             for i in range(self.workers):
                 launch = FrontendLaunch(
                     settings=self.settings, name=f"fe{i}", arena="", engines=tuple(endpoints),
-                    fd=self._listener.fileno(), log_level=self.options.log_level,
+                    fd=self._listener.fileno(), frontends=self.workers, log_level=self.options.log_level,
                 )  # fmt: skip
                 self._start(Child("frontend", launch.name, launch))
             devices = ", ".join(f"cuda:{i}" for i in range(gpus)) if gpus else "cpu"

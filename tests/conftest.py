@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,57 @@ def digits_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "digits.pt"
     train(TrainConfig(epochs=4, out=str(path)))
     return path
+
+
+# The slow models' fixed cost per batch: long enough that a 50 ms poll cannot miss a batch computing and that a
+# burst of concurrent requests arrives well within one batch, short enough to keep the tests quick.
+SLOW_DELAY_MS = 400.0
+
+
+def slow_config(*, max_queue_size: int = 1024, queue_full_status: int = 503, delay_ms: float = SLOW_DELAY_MS) -> str:
+    """config.toml of a model that is slow by construction: batches of one, each held ``delay_ms`` on the runtime's
+    worker thread, whatever the hardware."""
+    return (
+        f"max_batch_size = 1\nmax_queue_delay_ms = 0\nmax_queue_size = {max_queue_size}\n"
+        f"queue_full_status = {queue_full_status}\n[faults]\ndelay_ms = {delay_ms}\n"
+    )
+
+
+@pytest.fixture(scope="session")
+def digits_export(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained digits model exported once per run as ``visionserve export`` writes it (ONNX and TorchScript,
+    export's default config.toml), alone in a repository. Never modify it: fixtures copy it (:func:`copy_model`)."""
+    from export.exporter import ExportRequest, export_model
+    from export.sources import from_checkpoint
+
+    root = tmp_path_factory.mktemp("digits-export")
+    digits = from_checkpoint(digits_checkpoint)
+    export_model(digits.eager, digits.spec, ExportRequest(name="digits", repository=str(root), latency=False))
+    return root
+
+
+def copy_model(source: Path, target: Path, name: str = "digits", *, as_name: str | None = None) -> Path:
+    """``source``/``name`` copied to ``target``/``as_name`` (default: the same name); the new repository root."""
+    shutil.copytree(source / name, target / (as_name or name))
+    return target
+
+
+@pytest.fixture(scope="session")
+def served_repo(digits_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository most server tests serve, made once per run: digits (trained), digits2 (a copy for
+    load/unload), and ``slow`` and ``slow429``: a 224x224 model (initial weights) slow by its config
+    (:func:`slow_config`) with a queue of 2, for overload and deadline tests."""
+    from export.exporter import ExportRequest, export_model
+    from export.sources import from_architecture
+
+    root = tmp_path_factory.mktemp("served")
+    copy_model(digits_export, root)
+    copy_model(digits_export, root, as_name="digits2")
+    slow = from_architecture("smallcnn", input_size=224)
+    export_model(
+        slow.eager, slow.spec, ExportRequest(name="slow", repository=str(root), formats=("onnx",), latency=False)
+    )
+    (root / "slow" / "config.toml").write_text(slow_config(max_queue_size=2))
+    shutil.copytree(root / "slow", root / "slow429")
+    (root / "slow429" / "config.toml").write_text(slow_config(max_queue_size=2, queue_full_status=429))
+    return root

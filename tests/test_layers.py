@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOMS = ("service.frontend", "service.engine", "service.transport", "service.runtime", "service.core", "service.client")
-TOP = ("service.supervisor", "service.cli", "service.commands", "service.tune")
+TOP = ("service.supervisor", "service.cli", "service.commands", "service.tune", "service.inprocess", "service.launcher")
 
 # room -> the service rooms it may import (besides itself)
 ALLOWED = {
@@ -69,7 +69,7 @@ def test_each_room_imports_only_the_rooms_below_it(room: str) -> None:
 def test_the_service_root_holds_only_the_top() -> None:
     """Every concept lives in a room; the root keeps the processes' entry points and nothing else."""
     names = {p.name for p in (ROOT / "service").glob("*.py")}
-    assert names <= {"__init__.py", "cli.py", "commands.py", "supervisor.py"}, names
+    assert names <= {"__init__.py", "cli.py", "commands.py", "supervisor.py", "inprocess.py", "launcher.py"}, names
 
 
 def test_the_ground_does_not_import_torch_at_import_time() -> None:

@@ -1,23 +1,20 @@
 """The visionserve server a replica runs: one child process on a free 127.0.0.1 port, started through the command
-line, watched through its v2 health routes, drained with SIGTERM.
+line by :mod:`service.launcher`, watched through its v2 health routes, drained with SIGTERM.
 
 Nothing here knows Ray, so a plain test can drive it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 
 import httpx
 import msgspec
+
+from service.launcher import READY_PATH, RunningServer, launch, stop, wait_ready_async
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +49,6 @@ class ReplicaOptions(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (another process may take it before the server binds; the start then fails)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM this process when the replica that started it dies.
 
@@ -70,64 +60,52 @@ def _die_with_parent() -> None:
 
 
 class ServerProcess:
-    """``visionserve serve`` as a child process of this one."""
+    """``visionserve serve`` as a child process of this one, started, awaited and stopped by
+    :mod:`service.launcher` (the one way every server is started)."""
 
     def __init__(self, options: ReplicaOptions) -> None:
         self.options = options
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [
-            options.python or sys.executable, "-m", "service.cli", "serve", "--repository", options.repository,
-            "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--drain-timeout-s", str(options.drain_timeout_s), *options.server_args,
-        ]  # fmt: skip
-        self.process: subprocess.Popen[bytes] | None = None
+        self.server: RunningServer | None = None
+
+    @property
+    def url(self) -> str:
+        if self.server is None:
+            raise RuntimeError("visionserve has not been started")
+        return self.server.url
 
     def start(self) -> None:
         """Start the server; its output goes where this process's goes (Ray keeps it in the replica's log)."""
-        env = dict(os.environ)
-        if self.options.model_name:
-            env[MODEL_NAME_ENV] = self.options.model_name
+        env = {MODEL_NAME_ENV: self.options.model_name} if self.options.model_name else None
+        # The CLI's own log level unless server_args sets one (the launcher's default, info, is for log files).
+        flags = ("--drain-timeout-s", str(self.options.drain_timeout_s), "--log-level", "warning",
+                 *self.options.server_args)  # fmt: skip
         # preexec_fn is what Ray itself uses to tie its workers' lives to the raylet's (ray._private.services).
-        self.process = subprocess.Popen(self.command, env=env, preexec_fn=_die_with_parent)
-        log.info("started visionserve (pid %d) on %s", self.process.pid, self.url)
+        self.server = launch(
+            self.options.repository, *flags, log=None, env=env, preexec_fn=_die_with_parent,
+            python=self.options.python, workers=1,
+        )  # fmt: skip
+        log.info("started visionserve (pid %d) on %s", self.server.process.pid, self.server.url)
 
     @property
     def returncode(self) -> int | None:
-        return None if self.process is None else self.process.poll()
+        return None if self.server is None else self.server.process.poll()
 
     async def wait_ready(self, client: httpx.AsyncClient) -> None:
         """Return once ``/v2/health/ready`` answers 200; raise if the server exits or is not ready in time."""
-        deadline = time.monotonic() + self.options.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self.returncode is not None:
-                raise RuntimeError(f"visionserve exited with {self.returncode} before it was ready (see its log)")
-            try:
-                if (await client.get(self.url + "/v2/health/ready", timeout=2.0)).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.25)
-        raise TimeoutError(f"visionserve was not ready within {self.options.ready_timeout_s} s")
+        if self.server is None:
+            raise RuntimeError("visionserve has not been started")
+        await wait_ready_async(self.server, client, self.options.ready_timeout_s)
 
     async def check_ready(self, client: httpx.AsyncClient, timeout_s: float = 5.0) -> None:
         """Raise unless the server runs and says it is ready (its models loaded, not draining)."""
         if self.returncode is not None:
             raise RuntimeError(f"visionserve exited with {self.returncode}")
-        response = await client.get(self.url + "/v2/health/ready", timeout=timeout_s)
+        response = await client.get(self.url + READY_PATH, timeout=timeout_s)
         if response.status_code != 200:
-            raise RuntimeError(f"visionserve is not ready: /v2/health/ready answered {response.status_code}")
+            raise RuntimeError(f"visionserve is not ready: {READY_PATH} answered {response.status_code}")
 
     def stop(self) -> int | None:
         """SIGTERM (the server drains, then exits), SIGKILL past the drain bound; the exit status."""
-        if self.process is None:
+        if self.server is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(self.options.drain_timeout_s + 5.0)
-            except subprocess.TimeoutExpired:
-                log.warning("visionserve (pid %d) did not exit after SIGTERM; killing it", self.process.pid)
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop(self.server, self.options.drain_timeout_s + 5.0)

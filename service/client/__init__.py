@@ -14,9 +14,10 @@
 from __future__ import annotations
 
 from service.client.client import DEFAULT_MAX_IMAGES_PER_REQUEST, AsyncClient, Client
+from service.client.errors import ClientError
 from service.client.images import discover, sniff
-from service.client.results import ClassifyResponse, ClientError, ImageResult, Prediction
 from service.client.retry import RetryPolicy
+from service.core.answers import ClassifyResponse, ImageResult, Prediction
 
 __all__ = [
     "DEFAULT_MAX_IMAGES_PER_REQUEST",

@@ -18,9 +18,10 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from service.client.errors import ClientError
 from service.client.images import ImageInput, encode
-from service.client.results import ClassifyResponse, ClientError, ImageResult
 from service.client.retry import Attempts, RetryPolicy
+from service.core.answers import ClassifyResponse, ImageResult
 
 File = tuple[str, bytes, str]  # (filename, data, media type)
 
@@ -138,9 +139,11 @@ class Client(_Base):
         retry: RetryPolicy | None = None,
         max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
         headers: dict[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         super().__init__(url, model=model, version=version, retry=retry, max_images_per_request=max_images_per_request)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+        # ``transport`` as httpx takes it: e.g. ``httpx.MockTransport(handler)`` to script a server in a test.
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, transport=transport)
 
     def classify(
         self,
@@ -205,6 +208,7 @@ class AsyncClient(_Base):
         max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
         max_concurrency: int = 4,
         headers: dict[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(url, model=model, version=version, retry=retry, max_images_per_request=max_images_per_request)
         if max_concurrency < 1:
@@ -215,6 +219,7 @@ class AsyncClient(_Base):
             timeout=timeout_s,
             headers=headers,
             limits=httpx.Limits(max_connections=max(max_concurrency, 10), max_keepalive_connections=max_concurrency),
+            transport=transport,
         )
 
     async def classify(

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from service.client.client import DEFAULT_MAX_IMAGES_PER_REQUEST
+from service.client.errors import ClientError
 from service.client.images import discover
 from service.client.output import Output
-from service.client.results import ClientError, ImageResult
 from service.client.retry import RetryPolicy
+from service.core.answers import ImageResult
 from service.core.arguments import integer_in, number_in
 
 if TYPE_CHECKING:

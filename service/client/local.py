@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.client.results import ImageResult, Prediction
+from service.core.answers import ImageResult, Prediction
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
 from service.core.errors import VisionServeError

@@ -12,7 +12,7 @@ from typing import IO
 
 import msgspec
 
-from service.client.results import ImageResult, Prediction
+from service.core.answers import ImageResult, Prediction
 from service.core.errors import ConfigError
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}

@@ -1,32 +1,49 @@
-"""The one exception tree of visionserve.
+"""The one exception tree of visionserve; each class carries how it is answered.
 
 ::
 
-    VisionServeError                 base; never shown to clients with a traceback
-    ├── ConfigError                  bad settings, spec, checkpoint or repository entry (refused at startup)
-    │   ├── UnknownNameError         an architecture, dataset or model name that does not exist
-    │   ├── DatasetError             a dataset that cannot be used (empty folder, unreadable image)
-    │   └── CheckpointError          a file that is not a visionserve checkpoint, or is corrupt
-    ├── BadInputError                a request or an image we refuse                        -> 400
-    │   ├── UnsupportedMediaError    a media type or image format we do not take            -> 415
-    │   └── PayloadTooLargeError     a body, image count or pixel count over the limits     -> 413
-    ├── NotFoundError                an unknown model or version                            -> 404
-    ├── OverloadedError              the queue is full; try again later                     -> 503 or 429
-    ├── DeadlineExceededError        the request's deadline passed before compute           -> 504
-    ├── CancelledError               the caller went away before compute
-    └── RuntimeFailure               a failure of ours (runtime, device)                    -> 500
-        ├── InstanceStuckError       a runtime instance gave no answer within its bound (it is replaced)
-        └── DeviceFailure            the device itself failed (CUDA error, out of memory)
-            └── OutOfMemoryError     the device ran out of memory (a smaller batch may fit)
+                                     HTTP  gRPC code           outcome     what
+    VisionServeError                  500  INTERNAL            error       base; never shown with a traceback
+    ├── ConfigError                   500  INTERNAL            error       bad settings, spec, checkpoint or
+    │   │                                                                  repository entry (refused at startup)
+    │   ├── UnknownNameError          500  INTERNAL            error       a name that is not registered
+    │   ├── DatasetError              500  INTERNAL            error       a dataset that cannot be used
+    │   └── CheckpointError           500  INTERNAL            error       not a visionserve checkpoint, or corrupt
+    ├── BadInputError                 400  INVALID_ARGUMENT    bad_input   a request or an image we refuse
+    │   ├── UnsupportedMediaError     415  INVALID_ARGUMENT    bad_input   a media type or image format we do not take
+    │   └── PayloadTooLargeError      413  RESOURCE_EXHAUSTED  bad_input   a body, image or pixel count over the limits
+    ├── ForbiddenError                403  PERMISSION_DENIED   bad_input   repository control without the admin token
+    ├── NotFoundError                 404  NOT_FOUND           error       an unknown model or version
+    ├── OverloadedError               503  UNAVAILABLE         rejected    the queue is full; try again later
+    │                                (429  RESOURCE_EXHAUSTED  rejected    where the model's queue_full_status = 429)
+    ├── DeadlineExceededError         504  DEADLINE_EXCEEDED   timeout     the deadline passed before compute
+    ├── CancelledError                499  CANCELLED           cancelled   the caller went away before compute
+    └── RuntimeFailure                500  INTERNAL            error       a failure of ours (runtime, device)
+        ├── InstanceStuckError        500  INTERNAL            error       an instance gave no answer in its bound
+        └── DeviceFailure             500  INTERNAL            error       the device failed (CUDA error, memory)
+            └── OutOfMemoryError      500  INTERNAL            error       out of memory (a smaller batch may fit)
+
+``http_status``, ``grpc_code`` (the name of a ``grpc.StatusCode`` member: this module does not import grpc) and
+``outcome`` (the ``outcome`` label of ``visionserve_requests_total``) are class attributes, as Litestar's HTTP
+exceptions carry their status, so the HTTP and gRPC front ends and the metrics read them instead of walking the
+tree. Only an overload has a choice per instance (``OverloadedError(..., http_status=429)``). 499 is nginx's
+"client closed request", the status grpc-gateway gives CANCELLED: nobody is left to read it.
 
 Runtimes translate torch and onnxruntime exceptions into this tree at their seam (``raise ... from exc``).
 """
 
 from __future__ import annotations
 
+import asyncio
+
 
 class VisionServeError(Exception):
     """Base of every error visionserve raises on purpose."""
+
+    http_status: int = 500
+    grpc_code: str = "INTERNAL"
+    outcome: str = "error"
+    retry_after_s: int | None = None  # sent as Retry-After (HTTP) or retry-after (gRPC trailers) where set
 
 
 class ConfigError(VisionServeError):
@@ -51,29 +68,70 @@ class CheckpointError(ConfigError):
 class BadInputError(VisionServeError):
     """A request or image that we refuse."""
 
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+    outcome = "bad_input"
+
 
 class UnsupportedMediaError(BadInputError):
     """A media type or image format we do not take."""
+
+    http_status = 415
 
 
 class PayloadTooLargeError(BadInputError):
     """A body, image count or pixel count over the configured limits."""
 
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"  # what grpc itself answers for a message over its size limit
+
+
+class ForbiddenError(VisionServeError):
+    """Repository control without the admin token (or with none configured)."""
+
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
+    outcome = "bad_input"
+
 
 class NotFoundError(VisionServeError):
     """An unknown model or version."""
 
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+
 
 class OverloadedError(VisionServeError):
-    """The queue is full."""
+    """The queue is full: 503 (gRPC UNAVAILABLE), or 429 (RESOURCE_EXHAUSTED) where the model's
+    ``queue_full_status`` says so; either way with a Retry-After."""
+
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+    outcome = "rejected"
+    retry_after_s = 1
+
+    def __init__(self, *args: object, http_status: int = 503) -> None:
+        super().__init__(*args)
+        if http_status == 429:
+            self.http_status, self.grpc_code = 429, "RESOURCE_EXHAUSTED"
+        elif http_status != 503:
+            raise ValueError(f"an overload is answered 503 or 429, got {http_status}")
 
 
 class DeadlineExceededError(VisionServeError):
     """The deadline passed before the item was computed."""
 
+    http_status = 504
+    grpc_code = "DEADLINE_EXCEEDED"
+    outcome = "timeout"
+
 
 class CancelledError(VisionServeError):
     """The caller went away before the item was computed."""
+
+    http_status = 499
+    grpc_code = "CANCELLED"
+    outcome = "cancelled"
 
 
 class RuntimeFailure(VisionServeError):
@@ -90,3 +148,11 @@ class DeviceFailure(RuntimeFailure):
 
 class OutOfMemoryError(DeviceFailure):
     """The device ran out of memory: the batcher halves the batch before it counts this against the device."""
+
+
+def outcome_label(exc: BaseException) -> str:
+    """The ``outcome`` label of a request that ended with ``exc``: the error's own, ``cancelled`` for asyncio's
+    cancellation, ``error`` for anything that is not ours."""
+    if isinstance(exc, VisionServeError):
+        return exc.outcome
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else "error"

@@ -26,6 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from service.core.devices import may_have_gpu
+
 # From 0.5 ms to about 20 s, each bucket 1.5x the last: fine enough to read a p99 anywhere between 1 ms and 10 s.
 DURATION_BUCKETS = tuple(round(0.0005 * 1.5**k, 6) for k in range(27))
 OUTCOMES = ("success", "bad_input", "rejected", "timeout", "cancelled", "error")
@@ -416,6 +418,8 @@ class _LiveCollector(Collector):
 
 
 def _gpu_metrics() -> Iterator[Metric]:
+    if not may_have_gpu():  # no device file: nothing to report, and no torch import (~2 s) on the first scrape
+        return
     try:
         import torch
 

@@ -22,7 +22,7 @@ from service.core.errors import BadInputError, ConfigError, PayloadTooLargeError
 from service.core.spec import ModelSpec
 
 DEFAULT_FORMATS: Final = ("JPEG", "PNG", "WEBP", "BMP")
-_RESAMPLE: Final = {
+RESAMPLE: Final = {
     "bilinear": Image.Resampling.BILINEAR,
     "bicubic": Image.Resampling.BICUBIC,
     "nearest": Image.Resampling.NEAREST,
@@ -30,7 +30,7 @@ _RESAMPLE: Final = {
 # JPEG draft decoding (DCT scaling) is asked for an image at least this many times the resize target, so that
 # the antialiased resize that follows still has the detail a full decode would give it (the same idea as
 # PIL's own ``reducing_gap``).
-_DRAFT_GAP: Final = 2
+DRAFT_GAP: Final = 2
 
 
 class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,7 +114,7 @@ def preprocess_pil(img: Image.Image, spec: ModelSpec) -> np.ndarray:
         img = img.convert(mode)
     new_w, new_h = resized_size(img.width, img.height, spec.resize_size)
     if (new_w, new_h) != img.size:
-        img = img.resize((new_w, new_h), _RESAMPLE[spec.interpolation])
+        img = img.resize((new_w, new_h), RESAMPLE[spec.interpolation])
     box = crop_box(new_w, new_h, spec.input.height, spec.input.width)
     if box != (0, 0, new_w, new_h):
         img = img.crop(box)
@@ -138,7 +138,7 @@ def decode_cost(img: Image.Image, spec: ModelSpec) -> int:
     w, h = img.size
     if img.format != "JPEG":
         return w * h
-    scale = spec.resize_size * _DRAFT_GAP / min(w, h)
+    scale = spec.resize_size * DRAFT_GAP / min(w, h)
     reduction = 1
     while reduction < 8 and reduction * 2 * scale <= 1:
         reduction *= 2
@@ -150,7 +150,7 @@ def decode_opened(img: Image.Image, spec: ModelSpec) -> np.ndarray:
     if img.format == "JPEG":
         # Decode at a reduced scale when the image is much larger than needed: far fewer pixels to decode.
         w, h = img.size
-        scale = spec.resize_size * _DRAFT_GAP / min(w, h)
+        scale = spec.resize_size * DRAFT_GAP / min(w, h)
         if scale < 1:
             img.draft("RGB" if spec.input.channels == 3 else "L", (int(w * scale) + 1, int(h * scale) + 1))
     try:

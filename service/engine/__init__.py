@@ -6,5 +6,16 @@ from __future__ import annotations
 
 from service.core.metrics import BatchRecord
 from service.engine.batcher import Batcher, BatcherConfig, InferRequest, InferResult
+from service.engine.policy import AdaptivePolicy, BatchPolicy, CostModel, DelayPolicy
 
-__all__ = ["BatchRecord", "Batcher", "BatcherConfig", "InferRequest", "InferResult"]
+__all__ = [
+    "AdaptivePolicy",
+    "BatchPolicy",
+    "BatchRecord",
+    "Batcher",
+    "BatcherConfig",
+    "CostModel",
+    "DelayPolicy",
+    "InferRequest",
+    "InferResult",
+]

@@ -111,15 +111,7 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
     say = say or (lambda _m: None)
     entry = ModelRepository(options.repository).model(options.model)
     version = entry.latest
-    config = entry.config
-    overrides: dict[str, Any] = {"max_batch_size": max(options.batch_sizes), "warmup": True}
-    if options.device != "auto":
-        overrides["device"] = options.device
-    if options.backend:
-        overrides["backend"] = options.backend
-    if options.precision:
-        overrides["precision"] = options.precision
-    config = msgspec.structs.replace(config, **overrides)
+    config = _bench_config(entry.config, options)
     devices, _degraded, note = plan_devices(config, cuda_devices())
     device = devices[0]
     backend = choose_backend(version, config, device)
@@ -150,46 +142,72 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
     }
     if note:
         result["note"] = note
-    figures = set(options.figures)
     try:
-        engine: dict[str, float] = {}
-        for size in options.batch_sizes if "engine" in figures else ():
-            say(f"engine: batch {size}")
-            batch = random_batch(spec, size)
-
-            def engine_step(b: np.ndarray = batch) -> int:
-                return len(runtime.run(b))
-
-            engine[str(size)] = _timed(options.seconds, engine_step)
-        result["engine_images_per_s"] = engine
-        if "decode" in figures:
-            result.update(_decode_figures(jpegs, largest, spec, device, pool, options, say))
-        if "pipeline" in figures or "batcher" in figures:  # the batcher's efficiency is measured against it
-            say(f"pipeline: decode + preprocess + run, batch {largest}")
-            step = _Pipeline(jpegs, largest, runtime, pool.decode_many)
-            result["pipeline_images_per_s"] = _timed(options.seconds, step)
-            if device.startswith("cuda") and options.gpu_decode:
-                say("pipeline with GPU JPEG decoding")
-                gpu = GpuJpegDecoder(spec, device)
-                step = _Pipeline(jpegs, largest, runtime, lambda chunk: gpu.decode_many(chunk, pool))
-                result["pipeline_gpu_decode_images_per_s"] = _timed(options.seconds, step)
-
-        if "batcher" in figures:
-            say(f"batcher: {concurrency} concurrent submitters of one JPEG each")
-            result["batcher_images_per_s"], result["batcher_mean_batch_size"] = asyncio.run(
-                _batcher_figure(runtime, pool, jpegs, config, concurrency, options)
-            )
-            result["batcher_efficiency"] = result["batcher_images_per_s"] / result["pipeline_images_per_s"]
-
-        if "fake" in figures:
-            say("batcher alone, with a runtime that does no work")
-            result["fake_items_per_s"], result["fake_mean_batch_size"] = asyncio.run(
-                _fake_figure(spec, config, concurrency, options)
-            )
+        _measure(result, options, say, runtime=runtime, pool=pool, jpegs=jpegs, config=config, spec=spec)
     finally:
         pool.close()
         runtime.close()
     return result
+
+
+def _bench_config(config: ModelConfig, options: BenchOptions) -> ModelConfig:
+    """The model's config with what the bench's flags override."""
+    overrides: dict[str, Any] = {"max_batch_size": max(options.batch_sizes), "warmup": True}
+    if options.device != "auto":
+        overrides["device"] = options.device
+    if options.backend:
+        overrides["backend"] = options.backend
+    if options.precision:
+        overrides["precision"] = options.precision
+    return msgspec.structs.replace(config, **overrides)
+
+
+def _measure(
+    result: dict[str, Any],
+    options: BenchOptions,
+    say: Say,
+    *,
+    runtime: RuntimeLike,
+    pool: Preprocessor,
+    jpegs: list[bytes],
+    config: ModelConfig,
+    spec: ModelSpec,
+) -> None:
+    """Each figure asked for, into ``result``."""
+    figures = set(options.figures)
+    device, largest, concurrency = result["device"], max(options.batch_sizes), result["concurrency"]
+    engine: dict[str, float] = {}
+    for size in options.batch_sizes if "engine" in figures else ():
+        say(f"engine: batch {size}")
+        batch = random_batch(spec, size)
+
+        def engine_step(b: np.ndarray = batch) -> int:
+            return len(runtime.run(b))
+
+        engine[str(size)] = _timed(options.seconds, engine_step)
+    result["engine_images_per_s"] = engine
+    if "decode" in figures:
+        result.update(_decode_figures(jpegs, largest, spec, device, pool, options, say))
+    if "pipeline" in figures or "batcher" in figures:  # the batcher's efficiency is measured against it
+        say(f"pipeline: decode + preprocess + run, batch {largest}")
+        step = _Pipeline(jpegs, largest, runtime, pool.decode_many)
+        result["pipeline_images_per_s"] = _timed(options.seconds, step)
+        if device.startswith("cuda") and options.gpu_decode:
+            say("pipeline with GPU JPEG decoding")
+            gpu = GpuJpegDecoder(spec, device)
+            step = _Pipeline(jpegs, largest, runtime, lambda chunk: gpu.decode_many(chunk, pool))
+            result["pipeline_gpu_decode_images_per_s"] = _timed(options.seconds, step)
+    if "batcher" in figures:
+        say(f"batcher: {concurrency} concurrent submitters of one JPEG each")
+        result["batcher_images_per_s"], result["batcher_mean_batch_size"] = asyncio.run(
+            _batcher_figure(runtime, pool, jpegs, config, concurrency, options)
+        )
+        result["batcher_efficiency"] = result["batcher_images_per_s"] / result["pipeline_images_per_s"]
+    if "fake" in figures:
+        say("batcher alone, with a runtime that does no work")
+        result["fake_items_per_s"], result["fake_mean_batch_size"] = asyncio.run(
+            _fake_figure(spec, config, concurrency, options)
+        )
 
 
 def _decode_figures(

@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -27,17 +27,30 @@ from service.core.spec import encode_spec
 from service.core.status import SERVING_STATES
 from service.engine.batcher import InferRequest, InferResult
 from service.engine.model import ModelEngine, cuda_devices, plan_devices
-from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Stamps, Submit, WireError
-from service.transport.server import EngineEndpoint
+from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Snapshot, Stamps, Submit, WireError
 
 log = logging.getLogger("visionserve.engine")
+
+
+class Endpoint(Protocol):
+    """Where the engine's answers go: the transport's :class:`~service.transport.server.EngineEndpoint` across
+    processes, or an in-process one (``service.inprocess``)."""
+
+    name: str
+    snapshots: dict[bytes, Snapshot]  # the latest report of each front end
+
+    def send(self, peer: bytes, message: Any) -> None: ...
+
+    def announce(self) -> None: ...
+
+    async def flush(self, timeout_s: float = 0.5) -> None: ...
 
 
 class EngineServer:
     """Loads the repository's models and answers the front ends (the transport's ``Handler``)."""
 
     def __init__(
-        self, settings: ServerSettings, endpoint: EngineEndpoint, *, gpus: list[str] | None = None, primary: bool = True
+        self, settings: ServerSettings, endpoint: Endpoint, *, gpus: list[str] | None = None, primary: bool = True
     ) -> None:
         self.settings = settings
         self.endpoint = endpoint

@@ -40,11 +40,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from service.core.errors import BadInputError, NotFoundError, PayloadTooLargeError, VisionServeError
+from service.core.errors import BadInputError, ForbiddenError, NotFoundError, PayloadTooLargeError, VisionServeError
 from service.core.scores import classification_strings
 from service.core.status import SERVING_STATES
 from service.frontend.parameters import classification_k, flag, version_number
-from service.frontend.state import ModelSlot, ServerState, Timing
+from service.frontend.state import ModelSlot, ServerState
+from service.frontend.timing import Timing
 
 log = logging.getLogger("visionserve.protocol")
 
@@ -368,13 +369,66 @@ def check_output(name: str) -> None:
         raise BadInputError(f"unknown output {name!r}: this model has LOGITS")
 
 
+# ---- statistics -------------------------------------------------------------------------------------------------
+
+
+def _duration(count: int, ns: int = 0) -> dict[str, int]:
+    return {"count": count, "ns": ns}
+
+
+def _stats(slot: ModelSlot, row: dict[str, Any]) -> dict[str, Any]:
+    """Triton's statistics JSON for one model version from the whole server's counts (``ServerState.model_stats``),
+    with every key Triton's has (2.51): what this server does not do (a response cache, per-response statistics of
+    decoupled models, memory reports) is there as zero or empty, so a tool that reads the key finds it."""
+    success = row.get("success", 0)
+    queue_ns, compute_ns, preprocess_ns = row.get("queue_ns", 0), row.get("compute_ns", 0), row.get("preprocess_ns", 0)
+    sizes: dict[int, tuple[int, int]] = row.get("batch_sizes", {})
+    return {
+        "name": slot.name,
+        "version": str(slot.version.version),
+        "last_inference": row.get("last_inference_ms", 0),
+        "inference_count": row.get("images", 0),
+        "execution_count": row.get("batches", 0),
+        "inference_stats": {
+            "success": _duration(success, queue_ns + compute_ns + preprocess_ns),
+            "fail": _duration(row.get("failure", 0)),
+            "queue": _duration(success, queue_ns),
+            "compute_input": _duration(success, preprocess_ns),
+            "compute_infer": _duration(success, compute_ns),
+            "compute_output": _duration(success),
+            "cache_hit": _duration(0),
+            "cache_miss": _duration(0),
+        },
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": _duration(count),
+                "compute_infer": _duration(count, ns),
+                "compute_output": _duration(count),
+            }
+            for size, (count, ns) in sorted(sizes.items())
+        ],
+        "memory_usage": [],
+        "response_stats": {},
+    }
+
+
+async def model_statistics(
+    server: ServerState, model: str | None = None, version: str | None = None
+) -> list[dict[str, Any]]:
+    """The statistics of every model version (or of ``model``, or of one version), for HTTP and gRPC alike."""
+    number = version_number(version)
+    if model is None:
+        slots = [slot for versions in server.slots.values() for slot in versions.values()]
+    else:
+        slots = [server.slot(model, number)] if number else list(server.slots.get(model, {}).values())
+        if not slots:
+            raise NotFoundError(f"unknown model {model!r}")
+    merged = await server.model_stats()
+    return [_stats(slot, merged.get((slot.name, slot.version.version), {})) for slot in slots]
+
+
 # ---- repository -------------------------------------------------------------------------------------------------
-
-
-class Forbidden(VisionServeError):
-    """Repository control without the admin token (HTTP 403, gRPC PERMISSION_DENIED)."""
-
-    status = 403
 
 
 async def repository_index(server: ServerState, ready: bool = False) -> list[dict[str, Any]]:
@@ -397,6 +451,6 @@ def require_admin(server: ServerState, authorization: str) -> None:
     """Repository control is off unless an admin token is configured, and then needs ``Bearer <token>``."""
     token = server.settings.admin_token
     if not token:
-        raise Forbidden("repository control is off: start the server with --admin-token to enable it")
+        raise ForbiddenError("repository control is off: start the server with --admin-token to enable it")
     if authorization != f"Bearer {token}":
-        raise Forbidden("repository control needs 'Authorization: Bearer <admin token>'")
+        raise ForbiddenError("repository control needs 'Authorization: Bearer <admin token>'")

@@ -25,6 +25,7 @@ import uvicorn
 from service.core.lifetime import die_with_parent
 from service.core.settings import ServerSettings
 from service.frontend.http.app import create_app
+from service.frontend.link import SharedMemoryLinks
 
 log = logging.getLogger("visionserve.server")
 
@@ -127,6 +128,7 @@ class FrontendLaunch(msgspec.Struct, frozen=True, kw_only=True):
     arena: str
     engines: tuple[str, ...]
     fd: int  # the listening socket, shared by every front end
+    frontends: int = 1  # how many front ends the server runs: readiness waits until every engine has heard of all
     log_level: str = "warning"
 
 
@@ -136,7 +138,8 @@ def run_frontend(launch: FrontendLaunch) -> None:
         _json_access_log()
     options = uvicorn_options(settings, launch.log_level)
     del options["host"], options["port"]
-    app = create_app(settings, frontend=launch.name, arena=launch.arena, engines=launch.engines)
+    links = SharedMemoryLinks(launch.arena, launch.engines)
+    app = create_app(settings, links, frontend=launch.name, frontends=launch.frontends)
     server = _Server(uvicorn.Config(app, **options), app)
     # The inherited listening socket, with its real family: uvicorn's own ``fd=`` takes every fd for a Unix
     # socket, and then TCP_NODELAY is never set on connections, so a keep-alive client waited ~40 ms per answer

@@ -1,10 +1,11 @@
-"""What a front-end process holds while it runs: its connection to the engine, the models the engine serves (read
-from the engine's catalog), a decoding pool per model, and its own request records.
+"""What a front end holds while it runs: its links to the engines (``service.frontend.link``), the models they
+serve (read from their catalogs), a decoding pool per model, and its own request records.
 
 Handlers see one :class:`ServerState` and a :class:`ModelSlot` per served model version: ``decode`` (in this
-process's pool), ``infer`` (the uint8 batch goes into this front end's shared-memory arena and the engine's batcher
-computes it with every other front end's requests) and ``observe`` (one request record, however it ends). Ready
-means: the engine is up and has said what it serves, and the server is not draining.
+process's pool), ``infer`` (the uint8 batch goes over the link, and the engine's batcher computes it with every
+other front end's requests) and ``observe`` (one request record, however it ends). Linked means: every engine is up
+and has said what it serves (this front end can serve). Ready means: linked, every engine has heard from every
+front end (the whole server can serve), and the server is not draining.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -26,95 +25,25 @@ from service.core.config import ModelConfig
 from service.core.decoding import Decoded, Preprocessor
 from service.core.errors import (
     BadInputError,
-    CancelledError,
-    DeadlineExceededError,
     NotFoundError,
     OverloadedError,
     VisionServeError,
+    outcome_label,
 )
-from service.core.metrics import NOT_OBSERVED, PROTOCOLS, STAGES, Metrics, ModelCounts
+from service.core.metrics import NOT_OBSERVED, PROTOCOLS, Metrics, ModelCounts
 from service.core.preprocess import ImageLimits
 from service.core.settings import ServerSettings
 from service.core.spec import ModelSpec, decode_spec
 from service.core.status import EngineState, InferResult
-from service.transport.client import UNAVAILABLE, EngineClient
-from service.transport.messages import Catalog, ModelInfo, Snapshot, Stamps
-from service.transport.shm import Arena
+from service.frontend.exposition import merge_exposition
+from service.frontend.link import EngineLink, Linker
+from service.frontend.timing import Timing
+from service.transport.client import UNAVAILABLE
+from service.transport.messages import Catalog, ModelInfo, Snapshot
+
+__all__ = ["ModelSlot", "ServerState", "VersionRef"]
 
 log = logging.getLogger("visionserve.server")
-
-
-@dataclass
-class Timing:
-    """Where one request's time went (Server-Timing, the access log and the stage histograms).
-
-    The durations (``preprocess_s``, ``queue_s``, ``compute_s``, ``postprocess_s``) are what the first metrics
-    reported. The stamps are ``time.perf_counter()`` seconds, which on Linux is CLOCK_MONOTONIC, the clock the engine
-    stamps with too (``time.monotonic()``): one clock for the whole machine, so stamps taken in the engine process
-    line up with the front end's. :meth:`stages` turns them into :data:`STAGES`, contiguous, summing to the total.
-    """
-
-    preprocess_s: float = 0.0
-    queue_s: float = 0.0
-    compute_s: float = 0.0
-    postprocess_s: float = 0.0
-    arrived: float = field(default_factory=time.perf_counter)  # the request's first byte seen by the server
-    read: float = NOT_OBSERVED  # its body read
-    decode_start: float = NOT_OBSERVED  # the first decode thread took an image
-    decode_end: float = NOT_OBSERVED  # the last image decoded
-    sent: float = NOT_OBSERVED  # the message to the engine sent (the pixels in shared memory)
-    engine: Stamps | None = None  # the engine's stamps of the answer (the last batch, for a split request)
-    answered: float = NOT_OBSERVED  # the answer read off the transport by this front end
-
-    def mark_read(self) -> None:
-        if math.isnan(self.read):
-            self.read = time.perf_counter()
-
-    def stages(self, end: float) -> tuple[float, ...] | None:
-        """The :data:`STAGES` durations (seconds) of a request answered by the engine, ending at ``end``; None for
-        one that never got an answer. Each stage runs from the previous one's end, so they sum to ``end -
-        arrived``; a stamp a request has no use for (no decoding for a tensor body) makes its stage zero."""
-        e = self.engine
-        if e is None or math.isnan(self.answered) or math.isnan(self.sent):
-            return None
-        read = self.read if not math.isnan(self.read) else self.arrived
-        decode_start = self.decode_start if not math.isnan(self.decode_start) else read
-        decode_end = self.decode_end if not math.isnan(self.decode_end) else decode_start
-        # Clamped in order: a stamp that precedes the one before it (threads racing the loop by microseconds)
-        # gives a zero stage rather than a negative one, and the sum still ends where it should.
-        points = [self.arrived, read, decode_start, decode_end, self.sent, e.received,
-                  max(e.instance, e.received), e.batch, e.done, self.answered, end]  # fmt: skip
-        out: list[float] = []
-        last = points[0]
-        for point in points[1:]:
-            point = max(point, last)
-            out.append(point - last)
-            last = point
-        return tuple(out)
-
-    def header(self, total_s: float | None = None) -> str:
-        stages = self.stages(self.arrived + total_s) if total_s is not None else None
-        parts = [f"queue;dur={self.queue_s * 1000:.3f}", f"preprocess;dur={self.preprocess_s * 1000:.3f}"]
-        if stages is None:
-            parts.append(f"compute;dur={self.compute_s * 1000:.3f}")
-        parts.append(f"postprocess;dur={self.postprocess_s * 1000:.3f}")
-        if stages is not None:  # every stage by name (its "compute" in place of the batcher's own, nearly equal)
-            parts += [f"{name};dur={s * 1000:.3f}" for name, s in zip(STAGES, stages, strict=True)]
-        if total_s is not None:
-            parts.append(f"total;dur={total_s * 1000:.3f}")
-        return ", ".join(parts)
-
-
-def outcome_of(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.CancelledError | CancelledError):
-        return "cancelled"
-    if isinstance(exc, OverloadedError):
-        return "rejected"
-    if isinstance(exc, DeadlineExceededError):
-        return "timeout"
-    if isinstance(exc, BadInputError):
-        return "bad_input"
-    return "error"
 
 
 class VersionRef(msgspec.Struct, frozen=True):
@@ -166,7 +95,7 @@ class ModelSlot:
         try:
             yield
         except BaseException as exc:
-            outcome = outcome_of(exc)
+            outcome = outcome_label(exc)
             raise
         finally:
             server.requests_inflight -= 1
@@ -236,42 +165,33 @@ class ModelSlot:
     async def _infer(
         self, images: np.ndarray | list[np.ndarray], timing: Timing, priority: int, timeout_ms: float | None
     ) -> InferResult:
-        server = self._server
-        client = server.client_for(self.name)
         n = len(images)
-        spec = self.spec.input
-        shape = (n, spec.channels, spec.height, spec.width)
-        offset, view = server.arena.allocate(shape)
-        try:
-            if isinstance(images, np.ndarray):
-                np.copyto(view, images, casting="no")
-            else:
-                np.stack(images, out=view)
-        except BaseException:
-            server.arena.free(offset)
-            raise
-        del view
         timing.mark_read()  # a tensor body: read and parsed by now
-        timing.sent = time.perf_counter()
-        answer, timing.answered = await client.submit(
-            self.name, self.version.version, offset, shape, timeout_ms=timeout_ms, priority=priority,
+        answer = await self._server.link_for(self.name).submit(
+            self.name, self.version.version, images, timeout_ms=timeout_ms, priority=priority,
             request_id=uuid.uuid4().hex, guard_s=self._guard_s if not timeout_ms else timeout_ms / 1000.0 + 1.0,
         )  # fmt: skip
-        logits = np.frombuffer(answer.logits, dtype=np.float32).reshape(n, answer.classes)
+        result = answer.result
+        timing.sent, timing.answered = answer.sent, answer.answered
+        logits = np.frombuffer(result.logits, dtype=np.float32).reshape(n, result.classes)
         errors: list[VisionServeError | None] = (
-            [None if e is None else e.exception() for e in answer.errors] if answer.errors else [None] * n
+            [None if e is None else e.exception() for e in result.errors] if result.errors else [None] * n
         )
-        timing.queue_s += answer.queue_s
-        timing.compute_s += answer.compute_s
-        timing.engine = answer.stamps
-        return InferResult(logits, errors, answer.queue_s, answer.compute_s, list(answer.batch_sizes))
+        timing.queue_s += result.queue_s
+        timing.compute_s += result.compute_s
+        timing.engine = result.stamps
+        return InferResult(logits, errors, result.queue_s, result.compute_s, list(result.batch_sizes))
 
 
 class ServerState:
-    """The front end's view of the server: the engine's catalog, readiness, and this process's records."""
+    """The front end's view of the server: the engines' catalogs, readiness, and this process's records.
+
+    ``linker`` gives the links to the engines (shared memory from the supervisor, or in process); ``frontends`` is
+    how many front ends the server runs: it is ready once every engine has heard from all of them, so that no
+    front end answers ready while another cannot serve yet (they share one listening socket)."""
 
     def __init__(
-        self, settings: ServerSettings, *, frontend: str = "fe0", arena: str = "", engines: tuple[str, ...] = ()
+        self, settings: ServerSettings, linker: Linker | None, *, frontend: str = "fe0", frontends: int = 1
     ) -> None:
         self.settings = settings
         self.slots: dict[str, dict[int, ModelSlot]] = {}
@@ -281,11 +201,11 @@ class ServerState:
         self.limits = ImageLimits(max_pixels=settings.max_pixels)
         self.metrics = Metrics() if settings.metrics else None
         self.frontend = frontend
-        self._arena_name = arena
-        self._endpoints = engines
+        self.frontends = frontends
+        self._linker = linker
         self._pools: dict[tuple[str, int], Preprocessor] = {}
         self._stats: dict[tuple[str, int], ModelCounts] = {}
-        self.clients: list[EngineClient] = []
+        self.links: list[EngineLink] = []
         self._ready_event: asyncio.Event | None = None
         self.requests_inflight = 0  # inference requests past ``slot()`` and not yet answered
         self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight
@@ -305,42 +225,51 @@ class ServerState:
     # ---- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect to the engines; readiness follows their catalogs (this does not wait for them)."""
-        if not self._arena_name or not self._endpoints:
-            raise RuntimeError("a front end needs an arena and an engine endpoint (start it with `visionserve serve`)")
-        self.arena = Arena(self._arena_name)
+        if self._linker is None:
+            raise RuntimeError("a front end needs a link to an engine (start it with `visionserve serve`)")
         self._ready_event = asyncio.Event()
-        for endpoint in self._endpoints:
-            client = EngineClient(endpoint, self.arena, self.frontend, snapshot=self.snapshot, on_change=self._rebuild)
-            await client.start()
-            self.clients.append(client)
+        self.links = self._linker.connect(self)
+        for link in self.links:
+            await link.start()
 
-    async def wait_ready(self, timeout_s: float) -> bool:
+    async def wait_linked(self, poll_s: float = 0.1) -> bool:
+        """Until every engine link is up and has said what it serves (True), or the server drains first (False).
+        A front end accepts connections only after this, so none is ever answered by one that cannot serve."""
         assert self._ready_event is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready_event.wait(), timeout_s)
-        return self.ready
+        while not self.draining:
+            if self.linked:
+                return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready_event.wait(), poll_s)
+        return False
+
+    @property
+    def linked(self) -> bool:
+        """Every engine link is up: this front end can serve."""
+        return bool(self.links) and all(link.up for link in self.links)
 
     @property
     def ready(self) -> bool:
-        return bool(self.clients) and all(c.up for c in self.clients)
+        """This front end can serve, and every engine has heard from every front end: the whole server can."""
+        return self.linked and all(link.frontends >= self.frontends for link in self.links)
 
     async def close(self) -> None:
         self.draining = True
-        for client in self.clients:
-            await client.close()
+        for link in self.links:
+            await link.close()
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
-        if self.clients:
-            self.arena.close()
+        if self._linker is not None:
+            self._linker.close()
 
     # ---- the catalog --------------------------------------------------------------------------------------------
-    def _rebuild(self) -> None:
-        """Re-read what the engines serve (on connect, and whenever a model's state changes)."""
+    def catalog_changed(self) -> None:
+        """Re-read what the engines serve (on connect, and whenever a model's state or readiness changes)."""
         slots: dict[str, dict[int, ModelSlot]] = {}
         errors: dict[str, str] = {}
-        for client in self.clients:
-            catalog: Catalog | None = client.catalog
+        for link in self.links:
+            catalog: Catalog | None = link.catalog
             if catalog is None:
                 continue
             errors.update(catalog.errors)
@@ -359,16 +288,16 @@ class ServerState:
                 slots.setdefault(info.model, {})[info.version] = slot
         self.slots = slots
         self.errors = errors
-        if self.ready and self._ready_event is not None:
+        if self.linked and self._ready_event is not None:
             self._ready_event.set()
 
-    def client_for(self, model: str) -> EngineClient:
+    def link_for(self, model: str) -> EngineLink:
         """The engine to send ``model``'s request to: the least busy (from here) of those serving it and up."""
-        best: EngineClient | None = None
-        for client in self.clients:
-            serves = client.up and client.catalog is not None and any(m.model == model for m in client.catalog.models)
-            if serves and (best is None or client.inflight < best.inflight):
-                best = client
+        best: EngineLink | None = None
+        for link in self.links:
+            serves = link.up and link.catalog is not None and any(m.model == model for m in link.catalog.models)
+            if serves and (best is None or link.inflight < best.inflight):
+                best = link
         if best is None:
             raise OverloadedError(UNAVAILABLE)
         return best
@@ -386,7 +315,7 @@ class ServerState:
             raise OverloadedError("the server is shutting down")
         versions = self.slots.get(name)
         if not versions:
-            if not self.ready and not self.slots:
+            if not self.linked and not self.slots:
                 raise OverloadedError(UNAVAILABLE)
             reason = self.errors.get(name)
             raise NotFoundError(f"unknown model {name!r}" + (f" (refused at load: {reason})" if reason else ""))
@@ -409,13 +338,13 @@ class ServerState:
 
     async def query_all(self, what: str, **args: Any) -> list[Any]:
         """Ask every engine; an engine that is down answers 503."""
-        if not self.clients or not all(c.up for c in self.clients):
+        if not self.linked:
             raise OverloadedError(UNAVAILABLE)
-        return list(await asyncio.gather(*(c.query(what, **args) for c in self.clients)))
+        return list(await asyncio.gather(*(link.query(what, **args) for link in self.links)))
 
     async def render_metrics(self) -> bytes:
         texts = await self.query_all("metrics")
-        return bytes(texts[0]) if len(texts) == 1 else _merge_exposition(texts)
+        return bytes(texts[0]) if len(texts) == 1 else merge_exposition(texts)
 
     async def model_stats(self) -> dict[tuple[str, int], dict[str, Any]]:
         """The whole server's statistics per model version: every front end's counts, every engine's batches."""
@@ -446,37 +375,14 @@ class ServerState:
         """Load (or reload) ``name`` on every engine; this front end sees the change before answering, the others
         within an engine heartbeat (0.5 s)."""
         await self.query_all("load", name=name, config=config)
-        await asyncio.gather(*(client.refresh() for client in self.clients))
+        await asyncio.gather(*(link.refresh() for link in self.links))
 
     async def unload_model(self, name: str) -> None:
         await self.query_all("unload", name=name)
-        await asyncio.gather(*(client.refresh() for client in self.clients))
+        await asyncio.gather(*(link.refresh() for link in self.links))
 
 
 def _changed(slot: ModelSlot, info: ModelInfo) -> bool:
     return slot.engine.state() != msgspec.convert(info.state, EngineState) or slot.config != msgspec.convert(
         info.config, ModelConfig
     )
-
-
-def _merge_exposition(texts: list[Any]) -> bytes:
-    """Several engines' Prometheus texts as one (families merged by name; samples never overlap: each engine
-    labels its own devices, and only the first renders the front ends' request families)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    families: dict[str, Any] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(bytes(text).decode()):
-            seen = families.get(family.name)
-            if seen is None:
-                families[family.name] = family
-            else:
-                seen.samples.extend(family.samples)
-    lines: list[str] = []
-    for family in families.values():
-        lines.append(f"# HELP {family.name} {family.documentation}")
-        lines.append(f"# TYPE {family.name} {family.type}")
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
-            lines.append(f"{sample.name}{{{labels}}} {sample.value!r}" if labels else f"{sample.name} {sample.value!r}")
-    return ("\n".join(lines) + "\n").encode()

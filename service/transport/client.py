@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -26,6 +27,7 @@ from service.core.errors import DeadlineExceededError, OverloadedError, VisionSe
 from service.transport.messages import (
     ENCODER,
     TO_FRONTEND,
+    Answer,
     Beat,
     Cancel,
     Catalog,
@@ -79,6 +81,7 @@ class EngineClient:
         self._on_change = on_change
         self.catalog: Catalog | None = None
         self.up = False
+        self.frontends = 0  # how many front ends have reached this engine (the server is ready once all have)
         self.engine_pid = 0
         self._ids = itertools.count(1)
         self._waiting: dict[int, _Waiting] = {}
@@ -95,7 +98,7 @@ class EngineClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for an engine that is not connected: refuse instead
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 100)  # an engine still loading: found within 0.1 s once it binds
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
@@ -132,20 +135,31 @@ class EngineClient:
         self,
         model: str,
         version: int,
-        offset: int,
-        shape: tuple[int, int, int, int],
+        images: np.ndarray | list[np.ndarray],
         *,
         timeout_ms: float | None,
         priority: int,
         request_id: str,
         guard_s: float,
-    ) -> tuple[Result, float]:
-        """Compute the tensor at ``offset``; frees the region once the engine has answered. Returns the answer and
-        when it was read off the socket (``time.perf_counter()``). Raises the engine's error, 503 when it is down,
-        504 when it has said nothing within ``guard_s`` (a wedged engine)."""
+    ) -> Answer:
+        """Compute a uint8 batch [N, C, H, W] (or a list of [C, H, W] images, stacked straight into the arena).
+        Raises the engine's error, 503 when it is down, 504 when it has said nothing within ``guard_s`` (a wedged
+        engine). The arena region is freed once the engine has answered (it may read it until then)."""
         if not self.up:
-            self.arena.free(offset)
             raise OverloadedError(UNAVAILABLE)
+        n, c, h, w = (len(images), *images[0].shape) if isinstance(images, list) else images.shape
+        shape = (int(n), int(c), int(h), int(w))
+        offset, view = self.arena.allocate(shape)
+        try:
+            if isinstance(images, np.ndarray):
+                np.copyto(view, images, casting="no")
+            else:
+                np.stack(images, out=view)
+        except BaseException:
+            self.arena.free(offset)
+            raise
+        del view
+        sent = time.perf_counter()
         number = next(self._ids)
         message = Submit(number, model, version, offset, shape, timeout_ms or 0.0, priority, request_id)
         future: asyncio.Future[Result | Failed] = self._loop.create_future()
@@ -164,7 +178,7 @@ class EngineClient:
             guard.cancel()
         if isinstance(answer, Failed):
             raise answer.error.exception()
-        return answer, waiting.answered
+        return Answer(answer, sent, waiting.answered)
 
     async def query(self, what: str, timeout_s: float = 30.0, **args: Any) -> Any:
         """A control call (catalog, metrics, stats, load, unload); raises the engine's error or 503."""
@@ -228,6 +242,9 @@ class EngineClient:
         elif isinstance(message, Flush):
             self._send(ENCODER.encode(self._snapshot(message.token)))
         elif isinstance(message, Beat):
+            if message.frontends != self.frontends:
+                self.frontends = message.frontends
+                self._on_change()
             if message.catalog_version != self._catalog_version and self.catalog is not None:
                 self._catalog_version = message.catalog_version
                 self._loop.create_task(self.refresh())

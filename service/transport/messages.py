@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from service.core import errors as _errors
-from service.core.errors import VisionServeError
+from service.core.errors import OverloadedError, VisionServeError
 from service.core.metrics import ModelCounts, RequestState
 
 
@@ -29,17 +29,17 @@ class WireError(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def of(cls, exc: BaseException) -> WireError:
         if isinstance(exc, VisionServeError):
-            return cls(type(exc).__name__, str(exc), int(getattr(exc, "status", 0) or 0))
+            own = exc.http_status if exc.http_status != type(exc).http_status else 0  # an instance's own choice
+            return cls(type(exc).__name__, str(exc), own)
         return cls("RuntimeFailure", f"{type(exc).__name__}: {exc}")
 
     def exception(self) -> VisionServeError:
         kind = getattr(_errors, self.kind, None)
         if not (isinstance(kind, type) and issubclass(kind, VisionServeError)):
             kind = _errors.RuntimeFailure
-        exc = kind(self.message)
-        if self.status:
-            exc.status = self.status  # type: ignore[attr-defined]
-        return exc
+        if self.status and issubclass(kind, OverloadedError):  # the one class with a status per instance
+            return kind(self.message, http_status=self.status)
+        return kind(self.message)
 
 
 # ---- front end -> engine ------------------------------------------------------------------------------------
@@ -124,6 +124,15 @@ class Result(msgspec.Struct, tag="result", array_like=True, frozen=True):
     stamps: Stamps | None = None
 
 
+class Answer(msgspec.Struct, frozen=True):
+    """A front end's view of a computed request: the engine's Result, when its message left (``sent``) and when
+    the answer was read (``answered``), both ``time.perf_counter()``. Never on the wire."""
+
+    result: Result
+    sent: float
+    answered: float
+
+
 class Failed(msgspec.Struct, tag="failed", array_like=True, frozen=True):
     """The whole request failed (rejected, deadline, shut down, unknown model...)."""
 
@@ -146,9 +155,11 @@ class Flush(msgspec.Struct, tag="flush", array_like=True, frozen=True):
 
 
 class Beat(msgspec.Struct, tag="beat", array_like=True, frozen=True):
-    """The engine is alive; ``catalog_version`` changes whenever a model's state does."""
+    """The engine is alive; ``catalog_version`` changes whenever a model's state does; ``frontends``: how many
+    front ends (by name) have reached it, so each can tell whether the whole server is ready, not only itself."""
 
     catalog_version: int
+    frontends: int = 0
 
 
 ToEngine = Hello | Submit | Cancel | Query | Snapshot

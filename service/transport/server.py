@@ -185,6 +185,12 @@ class EngineEndpoint:
         self._by_frontend[hello.frontend] = peer
         log.info("front end %s (pid %d) connected with arena %s", hello.frontend, hello.pid, hello.arena)
         self.send(peer, Welcome(self.name, os.getpid(), self._handler.catalog_version()))
+        self.announce()  # every front end learns at once how many have reached this engine (their readiness)
+
+    @property
+    def frontends(self) -> int:
+        """Front ends (by name) that have reached this engine; a restarted one counts once."""
+        return len(self._by_frontend)
 
     async def _answer(self, peer: bytes, query: Query) -> None:
         try:
@@ -201,7 +207,7 @@ class EngineEndpoint:
         next beat to say so. Call on the engine's event loop."""
         if getattr(self, "_handler", None) is None:
             return
-        beat = Beat(self._handler.catalog_version())
+        beat = Beat(self._handler.catalog_version(), self.frontends)
         for peer in list(self._arenas):
             self.send(peer, beat)
 

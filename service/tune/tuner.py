@@ -14,17 +14,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.core.config import ModelConfig
-from service.core.repository import ModelRepository
+from service.core.repository import ModelEntry, ModelRepository
 from service.core.samples import image_files, photo_like_jpegs
 from service.runtime import choose_backend
-from service.tune.candidates import Candidate, apply, candidate_from, export_default_config, space_for
+from service.tune.candidates import Candidate, Space, apply, candidate_from, export_default_config, space_for
 from service.tune.measure import Measurements, measure
 from service.tune.model import Workload
 from service.tune.rank import Predictor, Ranked, rank, shortlist
 from service.tune.verify import StepPlan, Verified, verify
+
+if TYPE_CHECKING:
+    from loadtest.pool import WorkerPool
 
 Say = Callable[[str], None]
 MEASURE_SHARE = 0.2
@@ -120,30 +123,55 @@ def _plan_steps(remaining_s: float, count: int, overhead_s: float) -> tuple[Step
     return shortest, 1 if remaining_s > overhead_s + shortest.step_s * 2 else 0
 
 
+@dataclass
+class _Verifying:
+    """The verification phase as it goes: the candidates left and the predictions they are held against, which the
+    first measurement recalibrates."""
+
+    todo: list[tuple[Candidate, float]]  # (candidate, predicted rate for the steps as they run)
+    workload: Workload
+    predictor: Predictor
+    shaped: Predictor  # ``predictor`` for the plan's step shape
+    space: Space
+    plan: StepPlan
+    starts: list[Candidate]  # the current config's and export's default: verified beside the best predicted
+
+
 def tune(options: TuneOptions, run: TuneRun, say: Say) -> TuneRun:
     """Run every phase, filling ``run`` in place (so a KeyboardInterrupt leaves it usable: the caller catches it)."""
-    from loadtest.inputs import payloads
-    from loadtest.pool import WorkerPool
-
-    budget = options.budget_s
     entry = ModelRepository(options.repository).model(options.model)
     version = entry.latest
     run.base_config = entry.config
     images, label = _load_images(options)
+    measured = _measure_phase(options, run, version.version, images, label, say)
+    predictor, workload, space = _predict_phase(options, run, entry, measured, say)
+    _verify_phase(options, run, entry, images, predictor, workload, space, say)
+    return run
 
-    # 1. measure
+
+def _measure_phase(
+    options: TuneOptions, run: TuneRun, version: int, images: list[bytes], label: str, say: Say
+) -> Measurements:
+    """1. The runtimes and the decoding, in-process, in about a fifth of the budget."""
+    budget = options.budget_s
     t = time.perf_counter()
-    say(f"measuring {options.model} v{version.version} in-process ({MEASURE_SHARE * budget:.0f} s of {budget:.0f} s)")
-    run.measured = Measurements(options.model, version.version, "?", 0, 0.0, label)
+    say(f"measuring {options.model} v{version} in-process ({MEASURE_SHARE * budget:.0f} s of {budget:.0f} s)")
+    run.measured = Measurements(options.model, version, "?", 0, 0.0, label)
     threads = space_for(_cores(), False, (), 1).threads
     measure(options.repository, options.model, images=images, images_label=label, slo_p99_ms=options.slo_p99_ms,
             seconds=MEASURE_SHARE * budget, threads=threads, device=options.device, say=say,
             out=run.measured)  # fmt: skip
     run.phases_s["measure"] = time.perf_counter() - t
-    measured = run.measured
-    cuda = measured.device.startswith("cuda")
+    return run.measured
 
-    # 2. predict and rank
+
+def _predict_phase(
+    options: TuneOptions, run: TuneRun, entry: ModelEntry, measured: Measurements, say: Say
+) -> tuple[Predictor, Workload, Space]:
+    """2. Every candidate predicted from the measurements and ranked; the current config and export's default are
+    placed beside them."""
+    version = entry.latest
+    cuda = measured.device.startswith("cuda")
     t = time.perf_counter()
     plan0 = StepPlan()
     workload = Workload(cores=measured.cores, decode_ms=measured.decode_ms, cuda=cuda, warmup_s=plan0.warmup_s,
@@ -157,85 +185,129 @@ def tune(options: TuneOptions, run: TuneRun, say: Say) -> TuneRun:
     run.default = candidate_from(default_config, choose_backend(version, default_config, measured.device),
                                  _default_workers())  # fmt: skip
     say(f"predicting: {len(predictor.runtimes())} runtimes measured; searching the settings")
-    run.ranked = rank(predictor, [run.current, run.default], space, seconds=PREDICT_SHARE * budget, say=say)
+    run.ranked = rank(predictor, [run.current, run.default], space, seconds=PREDICT_SHARE * options.budget_s, say=say)
     run.phases_s["predict"] = time.perf_counter() - t
+    return predictor, workload, space
 
-    # 3. verify
+
+def _verify_phase(
+    options: TuneOptions,
+    run: TuneRun,
+    entry: ModelEntry,
+    images: list[bytes],
+    predictor: Predictor,
+    workload: Workload,
+    space: Space,
+    say: Say,
+) -> None:
+    """3. The best predicted, the current config and export's default, each served for real and searched, as many
+    as the budget fits."""
+    from loadtest.inputs import payloads
+    from loadtest.pool import WorkerPool
+
     t = time.perf_counter()
-    todo: list[tuple[Candidate, float]] = []
-    for r in shortlist(run.ranked, 1):
-        todo.append((r.candidate, r.rate))
-    for c in (run.current, run.default):
-        if all(c != d for d, _ in todo):
-            p = predictor.predict(c)
-            todo.append((c, p.rate if p else 0.0))
-    todo += [(r.candidate, r.rate) for r in shortlist(run.ranked, options.verify - 1, exclude=[c for c, _ in todo])]
+    starts = [c for c in (run.current, run.default) if c is not None]
+    todo = _to_verify(options, run, predictor, starts)
     # Planned with slack: the re-prediction below and the calibration after the first candidate take time too,
     # and a plan that fits to the second would refuse its own last candidate.
-    remaining = budget - run.elapsed() - RESERVE_S
+    remaining = options.budget_s - run.elapsed() - RESERVE_S
     plan, fits = _plan_steps(0.9 * remaining - 2.0, len(todo), SERVER_OVERHEAD_S)
     run.plan = plan
     for c, _ in todo[fits:]:
         run.skipped.append(f"{c.label}: not verified, the budget fits {fits} of {len(todo)}")
-    todo = todo[:fits]
     # Predicted again for the steps as they will run (the ranking assumed the default step): a short step lets a
     # rate just past capacity pass before its queue has grown, and the prediction should know it.
-    shaped = predictor.with_workload(replace(workload, warmup_s=plan.warmup_s, duration_s=plan.duration_s))
-    todo = [(c, _rate(shaped, c)) for c, _ in todo]
+    shaped = _shaped(predictor, workload, plan)
+    todo = [(c, _rate(shaped, c)) for c, _ in todo[:fits]]
+    state = _Verifying(todo, workload, predictor, shaped, space, plan, starts)
     steps = f"{plan.max_steps} steps of {plan.duration_s:.1f} s at most"
-    say(f"verifying {len(todo)} candidates on a real server ({steps})")
+    say(f"verifying {len(state.todo)} candidates on a real server ({steps})")
+    with WorkerPool(1, payloads(options.model, images)) as pool:
+        _verify_each(options, run, entry, state, pool, say)
+    run.phases_s["verify"] = time.perf_counter() - t
+
+
+def _to_verify(
+    options: TuneOptions, run: TuneRun, predictor: Predictor, starts: list[Candidate]
+) -> list[tuple[Candidate, float]]:
+    """The best predicted, then the current config and export's default, then the next best up to
+    ``options.verify``: (candidate, predicted rate)."""
+    todo: list[tuple[Candidate, float]] = []
+    for r in shortlist(run.ranked, 1):
+        todo.append((r.candidate, r.rate))
+    for c in starts:
+        if all(c != d for d, _ in todo):
+            p = predictor.predict(c)
+            todo.append((c, p.rate if p else 0.0))
+    todo += [(r.candidate, r.rate) for r in shortlist(run.ranked, options.verify - 1, exclude=[c for c, _ in todo])]
+    return todo
+
+
+def _shaped(predictor: Predictor, workload: Workload, plan: StepPlan) -> Predictor:
+    return predictor.with_workload(replace(workload, warmup_s=plan.warmup_s, duration_s=plan.duration_s))
+
+
+def _verify_each(
+    options: TuneOptions, run: TuneRun, entry: ModelEntry, state: _Verifying, pool: WorkerPool, say: Say
+) -> None:
+    """Verify ``state.todo`` in order while the budget lasts; the first measurement recalibrates the rest."""
+    budget, plan = options.budget_s, state.plan
     overhead = SERVER_OVERHEAD_S
     folder = Path(options.work)
-    with WorkerPool(1, payloads(options.model, images)) as pool:
-        i = 0
-        while i < len(todo):
-            c, predicted = todo[i]
-            needed = overhead + plan.max_steps * plan.step_s
-            if budget - run.elapsed() - RESERVE_S < needed:
-                run.skipped += [f"{d.label}: not verified, the budget ran out" for d, _ in todo[i:]]
-                say(f"stopping verification: {budget - run.elapsed():.0f} s left, a candidate needs {needed:.0f} s")
-                break
-            start = 0.7 * predicted if predicted > 0 else _fallback_start(run)
-            say(f"verifying {i + 1}/{len(todo)}: {c.label} (predicted {predicted:.1f} req/s)")
-            record = Verified(c, predicted)
-            run.verified.append(record)
-            verify(c, apply(entry.config, c), repository=Path(options.repository), model=options.model,
-                   folder=folder / f"candidate-{i + 1}", pool=pool, target_p99_ms=options.slo_p99_ms,
-                   predicted_rate=predicted, start_rate=max(0.5, round(start, 1)), plan=plan, say=say,
-                   record=record)  # fmt: skip
-            steps_s = sum(plan.step_s for _ in record.steps)
-            overhead = max(SERVER_OVERHEAD_S / 2, record.wall_s - steps_s)
-            measured_text = f"{record.best_rate:.1f} req/s" if record.best_rate else "nothing met the target"
-            say(f"  measured: {measured_text} ({record.wall_s:.0f} s; {run.elapsed():.0f} s of {budget:.0f} s used)")
-            i += 1
-            left = budget - run.elapsed() - RESERVE_S - needed * (len(todo) - 1)
-            if i == 1 and record.best_rate and len(todo) > 1 and left > CALIBRATE_MIN_S:
-                # The first measurement calibrates the model: the server's own CPU per request (HTTP, transport,
-                # the loops' jitter) is what the in-process figures cannot see. Everything after is predicted
-                # again with it, so their prediction errors are out of sample.
-                t_cal = time.perf_counter()
-                frontend_ms = calibrate(shaped, c, record.best_rate, seconds=left / 2)
-                run.calibration = {"candidate": c.label, "frontend_ms": frontend_ms,
-                                   "frontend_ms_before": workload.frontend_ms,
-                                   "predicted_before": predicted, "measured": record.best_rate}  # fmt: skip
-                record.calibrates = True
-                say(f"calibrated: {frontend_ms:.2f} ms of server CPU per request (assumed {workload.frontend_ms:g})")
-                workload = replace(workload, frontend_ms=frontend_ms)
-                predictor = predictor.with_workload(workload)
-                seconds = max(1.0, min(PREDICT_SHARE * budget / 2, left - (time.perf_counter() - t_cal)))
-                run.ranked = rank(predictor, [run.current, run.default, c], space, seconds=seconds, say=say)
-                shaped = predictor.with_workload(replace(workload, warmup_s=plan.warmup_s, duration_s=plan.duration_s))
-                done = [v.candidate for v in run.verified]
-                rest: list[Candidate] = []
-                for d in (run.current, run.default):
-                    if d is not None and d not in done and d not in rest:
-                        rest.append(d)
-                slots = len(todo) - 1
-                rest += [r.candidate for r in shortlist(run.ranked, slots, exclude=done + rest)]
-                todo = todo[:1] + [(d, _rate(shaped, d)) for d in rest[:slots]]
-                run.phases_s["calibrate"] = time.perf_counter() - t_cal
-    run.phases_s["verify"] = time.perf_counter() - t
-    return run
+    i = 0
+    while i < len(state.todo):
+        c, predicted = state.todo[i]
+        needed = overhead + plan.max_steps * plan.step_s
+        if budget - run.elapsed() - RESERVE_S < needed:
+            run.skipped += [f"{d.label}: not verified, the budget ran out" for d, _ in state.todo[i:]]
+            say(f"stopping verification: {budget - run.elapsed():.0f} s left, a candidate needs {needed:.0f} s")
+            break
+        start = 0.7 * predicted if predicted > 0 else _fallback_start(run)
+        say(f"verifying {i + 1}/{len(state.todo)}: {c.label} (predicted {predicted:.1f} req/s)")
+        record = Verified(c, predicted)
+        run.verified.append(record)
+        verify(c, apply(entry.config, c), repository=Path(options.repository), model=options.model,
+               folder=folder / f"candidate-{i + 1}", pool=pool, target_p99_ms=options.slo_p99_ms,
+               predicted_rate=predicted, start_rate=max(0.5, round(start, 1)), plan=plan, say=say,
+               record=record)  # fmt: skip
+        steps_s = sum(plan.step_s for _ in record.steps)
+        overhead = max(SERVER_OVERHEAD_S / 2, record.wall_s - steps_s)
+        measured_text = f"{record.best_rate:.1f} req/s" if record.best_rate else "nothing met the target"
+        say(f"  measured: {measured_text} ({record.wall_s:.0f} s; {run.elapsed():.0f} s of {budget:.0f} s used)")
+        i += 1
+        left = budget - run.elapsed() - RESERVE_S - needed * (len(state.todo) - 1)
+        if i == 1 and record.best_rate and len(state.todo) > 1 and left > CALIBRATE_MIN_S:
+            _recalibrate(options, run, state, record, left, say)
+
+
+def _recalibrate(
+    options: TuneOptions, run: TuneRun, state: _Verifying, record: Verified, left: float, say: Say
+) -> None:
+    """The first measurement calibrates the model: the server's own CPU per request (HTTP, transport, the loops'
+    jitter) is what the in-process figures cannot see. Everything after is predicted again with it, so their
+    prediction errors are out of sample."""
+    c, predicted, workload = record.candidate, record.predicted_rate, state.workload
+    assert record.best_rate is not None
+    t_cal = time.perf_counter()
+    frontend_ms = calibrate(state.shaped, c, record.best_rate, seconds=left / 2)
+    run.calibration = {"candidate": c.label, "frontend_ms": frontend_ms, "frontend_ms_before": workload.frontend_ms,
+                       "predicted_before": predicted, "measured": record.best_rate}  # fmt: skip
+    record.calibrates = True
+    say(f"calibrated: {frontend_ms:.2f} ms of server CPU per request (assumed {workload.frontend_ms:g})")
+    state.workload = replace(workload, frontend_ms=frontend_ms)
+    state.predictor = state.predictor.with_workload(state.workload)
+    seconds = max(1.0, min(PREDICT_SHARE * options.budget_s / 2, left - (time.perf_counter() - t_cal)))
+    run.ranked = rank(state.predictor, [*state.starts, c], state.space, seconds=seconds, say=say)
+    state.shaped = _shaped(state.predictor, state.workload, state.plan)
+    done = [v.candidate for v in run.verified]
+    rest: list[Candidate] = []
+    for d in state.starts:
+        if d not in done and d not in rest:
+            rest.append(d)
+    slots = len(state.todo) - 1
+    rest += [r.candidate for r in shortlist(run.ranked, slots, exclude=done + rest)]
+    state.todo = state.todo[:1] + [(d, _rate(state.shaped, d)) for d in rest[:slots]]
+    run.phases_s["calibrate"] = time.perf_counter() - t_cal
 
 
 def _rate(predictor: Predictor, c: Candidate) -> float:

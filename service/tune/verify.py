@@ -1,31 +1,24 @@
 """``tune``'s proof: a candidate served for real and loaded with the load tester's p99-target search.
 
 Each candidate gets a model repository of its own (the model's version folders linked, its ``config.toml``
-written), a real ``visionserve serve`` process with its front-end count on 127.0.0.1 and a free port, and the
-open-loop search of ``visionserve loadtest --slo-p99-ms`` (double the rate until a step fails, then bisect). The
-server runs in a session of its own and is stopped however the search ends (an interruption included).
+written), a real ``visionserve serve`` process with its front-end count on 127.0.0.1 and a free port, started and
+awaited through :mod:`service.launcher`, and the open-loop search of ``visionserve loadtest --slo-p99-ms`` (double
+the rate until a step fails, then bisect). The server runs in a session of its own and is stopped however the
+search ends (an interruption included).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from loadtest.pool import WorkerPool
 from loadtest.slo import search
 from loadtest.step import StepBounds, StepResult, StepSpec, run_step
+from service import launcher
 from service.core.config import CONFIG_FILE, ModelConfig
 from service.core.errors import VisionServeError
 from service.tune.candidates import Candidate, config_text
@@ -81,12 +74,6 @@ class Verified:
                 "interrupted": self.interrupted, "calibrates": self.calibrates}  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def candidate_repository(repository: Path, model: str, config: ModelConfig, folder: Path) -> Path:
     """A repository in ``folder`` holding only ``model``, its versions linked, its config ``config``."""
     root = folder / "repo"
@@ -98,58 +85,6 @@ def candidate_repository(repository: Path, model: str, config: ModelConfig, fold
             (target / version.name).symlink_to(version.resolve(), target_is_directory=True)
     (target / CONFIG_FILE).write_text(config_text(config))
     return root
-
-
-class Server:
-    """``visionserve serve`` in a process of its own session; a context manager that always stops it."""
-
-    def __init__(self, repository: Path, workers: int, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repository),
-               "--host", "127.0.0.1", "--port", str(self.port), "--grpc-port", "0",
-               "--workers", str(workers), "--log-level", "info"]  # fmt: skip
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-
-    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise VisionServeError(f"the server exited with {self.process.returncode}: {self._tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/v2/health/ready", timeout=1).status_code == 200 and self._all_up():
-                    return
-            time.sleep(0.1)
-        raise VisionServeError(f"the server was not ready in {timeout_s:g} s: {self._tail()}")
-
-    def _tail(self) -> str:
-        return self.log.read_text(errors="replace")[-1500:]
-
-    def _all_up(self) -> bool:
-        """Every front end has reached the engine (readiness is per front end)."""
-        text = self.log.read_text(errors="replace")
-        started = re.search(r"with (\d+) front ends .* and (\d+) engine", text)
-        return started is not None and text.count(" is up: ") >= int(started[1]) * int(started[2])
-
-    def stop(self, timeout_s: float = 20.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # what a killed supervisor left behind
-            os.killpg(self.process.pid, signal.SIGKILL)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
 
 def _step_record(step: StepResult, target_p99_ms: float) -> dict[str, Any]:
@@ -182,8 +117,8 @@ def verify(
     folder.mkdir(parents=True, exist_ok=True)
     repo = candidate_repository(repository, model, config, folder)
     try:
-        with Server(repo, candidate.workers, folder / "server.log") as server:
-            server.wait_ready()
+        log = folder / "server.log"
+        with launcher.start(repo, log=log, workers=candidate.workers, ready_timeout_s=READY_TIMEOUT_S) as server:
             result.start_s = time.perf_counter() - started
             bounds = StepBounds(url=server.url, warmup_s=plan.warmup_s, duration_s=plan.duration_s,
                                 drain_s=plan.drain_s, timeout_s=plan.timeout_s, max_requests=1_000_000)  # fmt: skip

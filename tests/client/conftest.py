@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from export.exporter import ExportRequest, export_model
-from export.sources import from_checkpoint
-from tests.conftest import encode_image
-from tests.http.conftest import RunningServer, start_server, stop_server
+from service.core.settings import ServerSettings
+from service.inprocess import InProcessServer
+from tests.conftest import copy_model, encode_image
 
 MAX_IMAGES = 4  # the server's --max-images: below the client's default, so splitting is exercised
 
@@ -24,21 +23,17 @@ def digit_pixels(index: int) -> tuple[np.ndarray, int]:
 
 
 @pytest.fixture(scope="session")
-def client_repo(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("client-repo")
-    digits = from_checkpoint(digits_checkpoint)
-    export_model(
-        digits.eager, digits.spec, ExportRequest(name="digits", repository=str(root), formats=("onnx",), latency=False)
-    )
-    return root
+def client_repo(digits_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return copy_model(digits_export, tmp_path_factory.mktemp("client-repo"))
 
 
 @pytest.fixture(scope="session")
-def client_server(client_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    log = tmp_path_factory.mktemp("client-logs") / "server.log"
-    running = start_server(client_repo, log, "--max-images", str(MAX_IMAGES), "--workers", "1")
-    yield running
-    stop_server(running)
+def client_server(client_repo: Path) -> Iterator[InProcessServer]:
+    """The server the client talks to, in this process (the client's tests are about the client: real HTTP, no
+    server processes; tests/client/test_classify_restart.py kills a real one)."""
+    settings = ServerSettings(repository=str(client_repo), max_images_per_request=MAX_IMAGES, port=0, grpc_port=0)
+    with InProcessServer(settings) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.cli import main
-from tests.http.conftest import RunningServer
+from service.inprocess import InProcessServer
 
 
 def rows_of(path: Path) -> dict[str, dict[str, str]]:
@@ -22,7 +22,7 @@ def rows_of(path: Path) -> dict[str, dict[str, str]]:
 
 
 def test_a_folder_through_the_server_then_resumed(
-    client_server: RunningServer,
+    client_server: InProcessServer,
     digit_folder: tuple[Path, dict[str, int]],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -64,7 +64,7 @@ def test_a_folder_through_the_server_then_resumed(
 
 
 def test_in_process_gives_the_servers_answers(
-    client_server: RunningServer,
+    client_server: InProcessServer,
     client_repo: Path,
     digit_folder: tuple[Path, dict[str, int]],
     tmp_path: Path,
@@ -94,7 +94,7 @@ def test_in_process_gives_the_servers_answers(
 
 
 def test_an_unknown_model_stops_the_run(
-    client_server: RunningServer, digit_folder: tuple[Path, dict[str, int]], capsys: pytest.CaptureFixture[str]
+    client_server: InProcessServer, digit_folder: tuple[Path, dict[str, int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder, _ = digit_folder
     assert main(["classify", "--url", client_server.url, "--model", "nope", str(folder), "--no-progress"]) == 1

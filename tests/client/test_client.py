@@ -6,14 +6,12 @@ import asyncio
 import re
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import msgspec
 import numpy as np
 import pytest
@@ -21,9 +19,10 @@ from PIL import Image
 
 from service.client import AsyncClient, Client, ClientError, ImageResult, Prediction, RetryPolicy, discover, sniff
 from service.client.retry import parse_retry_after
+from service.inprocess import InProcessServer
+from service.launcher import free_port
 from tests.client.conftest import MAX_IMAGES, digit_pixels
 from tests.conftest import encode_image
-from tests.http.conftest import RunningServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = RetryPolicy(backoff_s=0.01, max_backoff_s=0.05, max_attempts=4)
@@ -37,7 +36,7 @@ def four_kinds(tmp_path: Path) -> list[object]:
     return [path, encode_image(big, "PNG"), Image.fromarray(big), big]
 
 
-def test_sync_client_takes_paths_bytes_pil_and_numpy(client_server: RunningServer, tmp_path: Path) -> None:
+def test_sync_client_takes_paths_bytes_pil_and_numpy(client_server: InProcessServer, tmp_path: Path) -> None:
     images = four_kinds(tmp_path)
     with Client(client_server.url, model="digits") as client:
         results = client.classify(images, top_k=3)
@@ -51,7 +50,7 @@ def test_sync_client_takes_paths_bytes_pil_and_numpy(client_server: RunningServe
     assert scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1 + 1e-6
 
 
-def test_one_image_alone_and_a_bad_image_in_a_list(client_server: RunningServer, tmp_path: Path) -> None:
+def test_one_image_alone_and_a_bad_image_in_a_list(client_server: InProcessServer, tmp_path: Path) -> None:
     images = four_kinds(tmp_path)
     with Client(client_server.url, model="digits") as client:
         alone = client.classify(images[3], top_k=1)  # not a list: one image
@@ -63,7 +62,7 @@ def test_one_image_alone_and_a_bad_image_in_a_list(client_server: RunningServer,
     assert len(lone_bad) == 1 and not lone_bad[0].ok and lone_bad[0].error
 
 
-def test_a_long_list_is_split_to_the_server_limit(client_server: RunningServer) -> None:
+def test_a_long_list_is_split_to_the_server_limit(client_server: InProcessServer) -> None:
     pngs = [encode_image(digit_pixels(i)[0], "PNG") for i in range(11)]
     with Client(client_server.url, model="digits", max_images_per_request=8) as client:
         results = client.classify(pngs, top_k=1)
@@ -73,7 +72,7 @@ def test_a_long_list_is_split_to_the_server_limit(client_server: RunningServer) 
     assert hits >= 8  # a briefly trained model on real digits, in order: far above chance (1 in 10)
 
 
-def test_async_client_answers_as_the_sync_one(client_server: RunningServer, tmp_path: Path) -> None:
+def test_async_client_answers_as_the_sync_one(client_server: InProcessServer, tmp_path: Path) -> None:
     images = four_kinds(tmp_path)
 
     async def go() -> list[ImageResult]:
@@ -87,7 +86,7 @@ def test_async_client_answers_as_the_sync_one(client_server: RunningServer, tmp_
     assert [r.predictions for r in results[:4]] == [r.predictions for r in sync]
 
 
-def test_an_unknown_model_raises_with_its_status(client_server: RunningServer) -> None:
+def test_an_unknown_model_raises_with_its_status(client_server: InProcessServer) -> None:
     with Client(client_server.url, model="nope") as client, pytest.raises(ClientError) as info:
         client.classify(b"irrelevant")
     assert info.value.status == 404 and "nope" in str(info.value)
@@ -96,62 +95,30 @@ def test_an_unknown_model_raises_with_its_status(client_server: RunningServer) -
 # ---- the retry policy, against a server that does as it is told ------------------------------------------------
 
 
-class Scripted(ThreadingHTTPServer):
-    """Answers each POST with the next step of ``script``: (503 or 429, Retry-After), "drop" (close the connection
-    without an answer) or "ok" (200 with one result per file sent)."""
+class Scripted:
+    """A scripted server, as an httpx transport: answers each POST with the next step of ``script``: (503 or 429,
+    Retry-After), "drop" (the connection closes with no answer) or "ok" (200 with one result per file sent)."""
 
     def __init__(self, script: list[object]) -> None:
-        super().__init__(("127.0.0.1", free_port()), Handler)
         self.script = list(script)
         self.seen: list[float] = []
 
-
-class Handler(BaseHTTPRequestHandler):
-    server: Scripted
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("content-length", 0)))
-        self.server.seen.append(time.monotonic())
-        step = self.server.script.pop(0) if self.server.script else "ok"
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(time.monotonic())
+        step = self.script.pop(0) if self.script else "ok"
         if step == "drop":
-            return  # HTTP/1.0: the connection closes with no answer
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
         if isinstance(step, tuple):
             status, retry_after = step
-            self.send_response(status)
-            self.send_header("Retry-After", retry_after)
-            payload = b'{"error": "overloaded"}'
-        else:
-            status, files = 200, body.count(b'filename="')
-            answer = {
-                "model": "m",
-                "version": 7,
-                "results": [{"predictions": [{"label": "a", "index": 0, "score": 1.0}]}] * files,
-            }
-            self.send_response(200)
-            payload = msgspec.json.encode(answer)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    def log_message(self, *args: object) -> None:
-        pass
+            return httpx.Response(status, headers={"Retry-After": retry_after}, json={"error": "overloaded"})
+        files = request.read().count(b'filename="')
+        answer = {"model": "m", "version": 7, "results": [{"predictions": [{"label": "a", "index": 0, "score": 1.0}]}]}
+        return httpx.Response(200, json={**answer, "results": answer["results"] * files})
 
 
-@pytest.fixture
-def scripted(request: pytest.FixtureRequest) -> Iterator[Scripted]:
-    server = Scripted(request.param)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.mark.parametrize("scripted", [[(503, "1"), (429, "0"), "drop", "ok"]], indirect=True)
-def test_overload_and_dropped_connections_are_retried_honouring_retry_after(scripted: Scripted) -> None:
-    url = f"http://127.0.0.1:{scripted.server_address[1]}"
-    with Client(url, model="m", retry=FAST) as client:
+def test_overload_and_dropped_connections_are_retried_honouring_retry_after() -> None:
+    scripted = Scripted([(503, "1"), (429, "0"), "drop", "ok"])
+    with Client("http://scripted", model="m", retry=FAST, transport=httpx.MockTransport(scripted)) as client:
         results = client.classify([b"\xff\xd8\xff one", b"\xff\xd8\xff two"])
         assert client.retries == 3 and client.requests_sent == 4
     assert [r.top1 for r in results] == [Prediction("a", 0, 1.0)] * 2 and results[0].version == 7
@@ -159,12 +126,12 @@ def test_overload_and_dropped_connections_are_retried_honouring_retry_after(scri
     assert gaps[0] >= 1.0  # the server's Retry-After: 1, though the backoff alone would wait 10 ms
 
 
-@pytest.mark.parametrize("scripted", [[(503, "0")] * 10], indirect=True)
-def test_the_policy_gives_up_after_its_attempts(scripted: Scripted) -> None:
-    url = f"http://127.0.0.1:{scripted.server_address[1]}"
+def test_the_policy_gives_up_after_its_attempts() -> None:
+    scripted = Scripted([(503, "0")] * 10)
 
     async def go() -> None:
-        async with AsyncClient(url, model="m", retry=FAST) as client:
+        transport = httpx.MockTransport(scripted)
+        async with AsyncClient("http://scripted", model="m", retry=FAST, transport=transport) as client:
             await client.classify(b"x")
 
     with pytest.raises(ClientError) as info:
@@ -204,7 +171,7 @@ def test_image_files_are_told_by_their_content(fmt: str, tmp_path: Path) -> None
     assert discover([tmp_path]) == ([tmp_path / "sub" / "no-extension"], 2)
 
 
-def test_the_readme_examples_run(client_server: RunningServer) -> None:
+def test_the_readme_examples_run(client_server: InProcessServer) -> None:
     """The README's "Python client" examples, run as they are but against the test server."""
     text = (ROOT / "README.md").read_text()
     section = text.split("## Python client", 1)[1].split("\n## ", 1)[0]

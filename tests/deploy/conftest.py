@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from export.exporter import ExportRequest, export_model
-from export.sources import from_checkpoint
+from tests.conftest import copy_model
 
 # Ray reads this when it is first imported, so it is set here, before any test module imports ray. FACTS.md: without
 # it Ray gives every node of a local cluster the machine's outward address rather than 127.0.0.1.
@@ -32,14 +31,9 @@ def quiet_server_args() -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="session")
-def digits_repo(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``digits`` (ONNX, trained), in a repository of models."""
-    root = tmp_path_factory.mktemp("deploy-repo")
-    source = from_checkpoint(digits_checkpoint)
-    export_model(
-        source.eager, source.spec, ExportRequest(name="digits", repository=str(root), formats=("onnx",), latency=False)
-    )
-    return root
+def digits_repo(digits_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``digits`` (trained; served from its ONNX artifact), in a repository of models."""
+    return copy_model(digits_export, tmp_path_factory.mktemp("deploy-repo"))
 
 
 def successes(metrics_text: str, model: str) -> float:

@@ -1,5 +1,6 @@
-"""deploy/ stands outside the server: it may import service.core at most and reaches the server only through its
-command line (a subprocess) and HTTP, so the server's rooms can change shape without breaking a deployment."""
+"""deploy/ stands outside the server: it may import service.core and the launcher (the one way to start
+``visionserve serve`` as a subprocess and wait for it) at most, and reaches the server only through its command line
+and HTTP, so the server's rooms can change shape without breaking a deployment."""
 
 from __future__ import annotations
 

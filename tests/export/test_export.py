@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from export.exporter import ExportRequest, export_model
+from export.exporter import ExportRequest, export_model, export_source
 from export.sources import calibration_images, from_architecture, from_checkpoint
 from models.normalize import Uint8Classifier
 from models.registry import architecture_names
@@ -40,14 +40,7 @@ def _assert_parity_recorded(version_dir: Path, formats: set[str]) -> None:
 def test_trained_smallcnn_exports_with_parity_on_real_digits(digits_checkpoint: Path, tmp_path: Path) -> None:
     source = from_checkpoint(digits_checkpoint)
     assert source.real_images is not None and len(source.real_images) > 300  # the validation split
-    report = export_model(
-        source.eager,
-        source.spec,
-        _request(tmp_path, "digits"),
-        real_images=source.real_images,
-        real_source=source.real_source,
-        source_sha256=source.sha256,
-    )
+    report = export_source(source, _request(tmp_path, "digits"))
     assert report.ok and report.version == 1
     version_dir = tmp_path / "digits" / "1"
     _assert_parity_recorded(version_dir, {"onnx", "torchscript"})

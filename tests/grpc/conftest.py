@@ -11,16 +11,18 @@ import grpc
 import pytest
 
 from service.core.protocol import method_path, pb
-from tests.http.conftest import ADMIN_TOKEN, RunningServer, free_port, served_repo, start_server, stop_server
+from service.core.settings import ServerSettings
+from service.inprocess import InProcessServer
+from tests.http.conftest import ADMIN_TOKEN
 
-__all__ = ["ADMIN_TOKEN", "GrpcServer", "served_repo"]
+__all__ = ["ADMIN_TOKEN", "GrpcServer"]
 
 
 @dataclass
 class GrpcServer:
     """The server's HTTP side (``http.url``) and its gRPC address (``target``, host:port)."""
 
-    http: RunningServer
+    http: InProcessServer
     target: str
 
     def channel(self) -> grpc.Channel:
@@ -46,17 +48,14 @@ def wait_for_grpc(target: str, timeout_s: float = 60) -> None:
 
 
 @pytest.fixture(scope="session")
-def both(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
-    """One server for the gRPC and conformance tests: admin on, 4 images and 1 MiB per request at most."""
-    log = tmp_path_factory.mktemp("grpc-logs") / "server.log"
-    port = free_port()
-    running = start_server(
-        served_repo, log, "--grpc-port", str(port), "--admin-token", ADMIN_TOKEN, "--max-images", "4",
-        "--max-body-mb", "1",
+def both(served_repo: Path) -> Iterator[GrpcServer]:
+    """One server for the gRPC and conformance tests (admin on, 4 images and 1 MiB per request at most): the front
+    end and its engine in this process, with HTTP and gRPC on free ports, so tritonclient's three clients talk to
+    it unchanged. The gRPC tests that are about processes start ``visionserve serve`` (tests/grpc/test_stages.py)."""
+    settings = ServerSettings(
+        repository=str(served_repo), port=0, grpc_port=0, admin_token=ADMIN_TOKEN, max_images_per_request=4,
+        max_body_bytes=1024 * 1024,
     )  # fmt: skip
-    try:
-        target = f"127.0.0.1:{port}"
-        wait_for_grpc(target)
-        yield GrpcServer(running, target)
-    finally:
-        stop_server(running)
+    with InProcessServer(settings, grpc=True) as running:
+        wait_for_grpc(running.grpc_target)
+        yield GrpcServer(running, running.grpc_target)

@@ -18,43 +18,29 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from export.exporter import ExportRequest, export_model
-from export.sources import from_architecture, from_checkpoint
+from service import launcher
+from service.core.settings import ServerSettings
+from service.inprocess import InProcessServer
+from service.launcher import RunningServer, free_port
+from tests.conftest import SLOW_DELAY_MS, slow_config
+
+__all__ = ["ADMIN_TOKEN", "SLOW_DELAY_MS", "RunningServer", "free_port", "slow_config", "start_server", "stop_server"]
 
 ADMIN_TOKEN = "test-admin-token"
 FAST_MODELS_ENV = "VISIONSERVE_TEST_FAST_MODELS"
-# The slow models' fixed cost per batch: long enough that a 50 ms poll cannot miss a batch computing and that a
-# burst of concurrent requests arrives well within one batch, short enough to keep the tests quick.
-SLOW_DELAY_MS = 400.0
 _STARTED: list[RunningServer] = []
 
 
 def fast_models() -> bool:
     return os.environ.get(FAST_MODELS_ENV, "") not in ("", "0")
-
-
-def slow_config(*, max_queue_size: int = 1024, queue_full_status: int = 503, delay_ms: float = SLOW_DELAY_MS) -> str:
-    """config.toml of a model that is slow by construction: batches of one, each held ``delay_ms`` on the runtime's
-    worker thread, whatever the hardware."""
-    return (
-        f"max_batch_size = 1\nmax_queue_delay_ms = 0\nmax_queue_size = {max_queue_size}\n"
-        f"queue_full_status = {queue_full_status}\n[faults]\ndelay_ms = {delay_ms}\n"
-    )
 
 
 def _serve_noop(repo: Path, real_models: tuple[str, ...]) -> None:
@@ -66,22 +52,6 @@ def _serve_noop(repo: Path, real_models: tuple[str, ...]) -> None:
         config.write_text("\n".join(['backend = "noop"', *kept]) + "\n")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class RunningServer:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def client(self, **kw: object) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=60, **kw)  # type: ignore[arg-type]
-
-
 def start_server(
     repo: Path,
     log: Path,
@@ -89,65 +59,30 @@ def start_server(
     ready_timeout_s: float = 120,
     real_models: tuple[str, ...] = ("digits",),
     port: int | None = None,
+    grpc_port: int | None = None,
 ) -> RunningServer:
-    """A server on a free port (or ``port``), ready; ``real_models``: kept real under the fast-model switch."""
+    """A server on a free port (or ``port``), ready (``service.launcher``); ``real_models``: kept real under the
+    fast-model switch; stopped when the test that started it ends."""
     if fast_models():
         _serve_noop(repo, real_models)
-    port = port or free_port()
-    grpc = [] if "--grpc-port" in extra else ["--grpc-port", "0"]  # gRPC only where a test asks for it
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--repository", str(repo), "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "info", *grpc, *extra]  # fmt: skip
-    with open(log, "wb") as out:
-        # A session of its own, so that teardown can kill the whole tree if the supervisor cannot stop it.
-        process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    running = RunningServer(url, process, log)
+    running = launcher.launch(repo, *extra, log=log, port=port, grpc_port=grpc_port)
     _STARTED.append(running)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/v2/health/ready", timeout=1).status_code == 200 and _every_front_end_up(log):
-                return running
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    stop_server(running, timeout_s=5)
-    raise RuntimeError(f"server not ready in {ready_timeout_s} s:\n{log.read_text()[-3000:]}")
-
-
-def _every_front_end_up(log: Path) -> bool:
-    """Whether every front end has reached every engine (their log lines): readiness is per front end, and one
-    answering 200 while another still waits for its engine left a request 503 on a machine where start-up ran in
-    another order."""
-    text = log.read_text(errors="replace")
-    started = re.search(r"with (\d+) front ends .* and (\d+) engine", text)
-    return started is not None and text.count(" is up: ") >= int(started[1]) * int(started[2])
+    try:
+        launcher.wait_ready(running, ready_timeout_s)
+    except BaseException:
+        launcher.stop(running, timeout_s=5)
+        raise
+    return running
 
 
 def stop_server(server: RunningServer, timeout_s: float = 30) -> int:
     """SIGTERM, then the whole process group killed if it has not exited within ``timeout_s``; its exit code."""
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # children left by a killed supervisor
-        os.killpg(server.process.pid, signal.SIGKILL)
-    return int(server.process.returncode)
+    return launcher.stop(server, timeout_s)
 
 
 def stop_leftover_servers(since: int = 0) -> list[RunningServer]:
     """Stop every server started (``_STARTED[since:]``) that still runs; the ones that did."""
-    left = [s for s in _STARTED[since:] if s.process.poll() is None]
-    for server in left:
-        stop_server(server, timeout_s=10)
+    left = launcher.stop_all(_STARTED[since:])
     del _STARTED[since:]
     return left
 
@@ -185,29 +120,16 @@ def busy_model(url: str, model: str, request: Callable[[], Any]) -> Iterator[con
 
 
 @pytest.fixture(scope="session")
-def served_repo(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """digits (trained), digits2 (a copy for load/unload), and ``slow`` and ``slow429``: a 224x224 model (initial
-    weights) slow by its config (:func:`slow_config`) with a queue of 2, for overload and deadline tests."""
-    root = tmp_path_factory.mktemp("served")
-    digits = from_checkpoint(digits_checkpoint)
-    export_model(digits.eager, digits.spec, ExportRequest(name="digits", repository=str(root), latency=False))
-    shutil.copytree(root / "digits", root / "digits2")
-    slow = from_architecture("smallcnn", input_size=224)
-    export_model(
-        slow.eager, slow.spec, ExportRequest(name="slow", repository=str(root), formats=("onnx",), latency=False)
-    )
-    (root / "slow" / "config.toml").write_text(slow_config(max_queue_size=2))
-    shutil.copytree(root / "slow", root / "slow429")
-    (root / "slow429" / "config.toml").write_text(slow_config(max_queue_size=2, queue_full_status=429))
-    return root
-
-
-@pytest.fixture(scope="session")
-def server(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    running = start_server(
-        served_repo, log, "--admin-token", ADMIN_TOKEN, "--max-images", "4", "--max-body-mb", "1",
-        "--max-pixels", "20000000",
+def server(served_repo: Path) -> Iterator[InProcessServer]:
+    """The server of the API-semantics tests (routes, shapes, errors, parameters, metrics' names): the front end
+    and its engine in this process, behind real HTTP (uvicorn as ``serve`` configures it), so tritonclient, KServe's
+    client and httpx talk to it unchanged and a failure can be stepped through here. What is about processes
+    (start, drain, kill, shared memory, overload) starts ``visionserve serve`` with :func:`start_server`."""
+    settings = ServerSettings(
+        repository=str(served_repo), port=0, grpc_port=0, admin_token=ADMIN_TOKEN, max_images_per_request=4,
+        max_body_bytes=1024 * 1024, max_pixels=20_000_000,
     )  # fmt: skip
-    yield running
-    stop_server(running)
+    if fast_models():
+        _serve_noop(served_repo, ("digits",))
+    with InProcessServer(settings) as running:
+        yield running

@@ -6,13 +6,14 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
-from tests.http.conftest import RunningServer, metric_value, wait_for_metric
+from service.inprocess import InProcessServer
+from tests.http.conftest import metric_value, wait_for_metric
 from tests.http.test_image_api import digit_png
 
 ATTRIBUTE_URLS = re.compile(r"""\b(?:src|href)\s*=\s*["']([^"']+)["']""", re.IGNORECASE)
 
 
-def test_docs_loads_every_file_from_this_server(server: RunningServer) -> None:
+def test_docs_loads_every_file_from_this_server(server: InProcessServer) -> None:
     with server.client(follow_redirects=True) as client:
         page = client.get("/docs")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
@@ -36,7 +37,7 @@ def test_docs_loads_every_file_from_this_server(server: RunningServer) -> None:
         assert client.get("/docs/assets/swagger-ui-0.0.1/swagger-ui.css").status_code == 404
 
 
-def test_an_out_of_range_top_k_is_named_with_its_range_and_counted(server: RunningServer) -> None:
+def test_an_out_of_range_top_k_is_named_with_its_range_and_counted(server: InProcessServer) -> None:
     png, _ = digit_png(0)
     labels = {"model": "digits", "protocol": "http", "outcome": "bad_input"}
     before = metric_value(server.url, "visionserve_requests_total", **labels)
@@ -64,7 +65,7 @@ def test_an_out_of_range_top_k_is_named_with_its_range_and_counted(server: Runni
     assert after == before + 4
 
 
-def test_metrics_names_its_charset_once(server: RunningServer) -> None:
+def test_metrics_names_its_charset_once(server: InProcessServer) -> None:
     with server.client() as client:
         r = client.get("/metrics")
     assert r.status_code == 200

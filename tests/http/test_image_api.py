@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 from sklearn.datasets import load_digits
 
+from service.inprocess import InProcessServer
 from tests.conftest import encode_image, random_image
-from tests.http.conftest import RunningServer
 from tests.service.test_preprocess import _png_with_size
 
 
@@ -20,7 +20,7 @@ def digit_png(index: int) -> tuple[bytes, int]:
     return encode_image(pixels, "PNG"), int(raw.target[index])
 
 
-def test_raw_image_is_classified_with_top_k_and_server_timing(server: RunningServer) -> None:
+def test_raw_image_is_classified_with_top_k_and_server_timing(server: InProcessServer) -> None:
     with server.client() as client:
         hits = 0
         for index in range(20):
@@ -41,7 +41,7 @@ def test_raw_image_is_classified_with_top_k_and_server_timing(server: RunningSer
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "BMP"])
-def test_every_accepted_media_type(server: RunningServer, fmt: str) -> None:
+def test_every_accepted_media_type(server: InProcessServer, fmt: str) -> None:
     data = encode_image(random_image(60, 80), fmt)
     with server.client() as client:
         r = client.post("/v1/models/digits/classify", content=data, headers={"content-type": f"image/{fmt.lower()}"})
@@ -60,7 +60,7 @@ def test_every_accepted_media_type(server: RunningServer, fmt: str) -> None:
     ids=["corrupt", "empty", "huge-dimensions", "gif", "json"],
 )
 def test_a_bad_raw_body_fails_the_request_clearly(
-    server: RunningServer, content: bytes, ctype: str, status: int, message: str
+    server: InProcessServer, content: bytes, ctype: str, status: int, message: str
 ) -> None:
     with server.client() as client:
         r = client.post("/v1/models/digits/classify", content=content, headers={"content-type": ctype})
@@ -69,7 +69,7 @@ def test_a_bad_raw_body_fails_the_request_clearly(
     assert "server-timing" in r.headers
 
 
-def test_multipart_answers_each_image_in_order_and_bad_ones_alone(server: RunningServer) -> None:
+def test_multipart_answers_each_image_in_order_and_bad_ones_alone(server: InProcessServer) -> None:
     good, _ = digit_png(0)
     truncated = encode_image(random_image(100, 100), "JPEG")[:300]
     files = [
@@ -88,7 +88,7 @@ def test_multipart_answers_each_image_in_order_and_bad_ones_alone(server: Runnin
     assert "truncated" in results[1]["error"] and "empty" in results[2]["error"]
 
 
-def test_too_many_images_is_413(server: RunningServer) -> None:
+def test_too_many_images_is_413(server: InProcessServer) -> None:
     good, _ = digit_png(0)
     files = [("files", (f"{i}.png", good, "image/png")) for i in range(5)]  # the server allows 4
     with server.client() as client:
@@ -96,7 +96,7 @@ def test_too_many_images_is_413(server: RunningServer) -> None:
     assert r.status_code == 413 and "over the limit of 4" in r.json()["error"]
 
 
-def test_a_body_over_the_limit_is_413(server: RunningServer) -> None:
+def test_a_body_over_the_limit_is_413(server: InProcessServer) -> None:
     with server.client() as client:
         r = client.post(
             "/v1/models/digits/classify", content=b"\xff\xd8\xff" + b"0" * (2 * 1024 * 1024),
@@ -105,7 +105,7 @@ def test_a_body_over_the_limit_is_413(server: RunningServer) -> None:
     assert r.status_code == 413 and "error" in r.json()
 
 
-def test_unknown_model_and_version_are_404(server: RunningServer) -> None:
+def test_unknown_model_and_version_are_404(server: InProcessServer) -> None:
     png, _ = digit_png(0)
     with server.client() as client:
         r = client.post("/v1/models/nope/classify", content=png, headers={"content-type": "image/png"})
@@ -116,14 +116,14 @@ def test_unknown_model_and_version_are_404(server: RunningServer) -> None:
         assert r.status_code == 200
 
 
-def test_bad_query_values_are_400(server: RunningServer) -> None:
+def test_bad_query_values_are_400(server: InProcessServer) -> None:
     png, _ = digit_png(0)
     with server.client() as client:
         r = client.post("/v1/models/digits/classify?top_k=0", content=png, headers={"content-type": "image/png"})
     assert r.status_code == 400 and "error" in r.json()
 
 
-def test_the_models_list_and_the_demo_page(server: RunningServer) -> None:
+def test_the_models_list_and_the_demo_page(server: InProcessServer) -> None:
     with server.client() as client:
         models = {m["name"]: m for m in client.get("/v1/models").json()}
         assert models["digits"]["device"] == "cpu" and models["digits"]["state"] == "READY"
@@ -136,7 +136,7 @@ def test_the_models_list_and_the_demo_page(server: RunningServer) -> None:
         assert client.get("/docs", follow_redirects=True).status_code == 200
 
 
-def test_image_decodes_like_pil(server: RunningServer) -> None:
+def test_image_decodes_like_pil(server: InProcessServer) -> None:
     """The served result equals classifying the pixels sent through v2 INPUT after our own preprocessing."""
     png, _ = digit_png(3)
     from models import get_architecture

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.core.metrics import GPU_METRIC_NAMES
+from service.inprocess import InProcessServer
 from tests.conftest import encode_image, random_image
 from tests.http.conftest import RunningServer, busy_model, slow_config, start_server, stop_server
 from tests.http.test_image_api import digit_png
@@ -23,7 +24,7 @@ from tests.http.test_image_api import digit_png
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def scrape(server: RunningServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(server: InProcessServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(server.url + "/metrics", timeout=30).text
     samples = {}
     for family in text_string_to_metric_families(text):

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.launcher import roles as children
 from tests.conftest import encode_image, random_image
 from tests.http.conftest import RunningServer, free_port, start_server, stop_server
 
@@ -41,26 +42,6 @@ def repo(served_repo: Path, tmp_path: Path) -> Path:
     config = root / "digits" / "config.toml"
     config.write_text(config.read_text() + f"\n[faults]\nload_delay_ms = {LOAD_DELAY_MS}\n")
     return root
-
-
-def children(pid: int) -> dict[str, list[int]]:
-    """The supervisor's children by role (from /proc): {"engine": [...], "frontend": [...]}."""
-    found: dict[str, list[int]] = {"engine": [], "frontend": []}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) != pid:
-            continue
-        if "service.engine.process" in cmdline:
-            found["engine"].append(int(entry.name))
-        elif "service.frontend.server" in cmdline:
-            found["frontend"].append(int(entry.name))
-    return found
 
 
 def running(pid: int) -> bool:

@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.http.conftest import RunningServer
+from service.inprocess import InProcessServer
 
 
-def test_schemathesis_finds_no_server_error_and_no_off_schema_response(server: RunningServer) -> None:
+def test_schemathesis_finds_no_server_error_and_no_off_schema_response(server: InProcessServer) -> None:
     st = shutil.which("st") or str(Path(sys.executable).with_name("st"))
     proc = subprocess.run(
         [st, "run", f"{server.url}/schema/openapi.json", "--checks", "not_a_server_error,response_schema_conformance",

@@ -12,24 +12,26 @@ import numpy as np
 import pytest
 import tritonclient.http as triton
 
+from service.inprocess import InProcessServer
 from tests.conftest import encode_image, random_image
-from tests.http.conftest import ADMIN_TOKEN, RunningServer, busy_model
+from tests.http.conftest import ADMIN_TOKEN, busy_model
 from tests.http.test_image_api import digit_png
 
 PIXELS = np.random.default_rng(0).integers(0, 256, (2, 3, 32, 32), dtype=np.uint8)
 
 
-def test_health_and_server_metadata(server: RunningServer) -> None:
+def test_health_and_server_metadata(server: InProcessServer) -> None:
     with server.client() as c:
-        assert c.get("/v2/health/live").status_code == 200
-        ready = c.get("/v2/health/ready")  # KServe: the status is the answer, the body empty
-        assert (ready.status_code, ready.content) == (200, b"")
+        live = c.get("/v2/health/live")  # the status is the answer, and the body says it too (KServe's client)
+        assert (live.status_code, live.json()) == (200, {"live": True})
+        ready = c.get("/v2/health/ready")
+        assert (ready.status_code, ready.json()) == (200, {"ready": True})
         meta = c.get("/v2").json()
         assert meta["name"] == "visionserve"
         assert {"classification", "binary_tensor_data", "model_repository", "statistics"} <= set(meta["extensions"])
 
 
-def test_model_metadata_ready_and_config(server: RunningServer) -> None:
+def test_model_metadata_ready_and_config(server: InProcessServer) -> None:
     with server.client() as c:
         for prefix in ("/v2/models/digits", "/v2/models/digits/versions/1"):
             meta = c.get(prefix).json()
@@ -37,7 +39,8 @@ def test_model_metadata_ready_and_config(server: RunningServer) -> None:
             assert [i["name"] for i in meta["inputs"]] == ["INPUT"]  # IMAGE is listed under "digits.image"
             assert meta["outputs"] == [{"name": "LOGITS", "datatype": "FP32", "shape": [-1, 10]}]
             assert meta["parameters"]["devices"] == "cpu" and meta["parameters"]["state"] == "READY"
-            assert c.get(prefix + "/ready").status_code == 200
+            ready = c.get(prefix + "/ready")
+            assert (ready.status_code, ready.json()) == (200, {"name": "digits", "ready": True})
             config = c.get(prefix + "/config").json()
             assert config["max_batch_size"] == 32 and config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
         assert c.get("/v2/models/nope").status_code == 404
@@ -48,7 +51,7 @@ def _bytes_tensor(items: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(x)) + x for x in items)
 
 
-def test_infer_json_uint8_and_fp32_agree(server: RunningServer) -> None:
+def test_infer_json_uint8_and_fp32_agree(server: InProcessServer) -> None:
     with server.client() as c:
         a = c.post(
             "/v2/models/digits/infer",
@@ -79,7 +82,7 @@ def test_infer_json_uint8_and_fp32_agree(server: RunningServer) -> None:
     np.testing.assert_allclose(out["outputs"][0]["data"], b.json()["outputs"][0]["data"], rtol=1e-6)
 
 
-def test_infer_binary_images_with_classification(server: RunningServer) -> None:
+def test_infer_binary_images_with_classification(server: InProcessServer) -> None:
     images = [digit_png(i)[0] for i in range(3)]
     blob = _bytes_tensor(images)
     header = {
@@ -102,7 +105,7 @@ def test_infer_binary_images_with_classification(server: RunningServer) -> None:
     assert float(score) and label == index
 
 
-def test_infer_json_images_are_base64(server: RunningServer) -> None:
+def test_infer_json_images_are_base64(server: InProcessServer) -> None:
     png, _ = digit_png(1)
     body = {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": [base64.b64encode(png).decode()]}]}
     with server.client() as c:
@@ -130,13 +133,13 @@ def test_infer_json_images_are_base64(server: RunningServer) -> None:
         ({"nonsense": 1}, "v2 protocol"),
     ],
 )
-def test_bad_tensors_are_400(server: RunningServer, body: dict[str, Any], message: str) -> None:
+def test_bad_tensors_are_400(server: InProcessServer, body: dict[str, Any], message: str) -> None:
     with server.client() as c:
         r = c.post("/v2/models/digits/infer", json=body)
     assert r.status_code == 400 and message in r.json()["error"], r.text
 
 
-def test_a_corrupt_image_in_v2_names_its_index(server: RunningServer) -> None:
+def test_a_corrupt_image_in_v2_names_its_index(server: InProcessServer) -> None:
     good, _ = digit_png(0)
     body = {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [2],
                         "data": [base64.b64encode(good).decode(), base64.b64encode(b"junk").decode()]}]}  # fmt: skip
@@ -145,7 +148,7 @@ def test_a_corrupt_image_in_v2_names_its_index(server: RunningServer) -> None:
     assert r.status_code == 400 and r.json()["error"].startswith("image 1:")
 
 
-def test_tritonclient_works_unchanged(server: RunningServer) -> None:
+def test_tritonclient_works_unchanged(server: InProcessServer) -> None:
     client = triton.InferenceServerClient(url=server.url.removeprefix("http://"))
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("digits")
     assert client.get_model_metadata("digits")["name"] == "digits"
@@ -171,7 +174,7 @@ def test_tritonclient_works_unchanged(server: RunningServer) -> None:
     assert stats["inference_count"] >= 10 and stats["inference_stats"]["success"]["count"] >= 3
 
 
-def test_statistics_count_what_was_sent(server: RunningServer) -> None:
+def test_statistics_count_what_was_sent(server: InProcessServer) -> None:
     with server.client() as c:
         before = c.get("/v2/models/digits2/stats").json()["model_stats"][0]
         for _ in range(3):
@@ -190,7 +193,7 @@ def test_statistics_count_what_was_sent(server: RunningServer) -> None:
     assert {s["name"] for s in everything} >= {"digits", "digits2", "slow"}
 
 
-def test_repository_routes_need_the_admin_token(server: RunningServer) -> None:
+def test_repository_routes_need_the_admin_token(server: InProcessServer) -> None:
     with server.client() as c:
         assert c.post("/v2/repository/index").status_code == 403
         assert c.post("/v2/repository/index", headers={"Authorization": "Bearer wrong"}).status_code == 403
@@ -204,7 +207,7 @@ def test_repository_routes_need_the_admin_token(server: RunningServer) -> None:
         assert c.post("/v2/repository/models/nope/load", headers=auth).status_code == 404
 
 
-def _flood(server: RunningServer, model: str, n: int = 12) -> list[httpx.Response]:
+def _flood(server: InProcessServer, model: str, n: int = 12) -> list[httpx.Response]:
     """``n`` concurrent requests while the slow model's only instance computes another: a queue of 2 overflows."""
     image = encode_image(random_image(224, 224), "JPEG")
 
@@ -218,7 +221,7 @@ def _flood(server: RunningServer, model: str, n: int = 12) -> list[httpx.Respons
 
 
 @pytest.mark.parametrize(("model", "status"), [("slow", 503), ("slow429", 429)])
-def test_overload_is_refused_at_once_with_retry_after(server: RunningServer, model: str, status: int) -> None:
+def test_overload_is_refused_at_once_with_retry_after(server: InProcessServer, model: str, status: int) -> None:
     responses = _flood(server, model)
     refused = [r for r in responses if r.status_code == status]
     assert refused, [r.status_code for r in responses]
@@ -227,7 +230,7 @@ def test_overload_is_refused_at_once_with_retry_after(server: RunningServer, mod
     assert {r.status_code for r in responses} <= {200, status}  # nothing else: no 500, no hang
 
 
-def test_a_request_whose_deadline_passes_in_the_queue_is_504(server: RunningServer) -> None:
+def test_a_request_whose_deadline_passes_in_the_queue_is_504(server: InProcessServer) -> None:
     image = encode_image(random_image(224, 224), "JPEG")
 
     def busy() -> httpx.Response:

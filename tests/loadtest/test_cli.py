@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from service.core.metrics import STAGES
-from tests.http.conftest import RunningServer, served_repo, start_server, stop_server  # noqa: F401 - fixture
+from tests.http.conftest import RunningServer, start_server, stop_server
 
 SHORT = ["--duration", "1.5", "--warmup", "0.5", "--drain", "5", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def server(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:  # noqa: F811
+def server(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     running = start_server(served_repo, tmp_path_factory.mktemp("loadtest") / "server.log")
     yield running
     stop_server(running)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from models.normalize import Uint8Classifier
 from models.registry import get_architecture
 from models.train import BatchProgress, TrainConfig, evaluate, resolve_device, train
 from service.core.errors import CheckpointError, ConfigError
+from service.launcher import free_port
 
 
 def test_a_short_run_on_digits_clearly_beats_chance(digits_checkpoint: Path) -> None:
@@ -134,9 +134,7 @@ def test_weights_of_another_architecture_are_refused(digits_checkpoint: Path) ->
 @pytest.mark.slow
 def test_torchrun_trains_with_ddp_and_only_rank_0_writes(tmp_path: Path) -> None:
     out = tmp_path / "ddp.pt"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",

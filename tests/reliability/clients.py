@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from loadtest.http1 import ConnectionFailed, Http1Client
+from service.launcher import roles
 from tests.conftest import encode_image
 
 CLASSIFY = "/v1/models/digits/classify"
@@ -185,15 +186,6 @@ async def never_read(port: int, *, connections: int, pipelined: int, stop: async
     return stats
 
 
-def children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (the supervisor's engine and front ends)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
 def rss_mb(pid: int) -> float:
     """Resident memory of ``pid`` in MiB (0 when it is gone)."""
     try:
@@ -207,9 +199,4 @@ def rss_mb(pid: int) -> float:
 
 def frontends(pid: int) -> list[int]:
     """The supervisor's front-end processes (``python -m service.frontend.server``)."""
-    out = []
-    for child in children(pid):
-        with contextlib.suppress(OSError):
-            if b"service.frontend.server" in Path(f"/proc/{child}/cmdline").read_bytes():
-                out.append(child)
-    return out
+    return roles(pid)["frontend"]

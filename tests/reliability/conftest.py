@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from export.exporter import ExportRequest, export_model
-from export.sources import from_checkpoint
+from tests.conftest import copy_model
 from tests.http.conftest import RunningServer, free_port, start_server, stop_server
 
 __all__ = ["RunningServer", "free_port", "start_server", "stop_server"]
@@ -37,13 +36,10 @@ def add_variant(root: Path, name: str, config_toml: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reliability_repo(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reliability_repo(digits_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A repository holding ``digits`` with its default config; tests add variants with :func:`add_variant` into
     copies of it (see ``repo_copy``)."""
-    root = tmp_path_factory.mktemp("reliability-repo")
-    digits = from_checkpoint(digits_checkpoint)
-    export_model(digits.eager, digits.spec, ExportRequest(name="digits", repository=str(root), latency=False))
-    return root
+    return copy_model(digits_export, tmp_path_factory.mktemp("reliability-repo"))
 
 
 @pytest.fixture

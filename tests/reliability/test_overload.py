@@ -19,8 +19,9 @@ import httpx
 
 from loadtest.http1 import Http1Client
 from loadtest.openloop import Record, Request, percentile, run_open_loop
+from service.launcher import children
 from tests.http.conftest import wait_for_metric
-from tests.reliability.clients import children, rss_mb
+from tests.reliability.clients import rss_mb
 from tests.reliability.conftest import RunningServer, add_variant, start_server, stop_server
 
 DIGIT = (Path(__file__).parents[2] / "examples" / "digit-3.png").read_bytes()

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from service.core.errors import CancelledError, DeadlineExceededError, OverloadedError, RuntimeFailure
 from service.core.spec import InputSpec, ModelSpec
 from service.engine import Batcher, BatcherConfig, InferRequest
+from service.engine.policy import SMOOTHING, AdaptivePolicy, CostModel, DelayPolicy, make_policy
 from service.runtime import FakeRuntime
 
 SPEC = ModelSpec(
@@ -501,36 +502,81 @@ def test_a_replacement_that_never_loads_fails_the_model_instead_of_waiting_for_e
     run(scenario())
 
 
-# ---- the adaptive policy: wait for the next image only while that costs the queued ones less than it saves ----
+# ---- the batch policies: pure decisions, driven with numbers (no event loop) ----------------------------------
 
 
-def adaptive(costs: dict[int, float], gap_s: float | None) -> Batcher:
-    batcher = Batcher([FakeRuntime(SPEC)], BatcherConfig(policy="adaptive", max_batch_size=8))
-    batcher._costs = dict(costs)
-    batcher._gap_s = gap_s
-    return batcher
+def adaptive(costs: dict[int, float], gap_s: float | None, delay_ms: float = 2.0) -> AdaptivePolicy:
+    return AdaptivePolicy(max_batch_size=8, max_queue_delay_ms=delay_ms, costs=CostModel(costs, gap_s))
 
 
 def test_adaptive_never_waits_where_a_batch_costs_the_same_per_image() -> None:
     cpu = adaptive({1: 0.010, 4: 0.040}, gap_s=0.001)  # a CPU: 10 ms an image at any batch size
-    assert all(cpu._dispatch_now(n) for n in range(1, 8))
+    assert all(cpu.dispatch_now(n) for n in range(1, 8))
+    assert cpu.wait_s(1, oldest_wait_s=0.0) == 0.0
 
 
 def test_adaptive_waits_where_batching_is_nearly_free_and_images_come_fast() -> None:
     gpu = {1: 0.020, 8: 0.021}  # a GPU: eight images cost about what one does
-    assert not adaptive(gpu, gap_s=0.001)._dispatch_now(1)  # the next image is due in 1 ms: worth it
-    assert adaptive(gpu, gap_s=0.050)._dispatch_now(1)  # due in 50 ms, after the batch would be done: go now
+    assert not adaptive(gpu, gap_s=0.001).dispatch_now(1)  # the next image is due in 1 ms: worth it
+    assert adaptive(gpu, gap_s=0.050).dispatch_now(1)  # due in 50 ms, after the batch would be done: go now
+
+
+def test_adaptive_waits_never_past_the_delay() -> None:
+    gpu = adaptive({1: 0.020, 8: 0.021}, gap_s=0.001, delay_ms=10.0)
+    assert gpu.wait_s(1, oldest_wait_s=0.004) == pytest.approx(0.006)  # what is left of the oldest image's delay
+    assert gpu.wait_s(1, oldest_wait_s=0.010) == 0.0
+    assert gpu.wait_s(8, oldest_wait_s=0.0) == 0.0  # a full batch goes at once
 
 
 def test_adaptive_dispatches_until_it_has_figures() -> None:
-    assert adaptive({}, gap_s=0.001)._dispatch_now(1)
-    assert adaptive({1: 0.02}, gap_s=None)._dispatch_now(1)
+    assert adaptive({}, gap_s=0.001).dispatch_now(1)
+    assert adaptive({1: 0.02}, gap_s=None).dispatch_now(1)
 
 
 def test_adaptive_costs_between_and_beyond_measured_sizes() -> None:
-    b = adaptive({1: 0.010, 4: 0.016, 8: 0.024}, gap_s=0.001)
-    assert b._cost(2) == pytest.approx(0.012) and b._cost(16) == pytest.approx(0.040)
-    assert adaptive({2: 0.010}, gap_s=None)._cost(4) == pytest.approx(0.020)  # one size seen: per image
+    costs = CostModel({1: 0.010, 4: 0.016, 8: 0.024})
+    assert costs.cost(2) == pytest.approx(0.012) and costs.cost(16) == pytest.approx(0.040)
+    assert CostModel({2: 0.010}).cost(4) == pytest.approx(0.020)  # one size seen: per image
+    assert CostModel().cost(1) is None
+
+
+def test_the_cost_model_learns_moving_averages_from_what_it_observes() -> None:
+    costs = CostModel()
+    costs.observe_arrival(0.0)
+    assert costs.gap_s is None  # one arrival is no gap yet
+    costs.observe_arrival(0.010)
+    costs.observe_arrival(0.030)
+    assert costs.gap_s == pytest.approx(0.010 + SMOOTHING * (0.020 - 0.010))
+    costs.observe_batch(4, 0.010)
+    costs.observe_batch(4, 0.020)
+    assert costs.costs == {4: pytest.approx(0.010 + SMOOTHING * 0.010)}
+
+
+def test_the_adaptive_policy_learns_to_wait_from_the_batches_it_sees() -> None:
+    """Fed a GPU's costs and fast arrivals, it holds a lone image; fed a CPU's, it lets it go."""
+    for costs, waits in (({1: 0.020, 8: 0.021}, True), ({1: 0.010, 8: 0.080}, False)):
+        policy = make_policy("adaptive", max_batch_size=8, max_queue_delay_ms=10.0)
+        assert policy.wait_s(1, oldest_wait_s=0.0) == 0.0  # no figures yet: go
+        for t in (0.0, 0.001, 0.002):
+            policy.observe_arrival(t)
+        for size, seconds in costs.items():
+            policy.observe_batch(size, seconds)
+        assert (policy.wait_s(1, oldest_wait_s=0.0) > 0) is waits
+
+
+def test_the_delay_policy_counts_from_the_oldest_image_and_prefers_preferred_sizes() -> None:
+    policy = DelayPolicy(max_batch_size=8, max_queue_delay_ms=10.0, preferred_batch_sizes=(4, 6, 16))
+    assert policy.wait_s(1, oldest_wait_s=0.003) == pytest.approx(0.007)
+    assert policy.wait_s(3, oldest_wait_s=0.012) == 0.0  # the delay ran out
+    assert policy.wait_s(4, oldest_wait_s=0.0) == 0.0  # a preferred size goes at once
+    assert [policy.batch_size(n) for n in (3, 5, 7, 9)] == [8, 4, 6, 8]  # 16 is over the maximum: ignored
+    # only the first image (it starts the delay) and reaching a dispatching size wake the dispatcher
+    assert (policy.wakes(0, 1), policy.wakes(1, 2), policy.wakes(3, 4)) == (True, False, True)
+
+
+def test_an_unknown_policy_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="delay, adaptive, got 'eager'"):
+        make_policy("eager", max_batch_size=8, max_queue_delay_ms=2.0)
 
 
 @pytest.mark.parametrize("policy", ["delay", "adaptive"])
@@ -541,9 +587,9 @@ def test_a_lone_image_waits_out_the_delay_only_under_the_delay_policy(policy: st
 
     async def scenario() -> float:
         fake = LoggingFake()
-        batcher = Batcher([fake], BatcherConfig(policy=policy, max_batch_size=8, max_queue_delay_ms=delay_ms))
-        if policy == "adaptive":
-            batcher._costs, batcher._gap_s = {1: 0.010, 8: 0.080}, 0.001
+        config = BatcherConfig(policy=policy, max_batch_size=8, max_queue_delay_ms=delay_ms)
+        measured = adaptive({1: 0.010, 8: 0.080}, gap_s=0.001, delay_ms=delay_ms) if policy == "adaptive" else None
+        batcher = Batcher([fake], config, policy=measured)
         sent = time.monotonic()
         await batcher.submit(request([1]))
         await batcher.close()

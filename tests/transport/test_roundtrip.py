@@ -64,14 +64,10 @@ async def connected(tmp: Path, arena: shm.Arena) -> tuple[EngineEndpoint, Engine
 
 
 async def send(client: EngineClient, arena: shm.Arena, model: str, images: np.ndarray, guard_s: float = 5) -> Result:
-    offset, view = arena.allocate(images.shape)
-    view[:] = images
-    del view
-    answer, answered = await client.submit(
-        model, 1, offset, images.shape, timeout_ms=None, priority=0, request_id="r", guard_s=guard_s
-    )
-    assert answered > 0  # when the answer was read off the socket: the front end's last stage starts there
-    return answer
+    answer = await client.submit(model, 1, images, timeout_ms=None, priority=0, request_id="r", guard_s=guard_s)
+    # when the answer was read off the socket: the front end's last stage starts there
+    assert answer.answered >= answer.sent > 0
+    return answer.result
 
 
 def test_pixels_arrive_intact_and_errors_keep_their_kind(tmp_path: Path, arena_name: str) -> None:
@@ -85,7 +81,7 @@ def test_pixels_arrive_intact_and_errors_keep_their_kind(tmp_path: Path, arena_n
             assert np.array_equal(np.frombuffer(answer.logits, dtype=np.float32), expected)
         with pytest.raises(OverloadedError) as refused:
             await send(client, arena, "full", images)
-        assert getattr(refused.value, "status", None) == 429
+        assert (refused.value.http_status, refused.value.grpc_code) == (429, "RESOURCE_EXHAUSTED")
         with pytest.raises(NotFoundError, match="unknown model 'gone'"):
             await send(client, arena, "gone", images)
         assert arena.regions_in_use == 0 and arena.free_bytes == arena.size

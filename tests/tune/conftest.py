@@ -22,17 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from export.exporter import ExportRequest, export_model
-from export.sources import from_checkpoint
-
 
 @pytest.fixture(scope="session")
-def tune_source_repo(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tune_source_repo(digits_export: Path) -> Path:
     """The pristine repository (never modified: copy it with :func:`copy_repo`)."""
-    root = tmp_path_factory.mktemp("tune-source")
-    digits = from_checkpoint(digits_checkpoint)
-    export_model(digits.eager, digits.spec, ExportRequest(name="digits", repository=str(root), latency=False))
-    return root
+    return digits_export
 
 
 def copy_repo(source: Path, folder: Path) -> Path:

@@ -2,13 +2,8 @@
 tritonclient.grpc, perf_analyzer and KServe's ``grpc-v2`` clients work unchanged.
 
 Every RPC reads the same :class:`ServerState` as HTTP and goes through :mod:`service.frontend.protocol`, so both
-protocols answer alike. Errors keep HTTP's messages; their HTTP status (the one mapping of the exception tree, in
-``service.frontend.http.errors``) picks the gRPC code:
-
-    400, 415 -> INVALID_ARGUMENT     404 -> NOT_FOUND           403 -> PERMISSION_DENIED
-    413      -> RESOURCE_EXHAUSTED   (what grpc itself answers for a message over its size limit)
-    503      -> UNAVAILABLE          429 -> RESOURCE_EXHAUSTED  (both with ``retry-after`` in the trailers)
-    504      -> DEADLINE_EXCEEDED    cancelled -> CANCELLED     anything else -> INTERNAL
+protocols answer alike. Errors keep HTTP's messages, and each carries its gRPC code beside its HTTP status (the
+table in :mod:`service.core.errors`); an overload's ``retry-after`` goes in the trailers.
 
 The RPCs a server of images cannot honour (shared memory, tracing, logging settings, streaming) are not
 registered, so grpc answers them UNIMPLEMENTED.
@@ -25,27 +20,16 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from service.core.errors import BadInputError, CancelledError, NotFoundError, VisionServeError
+from service.core.errors import BadInputError, NotFoundError, VisionServeError
 from service.core.protocol import SERVICE, config_pb, pb
 from service.frontend import protocol
-from service.frontend.http.errors import RETRY_AFTER_S, status_of
-from service.frontend.http.v2 import model_statistics
 from service.frontend.parameters import request_options
 from service.frontend.protocol import Tensor
-from service.frontend.state import ModelSlot, ServerState, Timing
+from service.frontend.state import ModelSlot, ServerState
+from service.frontend.timing import Timing
 
 log = logging.getLogger("visionserve.grpc")
 
-CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    415: grpc.StatusCode.INVALID_ARGUMENT,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 # Typed contents per datatype: the InferTensorContents field that carries it.
 CONTENTS = {"UINT8": "uint_contents", "FP32": "fp32_contents", "BYTES": "bytes_contents"}
 
@@ -55,10 +39,8 @@ Method = Callable[[Any, Context], Awaitable[Any]]
 
 
 def code_of(exc: VisionServeError) -> grpc.StatusCode:
-    """The gRPC status for one of our errors, through its HTTP status (one mapping of the tree, not two)."""
-    if isinstance(exc, CancelledError):
-        return grpc.StatusCode.CANCELLED
-    return CODES.get(status_of(exc), grpc.StatusCode.INTERNAL)
+    """The gRPC status one of our errors carries."""
+    return grpc.StatusCode[exc.grpc_code]
 
 
 def parameter_values(params: Any) -> dict[str, Any]:
@@ -183,7 +165,7 @@ class InferenceServicer:
     ) -> pb.ModelStatisticsResponse:
         # The same function, so the same numbers, as GET /v2/models[/{m}[/versions/{v}]]/stats; "m.image" is m.
         name = protocol.resolve(self.server, request.name).slot.name if request.name else None
-        rows = await model_statistics(self.server, name, request.version or None)
+        rows = await protocol.model_statistics(self.server, name, request.version or None)
         response = pb.ModelStatisticsResponse()
         for row in rows:
             json_format.ParseDict(row, response.model_stats.add(), ignore_unknown_fields=True)
@@ -256,8 +238,8 @@ def _guarded(name: str, method: Method) -> Method:
             return await method(request, context)
         except VisionServeError as exc:
             code = code_of(exc)
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED) and status_of(exc) != 413:
-                context.set_trailing_metadata((("retry-after", RETRY_AFTER_S),))
+            if exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
             if code == grpc.StatusCode.INTERNAL:
                 log.error("gRPC %s failed: %s", name, exc, exc_info=exc)
             await context.abort(code, str(exc))

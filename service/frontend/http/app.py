@@ -23,6 +23,7 @@ from service.frontend.http.openapi_ui import swagger_asset, swagger_plugin
 from service.frontend.http.page import docs, index, list_models
 from service.frontend.http.timing import ServerTimingMiddleware
 from service.frontend.http.v2 import ROUTES, SERVER_VERSION
+from service.frontend.link import Linker
 from service.frontend.state import ServerState
 
 log = logging.getLogger("visionserve.server")
@@ -43,18 +44,26 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 
 def create_app(
-    settings: ServerSettings | None = None, *, frontend: str = "fe0", arena: str = "", engines: tuple[str, ...] = ()
+    settings: ServerSettings | None = None,
+    linker: Linker | None = None,
+    *,
+    frontend: str = "fe0",
+    frontends: int = 1,
 ) -> Litestar:
-    """The HTTP app of one front end: ``arena`` is its shared-memory segment, ``engines`` the engines' endpoints
-    (the supervisor gives both; see ``service.supervisor``)."""
+    """The HTTP app of one front end. ``linker`` gives its links to the engines: shared memory when the supervisor
+    starts it (``service.supervisor``), or in process (``service.inprocess``); ``frontends``: how many front ends
+    the server runs (readiness waits for all of them). Its start-up returns only once every engine link is up, so
+    uvicorn accepts no connection this front end could not serve."""
     settings = settings or ServerSettings()
-    server = ServerState(settings, frontend=frontend, arena=arena, engines=engines)
+    server = ServerState(settings, linker, frontend=frontend, frontends=frontends)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.server = server
         await server.start()
         grpc_server = await start_grpc(server)
+        if await server.wait_linked():
+            log.info("front end %s linked to %d engine(s)", frontend, len(server.links))
         try:
             yield
         finally:

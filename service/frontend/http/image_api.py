@@ -17,33 +17,15 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser  # type: ignore[import-untyped]
 
+from service.core.answers import ClassifyResponse, ImageResult, Prediction
 from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
 from service.core.scores import predictions, softmax
 from service.frontend.http.validation import integer_queries
 from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS, version_number
-from service.frontend.state import ModelSlot, ServerState, Timing
+from service.frontend.state import ModelSlot, ServerState
+from service.frontend.timing import Timing
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp")
-
-
-class Prediction(msgspec.Struct):
-    label: str
-    index: int
-    score: float
-
-
-class ImageResult(msgspec.Struct, omit_defaults=True):
-    """One image's answer: its predictions, or its own error."""
-
-    predictions: list[Prediction] | None = None
-    error: str | None = None
-    filename: str | None = None
-
-
-class ClassifyResponse(msgspec.Struct):
-    model: str
-    version: int
-    results: list[ImageResult]
 
 
 class ErrorBody(msgspec.Struct):

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-from service.frontend.state import Timing
+from service.frontend.timing import Timing
 
 access_log = logging.getLogger("visionserve.access")
 Scope = dict[str, Any]

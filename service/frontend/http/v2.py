@@ -23,13 +23,14 @@ import numpy as np
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
 
-from service.core.errors import BadInputError, NotFoundError, VisionServeError
+from service.core.errors import BadInputError
 from service.frontend import protocol
 from service.frontend.http.body import MIN_COMPRESS_BYTES, accepted_encoding, compress, read_body
 from service.frontend.http.image_api import ERROR_RESPONSES, server_of, timing_of
-from service.frontend.parameters import flag, integer, json_number_error, request_options, version_number
+from service.frontend.parameters import flag, integer, json_number_error, request_options
 from service.frontend.protocol import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Tensor
-from service.frontend.state import ModelSlot, ServerState, Timing
+from service.frontend.state import ModelSlot, ServerState
+from service.frontend.timing import Timing
 
 HEADER = "inference-header-content-length"
 
@@ -69,31 +70,49 @@ class V2Response(msgspec.Struct, omit_defaults=True):
 # ---- health and metadata -------------------------------------------------------------------------------------
 
 
+class Live(msgspec.Struct):
+    live: bool
+
+
+class Ready(msgspec.Struct):
+    ready: bool
+
+
+class ModelReady(msgspec.Struct):
+    name: str
+    ready: bool
+
+
 HEALTH_RESPONSES = {
     **ERROR_RESPONSES,
-    400: ResponseSpec(data_container=None, description="false (KServe: a 4xx status, empty body)"),
+    # Not one schema: false ({"ready": false}) or a bad request ({"error": ...}, e.g. a version that is no number).
+    400: ResponseSpec(data_container=None, description='false ({"ready": false}), or a bad request ({"error": ...})'),
 }
 
+# The Open Inference Protocol: "a 200 status code indicates true and a 4xx status code indicates false", and the
+# body says it too. Triton's clients read only the status; KServe's own Python client (0.21) parses the body and
+# failed on an empty one.
 
-def _health(ok: bool) -> Response[bytes]:
-    # KServe's health API: "a 200 status code indicates true and a 4xx status code indicates false", empty body.
-    return Response(b"", status_code=200 if ok else 400, media_type="text/plain")
+
+def _status(ok: bool) -> int:
+    return 200 if ok else 400
 
 
 @get("/v2/health/live", summary="Liveness (200 true, 400 false)", tags=["v2"], responses=HEALTH_RESPONSES)
-async def live() -> Response[bytes]:
-    return _health(True)
+async def live() -> Response[Live]:
+    return Response(Live(live=True))
 
 
 @get(
     "/v2/health/ready",
-    summary="Readiness (200 true, 400 false: while loading and while draining)",
+    summary="Readiness (200 true, 400 false: while loading, until every front end is up, and while draining)",
     tags=["v2"],
     responses=HEALTH_RESPONSES,
 )
-async def ready(request: Request[Any, Any, Any]) -> Response[bytes]:
+async def ready(request: Request[Any, Any, Any]) -> Response[Ready]:
     server = server_of(request)
-    return _health(server.ready and not server.draining)
+    ok = server.ready and not server.draining
+    return Response(Ready(ready=ok), status_code=_status(ok))
 
 
 @get("/v2", summary="Server metadata", tags=["v2"], responses=ERROR_RESPONSES)
@@ -122,70 +141,15 @@ async def model_metadata(request: Request[Any, Any, Any], model: str, version: s
     tags=["v2"],
     responses=HEALTH_RESPONSES,
 )
-async def model_ready(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[bytes]:
+async def model_ready(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[ModelReady]:
     server = server_of(request)
-    return _health(protocol.is_ready(server, protocol.resolve(server, model, version).slot))
+    ok = protocol.is_ready(server, protocol.resolve(server, model, version).slot)
+    return Response(ModelReady(name=model, ready=ok), status_code=_status(ok))
 
 
 @get([MODEL + "/config", VERSION + "/config"], summary="Model configuration", tags=["v2"], responses=ERROR_RESPONSES)
 async def model_config(request: Request[Any, Any, Any], model: str, version: str | None = None) -> dict[str, Any]:
     return protocol.model_config(protocol.resolve(server_of(request), model, version))
-
-
-def _duration(count: int, ns: int = 0) -> dict[str, int]:
-    return {"count": count, "ns": ns}
-
-
-def _stats(slot: ModelSlot, row: dict[str, Any]) -> dict[str, Any]:
-    """Triton's statistics JSON for one model version from the whole server's counts (``ServerState.model_stats``),
-    with every key Triton's has (2.51): what this server does not do (a response cache, per-response statistics of
-    decoupled models, memory reports) is there as zero or empty, so a tool that reads the key finds it."""
-    success = row.get("success", 0)
-    queue_ns, compute_ns, preprocess_ns = row.get("queue_ns", 0), row.get("compute_ns", 0), row.get("preprocess_ns", 0)
-    sizes: dict[int, tuple[int, int]] = row.get("batch_sizes", {})
-    return {
-        "name": slot.name,
-        "version": str(slot.version.version),
-        "last_inference": row.get("last_inference_ms", 0),
-        "inference_count": row.get("images", 0),
-        "execution_count": row.get("batches", 0),
-        "inference_stats": {
-            "success": _duration(success, queue_ns + compute_ns + preprocess_ns),
-            "fail": _duration(row.get("failure", 0)),
-            "queue": _duration(success, queue_ns),
-            "compute_input": _duration(success, preprocess_ns),
-            "compute_infer": _duration(success, compute_ns),
-            "compute_output": _duration(success),
-            "cache_hit": _duration(0),
-            "cache_miss": _duration(0),
-        },
-        "batch_stats": [
-            {
-                "batch_size": size,
-                "compute_input": _duration(count),
-                "compute_infer": _duration(count, ns),
-                "compute_output": _duration(count),
-            }
-            for size, (count, ns) in sorted(sizes.items())
-        ],
-        "memory_usage": [],
-        "response_stats": {},
-    }
-
-
-async def model_statistics(
-    server: ServerState, model: str | None = None, version: str | None = None
-) -> list[dict[str, Any]]:
-    """The statistics of every model version (or of ``model``, or of one version), for HTTP and gRPC alike."""
-    number = version_number(version)
-    if model is None:
-        slots = [slot for versions in server.slots.values() for slot in versions.values()]
-    else:
-        slots = [server.slot(model, number)] if number else list(server.slots.get(model, {}).values())
-        if not slots:
-            raise NotFoundError(f"unknown model {model!r}")
-    merged = await server.model_stats()
-    return [_stats(slot, merged.get((slot.name, slot.version.version), {})) for slot in slots]
 
 
 @get(
@@ -197,7 +161,7 @@ async def model_statistics(
 async def model_stats(
     request: Request[Any, Any, Any], model: str | None = None, version: str | None = None
 ) -> dict[str, Any]:
-    return {"model_stats": await model_statistics(server_of(request), model, version)}
+    return {"model_stats": await protocol.model_statistics(server_of(request), model, version)}
 
 
 # ---- inference --------------------------------------------------------------------------------------------------
@@ -344,17 +308,8 @@ async def infer(request: Request[Any, Any, Any], model: str, version: str | None
 
 def _require_admin(request: Request[Any, Any, Any]) -> ServerState:
     server = server_of(request)
-    token = server.settings.admin_token
-    if not token:
-        raise _Forbidden("repository control is off: start the server with --admin-token to enable it")
-    sent = request.headers.get("authorization", "")
-    if sent != f"Bearer {token}":
-        raise _Forbidden("repository control needs 'Authorization: Bearer <admin token>'")
+    protocol.require_admin(server, request.headers.get("authorization", ""))
     return server
-
-
-class _Forbidden(VisionServeError):
-    status = 403
 
 
 @post(

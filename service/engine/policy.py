@@ -1,0 +1,201 @@
+"""When a batch goes, and how big it is: the batch policies, pure and synchronous (numbers in, a decision out).
+
+- ``"delay"`` (:class:`DelayPolicy`, Triton's): with an instance free, dispatch at once when a preferred size (or
+  the maximum) is queued, otherwise when the oldest queued image has waited ``max_queue_delay_ms``.
+- ``"adaptive"`` (:class:`AdaptivePolicy`) changes one thing: the batch waits for the next image only while the
+  measured batch costs and arrival rate (a :class:`CostModel`) say waiting costs the queued images less than it saves
+  the next one (:func:`dispatch_now`), and never past ``max_queue_delay_ms``.
+
+The batcher feeds a policy what it sees (:meth:`~BatchPolicy.observe_arrival`, :meth:`~BatchPolicy.observe_batch`)
+and asks it what to do; no event loop is involved, so a test drives one with plain numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+SMOOTHING = 0.2  # weight of the newest sample in the cost model's moving averages
+POLICIES = ("delay", "adaptive")
+
+
+class BatchPolicy(Protocol):
+    """What the batcher asks of a policy. Times are ``time.monotonic()`` seconds."""
+
+    def observe_arrival(self, t: float) -> None:
+        """A request arrived at ``t``."""
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        """A batch of ``size`` images computed in ``seconds`` with no image failing."""
+
+    def wakes(self, before: int, after: int) -> bool:
+        """Whether an arrival that took the queue from ``before`` to ``after`` images may change :meth:`wait_s`."""
+
+    def wait_s(self, queued: int, oldest_wait_s: float) -> float:
+        """With an instance free and ``queued`` images (the oldest queued ``oldest_wait_s`` ago): seconds to wait
+        for more before dispatching; 0 means dispatch now."""
+
+    def batch_size(self, queued: int) -> int:
+        """How many of the ``queued`` images the batch dispatched now takes (at most)."""
+
+
+class CostModel:
+    """The adaptive policy's figures: recent seconds a batch takes by size, and recent seconds between requests.
+
+    Both are moving averages (the newest sample weighs :data:`SMOOTHING`); ``costs`` and ``gap_s`` seed them.
+    """
+
+    def __init__(
+        self, costs: Mapping[int, float] | None = None, gap_s: float | None = None, *, smoothing: float = SMOOTHING
+    ) -> None:
+        self._costs: dict[int, float] = dict(costs or {})
+        self.gap_s = gap_s  # None until two requests have arrived (or seeded)
+        self._smoothing = smoothing
+        self._last_arrival: float | None = None
+
+    @property
+    def costs(self) -> dict[int, float]:
+        """Batch size -> recent seconds a batch of that size takes (a copy)."""
+        return dict(self._costs)
+
+    def observe_arrival(self, t: float) -> None:
+        """A request arrived at ``t`` (seconds, any monotonic clock): updates :attr:`gap_s` from the second on."""
+        if self._last_arrival is not None:
+            gap = t - self._last_arrival
+            self.gap_s = gap if self.gap_s is None else self.gap_s + self._smoothing * (gap - self.gap_s)
+        self._last_arrival = t
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        """A batch of ``size`` images took ``seconds``."""
+        seen = self._costs.get(size)
+        self._costs[size] = seconds if seen is None else seen + self._smoothing * (seconds - seen)
+
+    def cost(self, n: int) -> float | None:
+        """Seconds a batch of ``n`` takes, from the recent batches: measured, or on the line through the nearest
+        measured sizes (through the origin when only one size has been seen); None before any batch."""
+        costs = self._costs
+        if n in costs:
+            return costs[n]
+        if not costs:
+            return None
+        sizes = sorted(costs)
+        if len(sizes) == 1:
+            return costs[sizes[0]] * n / sizes[0]
+        below = [k for k in sizes if k < n]
+        above = [k for k in sizes if k > n]
+        a, b = (below[-1], above[0]) if below and above else ((sizes[-2], sizes[-1]) if below else (sizes[0], sizes[1]))
+        return max(0.0, costs[a] + (costs[b] - costs[a]) * (n - a) / (b - a))
+
+
+def dispatch_now(n: int, gap: float, t_n: float, t_next: float, t_one: float) -> bool:
+    """The adaptive test, with ``n`` images queued and an instance free: dispatch now, or wait for the next image?
+
+    Any one unit of time: ``gap`` until the next image, ``t_n``, ``t_next`` and ``t_one`` what batches of ``n``,
+    ``n + 1`` and 1 take. One step ahead, in total latency (BentoML's adaptive batching and Clipper weigh the same
+    trade): waiting costs each queued image ``gap + t_next - t_n`` and gives the newcomer ``t_next``; dispatching
+    now gives the newcomer what is left of ``t_n`` when it arrives, then ``t_one``. Where a batch costs about the
+    same per image (a CPU), waiting never pays; where a batch costs little more than one image (a GPU) and images
+    come fast, it does.
+    """
+    wait = n * (gap + t_next - t_n) + t_next
+    now = max(0.0, t_n - gap) + t_one
+    return now <= wait
+
+
+class DelayPolicy:
+    """Triton's: dispatch when a preferred size (or the maximum) is queued, else once the oldest image has waited
+    ``max_queue_delay_ms``; a batch takes the largest preferred size that fits, or up to the maximum."""
+
+    def __init__(
+        self, *, max_batch_size: int, max_queue_delay_ms: float, preferred_batch_sizes: Sequence[int] = ()
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.delay_s = max_queue_delay_ms / 1000.0
+        self.preferred = sorted(p for p in preferred_batch_sizes if p <= max_batch_size)
+        self._threshold = self.preferred[0] if self.preferred else max_batch_size
+
+    def observe_arrival(self, t: float) -> None:
+        """Nothing to learn: the delay policy goes by counts and the clock."""
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        """Nothing to learn: the delay policy goes by counts and the clock."""
+
+    def wakes(self, before: int, after: int) -> bool:
+        """Only the first image (which starts the delay) and reaching a dispatching size change the decision."""
+        return before == 0 or after >= self._threshold
+
+    def full(self, queued: int) -> bool:
+        """Whether ``queued`` images make a batch worth dispatching without waiting."""
+        return queued >= self.max_batch_size or bool(self.preferred and queued >= self._threshold)
+
+    def wait_s(self, queued: int, oldest_wait_s: float) -> float:
+        """Seconds left of the oldest image's delay (0 once a dispatching size is queued)."""
+        if self.full(queued):
+            return 0.0
+        return max(0.0, self.delay_s - oldest_wait_s)
+
+    def batch_size(self, queued: int) -> int:
+        """The maximum when that many are queued, else the largest preferred size that fits, else the maximum."""
+        if queued >= self.max_batch_size:
+            return self.max_batch_size
+        fitting = [p for p in self.preferred if p <= queued]
+        return fitting[-1] if fitting else self.max_batch_size
+
+
+class AdaptivePolicy(DelayPolicy):
+    """The delay policy, except that a batch stops waiting early when :func:`dispatch_now` says so, judged on
+    ``costs`` (learned from the batches and arrivals observed). With no figures yet it dispatches at once."""
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        max_queue_delay_ms: float,
+        preferred_batch_sizes: Sequence[int] = (),
+        costs: CostModel | None = None,
+    ) -> None:
+        super().__init__(
+            max_batch_size=max_batch_size,
+            max_queue_delay_ms=max_queue_delay_ms,
+            preferred_batch_sizes=preferred_batch_sizes,
+        )
+        self.costs = costs if costs is not None else CostModel()
+
+    def observe_arrival(self, t: float) -> None:
+        """Learn the gap between requests."""
+        self.costs.observe_arrival(t)
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        """Learn what a batch of ``size`` costs."""
+        self.costs.observe_batch(size, seconds)
+
+    def wakes(self, before: int, after: int) -> bool:
+        """Every arrival may change whether the batch should wait."""
+        return True
+
+    def wait_s(self, queued: int, oldest_wait_s: float) -> float:
+        """The delay policy's wait, cut to 0 when waiting for the next image does not pay."""
+        wait = super().wait_s(queued, oldest_wait_s)
+        return 0.0 if wait > 0 and self.dispatch_now(queued) else wait
+
+    def dispatch_now(self, queued: int) -> bool:
+        """:func:`dispatch_now` on the cost model's figures; True while any figure is missing."""
+        gap = self.costs.gap_s
+        t_n, t_next, t_one = self.costs.cost(queued), self.costs.cost(queued + 1), self.costs.cost(1)
+        if gap is None or t_n is None or t_next is None or t_one is None:
+            return True
+        return dispatch_now(queued, gap, t_n, t_next, t_one)
+
+
+def make_policy(
+    name: str, *, max_batch_size: int, max_queue_delay_ms: float, preferred_batch_sizes: Sequence[int] = ()
+) -> BatchPolicy:
+    """The policy config ``batch_policy`` names: ``"delay"`` or ``"adaptive"``."""
+    kinds: dict[str, type[DelayPolicy]] = {"delay": DelayPolicy, "adaptive": AdaptivePolicy}
+    if name not in kinds:
+        raise ValueError(f"batch policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return kinds[name](
+        max_batch_size=max_batch_size,
+        max_queue_delay_ms=max_queue_delay_ms,
+        preferred_batch_sizes=preferred_batch_sizes,
+    )

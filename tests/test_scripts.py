@@ -1,0 +1,210 @@
+"""Every script in scripts/ runs: its parser states each flag's default, and one tiny real run prints and writes the
+figures it promises. The values are not judged (seconds on a shared machine say nothing about them); that each
+figure is there, positive and consistent with the others is. One exported model serves the whole module (smallcnn
+with its initial weights, named digits: the answers are nonsense, the serving is real). scripts/gpu_check.py has its
+own file, tests/test_gpu_check.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from export.exporter import ExportRequest, export_model
+from export.sources import from_architecture
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+# What runs each script for real: a test below, or another file.
+SMOKE_TESTED = {
+    "ab.py": "test_ab_alternates_two_servers_and_prints_medians_and_ratios",
+    "frontends_bench.py": "test_frontends_bench_holds_served_against_the_pipeline",
+    "gen_protocol.py": "test_gen_protocol_regenerates_the_committed_modules",
+    "gpu_check.py": "tests/test_gpu_check.py",
+    "install-browser.sh": "test_install_browser_is_quiet_when_both_are_there",
+    "make_folder_dataset.py": "test_make_folder_dataset_writes_its_classes",
+    "soak.py": "test_soak_writes_every_figure_and_judges_them",
+    "train_bench.py": "test_train_bench_measures_peak_memory",
+    "transport_bench.py": "test_transport_bench_prints_round_trips",
+}
+
+
+def load(name: str) -> ModuleType:
+    sys.path.insert(0, str(SCRIPTS))  # as when run: a script may import a sibling (frontends_bench imports ab)
+    try:
+        spec = importlib.util.spec_from_file_location(f"script_{name}", SCRIPTS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def run(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def test_every_script_is_run_by_a_test() -> None:
+    assert sorted(p.name for p in SCRIPTS.iterdir() if p.is_file()) == sorted(SMOKE_TESTED)
+    for test in SMOKE_TESTED.values():
+        assert test in globals() or (ROOT / test).is_file(), test
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in SCRIPTS.glob("*.py")))
+def test_every_flag_states_its_default(name: str) -> None:
+    parser: argparse.ArgumentParser = load(name).build_parser()
+    formatter = parser._get_formatter()
+    actions = [a for a in parser._actions if a.dest != "help"]
+    assert [a.dest for a in actions if "default" not in formatter._get_help_string(a)] == []
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("scripts-repo")
+    source = from_architecture("smallcnn")
+    request = ExportRequest(name="digits", repository=str(root), formats=("onnx",), latency=False)
+    export_model(source.eager, source.spec, request)
+    return root
+
+
+@pytest.mark.slow
+def test_ab_alternates_two_servers_and_prints_medians_and_ratios(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ab.json"
+    done = run("scripts/ab.py", "--repository", str(repo), "--rounds", "2", "--concurrency", "2", "--duration-s",
+               "0.5", "--warmup-s", "0.2", "--image-size", "32x32", "--b-flags=--no-metrics", "--b-protocol", "v2",
+               "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for side in ("A", "B"):
+        rounds = results["sides"][side]["rounds"]
+        assert len(rounds) == 2 and all(r["errors"] == {} for r in rounds)
+        for key in ("requests_per_s", "images_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request"):
+            assert all(positive(r[key]) for r in rounds), (side, key, rounds)
+            assert positive(results["medians"][side][key])
+        assert results["medians"][side]["errors"] == 0
+    assert "v2 protocol" in results["sides"]["B"]["describe"] and "--no-metrics" in results["sides"]["B"]["describe"]
+    for key, ratio in results["ratios_b_over_a"].items():
+        low, high = ratio["interval_95"]
+        assert len(ratio["per_round"]) == 2 and low <= ratio["median"] <= high, key
+    assert set(results["ratios_b_over_a"]) == {"requests_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request"}
+    assert re.search(r"round  1: A .* req/s.*\| B .* req/s.*\| B/A \d", done.stdout)
+    assert "round  2:" in done.stdout and "throughput (requests/s)" in done.stdout
+    assert re.search(r"serve --repository \S+ .*--no-metrics", done.stdout)  # B's command, as started
+
+
+def test_ab_refuses_grpc_to_a_server_it_did_not_start() -> None:
+    ab = load("ab")
+    assert ab.main(["--b-url", "http://127.0.0.1:9", "--b-protocol", "grpc"]) == 2
+
+
+@pytest.mark.slow
+def test_soak_writes_every_figure_and_judges_them(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    done = run("scripts/soak.py", "--repository", str(repo), "--workers", "1", "--duration-s", "3", "--warmup-s",
+               "1", "--capacity-s", "0.5", "--capacity-start-rate", "20", "--capacity-max-steps", "2",
+               "--capacity-p99-ms", "5000", "--load", "0.5", "--judge-rounds", "1", "--judge-window-s", "1",
+               "--judge-warmup-s", "0", "--out", str(out))  # fmt: skip
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: the p99 ratio, on a busy machine
+    results = json.loads((out / "soak.json").read_text())
+    assert (out / "soak.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    # The capacity search ran out of steps before any rate failed: 20, then 40 requests/s; the soak at half of it.
+    assert [rate for rate, *_ in results["capacity"]["tried"]] == [20, 40] and results["capacity"]["best_rate"] == 40
+    assert results["rate"] == 20 and results["requests"]["count"] == 60
+    by_tag = results["requests"]["by_tag"]
+    assert {tag: set(o) for tag, o in by_tag.items() if tag.startswith("good:")} == {
+        "good:png": {"200"}, "good:jpeg": {"200"}, "good:v2-json": {"200"}}  # fmt: skip
+    expected = {"bad:corrupt-png": "400", "bad:truncated-jpeg": "400", "bad:wrong-content-type": "415",
+                "bad:unknown-model": "404", "bad:v2-not-json": "400"}  # fmt: skip
+    assert {tag: set(o) for tag, o in by_tag.items() if tag.startswith("bad:")} == {t: {s} for t, s in expected.items()}
+    assert results["errors"] == {} and results["criteria"]["errors"]["passed"]
+    series = results["rss_mb"]["series"]
+    assert len(series) >= 3 and all(positive(mb) for _, mb in series) and positive(results["rss_mb"]["at_warmup_end"])
+    judgement = results["judgement"]  # at 0.6 x 40 requests/s, one window of 1 s each
+    windows = [(w["server"], w["round"], w["outcomes"]) for w in judgement["windows"]]
+    assert windows == [("aged", 1, {"200": 24}), ("fresh", 1, {"200": 24})]
+    assert judgement["p99_ratio"] == pytest.approx(judgement["aged_p99_ms"] / judgement["fresh_p99_ms"])
+    assert results["passed"] == all(c["passed"] for c in results["criteria"].values()) == (done.returncode == 0)
+    assert results["exit_codes"] == {"aged": 0, "fresh": 0}
+    assert f"verdict: {'PASS' if results['passed'] else 'FAIL'}" in done.stdout
+    assert (out / "server.log").stat().st_size > 0 and (out / "server-fresh.log").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_frontends_bench_holds_served_against_the_pipeline(repo: Path, tmp_path: Path) -> None:
+    out = tmp_path / "frontends.json"
+    done = run("scripts/frontends_bench.py", "--repository", str(repo), "--model", "digits", "--concurrency", "2",
+               "--duration-s", "0.5", "--warmup-s", "0.2", "--bench-seconds", "0.2", "--image-size", "64x48",
+               "--workers", "1", "--json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert positive(results["in_process"]["pipeline_images_per_s"])
+    assert positive(results["in_process"]["engine_images_per_s"]["1"])
+    row = results["served"]["2"]
+    assert row["errors"] == {} and row["of_pipeline"] == pytest.approx(
+        row["images_per_s"] / results["in_process"]["pipeline_images_per_s"])  # fmt: skip
+    for key in ("images_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request", "mean_batch_size"):
+        assert positive(row[key]), key
+    assert re.search(r"digits c=2: [\d.]+ images/s = [\d.]+ of the pipeline; [\d.]+ server CPU ms/request", done.stdout)
+
+
+@pytest.mark.slow
+def test_train_bench_measures_peak_memory(tmp_path: Path) -> None:
+    done = run("scripts/train_bench.py", "--only", "rss", "--work", str(tmp_path), "--images", "10", "--arch",
+               "smallcnn", "--input-size", "32", "--batch-size", "4", "--batches", "2", "--workers", "0")  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    runs = summary["rss"]["runs"]
+    assert set(runs) == {"10", "40"} and all(positive(r["maxrss_mb"]) and positive(r["tree_peak_mb"])
+                                              for r in runs.values())  # fmt: skip
+    assert summary["rss"]["growth"] == pytest.approx(runs["40"]["maxrss_mb"] / runs["10"]["maxrss_mb"] - 1)
+    assert len(list((tmp_path / "linked40").rglob("*.jpg"))) == 40  # 4 hard links of each generated image
+    assert "growth with 4x the images" in done.stdout
+
+
+def test_make_folder_dataset_writes_its_classes(tmp_path: Path) -> None:
+    make = load("make_folder_dataset")
+    assert make.main(["--out", str(tmp_path), "--images", "6", "--classes", "3", "--width", "40", "--height", "30",
+                      "--split"]) == 0  # fmt: skip
+    files = sorted(p.relative_to(tmp_path).parts[:2] for p in tmp_path.rglob("*.jpg"))
+    assert {part for part, _ in files} == {"train"} and len({cls for _, cls in files}) == 3 and len(files) == 6
+
+
+@pytest.mark.slow
+def test_transport_bench_prints_round_trips() -> None:
+    done = run("scripts/transport_bench.py", "--senders", "1", "--inflight", "1", "--seconds", "0.3", "--json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [row] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert row["senders"] == row["inflight_per_sender"] == 1
+    assert positive(row["round_trips_per_s"]) and 0 < row["median_us"] <= row["p99_us"]
+
+
+def test_gen_protocol_regenerates_the_committed_modules(tmp_path: Path) -> None:
+    done = run("scripts/gen_protocol.py", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    committed = ROOT / "service" / "core" / "protocol"
+    for name in ("grpc_service_pb2.py", "grpc_service_pb2.pyi", "model_config_pb2.py", "model_config_pb2.pyi"):
+        assert (tmp_path / name).read_bytes() == (committed / name).read_bytes(), name
+
+
+def test_install_browser_is_quiet_when_both_are_there(tmp_path: Path) -> None:
+    for tool in ("chromium", "chromedriver"):
+        (tmp_path / tool).write_text("#!/bin/sh\n")
+        (tmp_path / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(SCRIPTS / "install-browser.sh")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout == done.stderr == ""

@@ -1,0 +1,159 @@
+"""The engine link's contract, held by both sides: the shared-memory link (a real engine endpoint on an ipc socket,
+a real arena) and the in-process link, each driving a real :class:`EngineServer` over the trained digits model.
+
+What a front end relies on: the link comes up with the engine's catalog and says how many front ends reached it;
+a batch computes to the engine's logits (as a list of images too); an unknown model or version is the engine's own
+404, a full queue its 503 or 429, a bad query a 400, each raised as the project's exception; a cancelled request is
+dropped; the stats and metrics queries answer in the shapes the front end merges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from service.core.errors import BadInputError, NotFoundError, OverloadedError
+from service.core.settings import ServerSettings
+from service.engine.server import EngineServer
+from service.frontend.link import EngineLink, SharedMemoryLinks
+from service.inprocess import InProcessEngine
+from service.transport import shm
+from service.transport.messages import Snapshot
+from service.transport.server import EngineEndpoint
+from tests.http.conftest import slow_config
+
+
+class Owner:
+    """A front end's state, as little as a link needs."""
+
+    frontend = "fe0"
+
+    def __init__(self) -> None:
+        self.changes = 0
+
+    def snapshot(self, token: int) -> Snapshot:
+        return Snapshot(token, [], [])
+
+    def catalog_changed(self) -> None:
+        self.changes += 1
+
+
+@pytest.fixture(scope="module")
+def repo(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("link-repo")
+    shutil.copytree(served_repo / "digits", root / "digits")
+    shutil.copytree(served_repo / "slow", root / "slow")
+    (root / "slow" / "config.toml").write_text(slow_config(max_queue_size=1, queue_full_status=429, delay_ms=300))
+    return root
+
+
+@asynccontextmanager
+async def shared_memory_link(settings: ServerSettings, tmp: Path) -> AsyncIterator[tuple[EngineLink, Owner]]:
+    """An engine endpoint on a real ipc socket, and a front end's link to it through a real arena."""
+    address = f"ipc://{tmp}/engine-0"
+    endpoint = EngineEndpoint(address, "engine0")
+    engine = EngineServer(settings, endpoint)
+    await engine.load_all()
+    await endpoint.start(engine)
+    arena = shm.new_name("contract")
+    shm.create(arena, 16 << 20).close()
+    linker = SharedMemoryLinks(arena, (address,))
+    owner = Owner()
+    (link,) = linker.connect(owner)
+    await link.start()
+    try:
+        yield link, owner
+    finally:
+        await link.close()
+        linker.close()
+        await engine.drain()
+        await endpoint.close()
+        shm.unlink(arena)
+
+
+@asynccontextmanager
+async def in_process_link(settings: ServerSettings, tmp: Path) -> AsyncIterator[tuple[EngineLink, Owner]]:
+    linker = InProcessEngine(settings)
+    owner = Owner()
+    (link,) = linker.connect(owner)
+    await link.start()
+    try:
+        yield link, owner
+    finally:
+        await link.close()
+        linker.close()
+
+
+SIDES: dict[str, Callable[[ServerSettings, Path], Any]] = {
+    "shared-memory": shared_memory_link,
+    "in-process": in_process_link,
+}
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    async with asyncio.timeout(timeout_s):  # bounded in time: a loaded machine connects late
+        while not check():
+            await asyncio.sleep(0.01)
+
+
+def submit(link: EngineLink, model: str, images: Any, version: int = 1, **kw: Any) -> Any:
+    return link.submit(model, version, images, timeout_ms=None, priority=0, request_id="r", guard_s=30, **kw)
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
+    settings = ServerSettings(repository=str(repo), grpc_port=0)
+
+    async def scenario() -> None:
+        async with SIDES[side](settings, tmp_path) as (link, owner):
+            await until(lambda: link.up and link.frontends >= 1)
+            assert link.catalog is not None and owner.changes >= 1
+            assert sorted({m.model for m in link.catalog.models}) == ["digits", "slow"]
+
+            images = np.random.default_rng(0).integers(0, 256, (3, 1, 28, 28), dtype=np.uint8)
+            answer = await submit(link, "digits", images)
+            logits = np.frombuffer(answer.result.logits, dtype=np.float32).reshape(3, answer.result.classes)
+            assert answer.result.classes == 10 and np.isfinite(logits).all()
+            assert answer.answered >= answer.sent > 0
+            as_list = await submit(link, "digits", list(images))  # stacked by the link, same answer
+            assert np.allclose(np.frombuffer(as_list.result.logits, dtype=np.float32).reshape(3, 10), logits)
+
+            with pytest.raises(NotFoundError, match="unknown model 'nope'"):
+                await submit(link, "nope", images)
+            with pytest.raises(NotFoundError, match="no version 7"):
+                await submit(link, "digits", images, version=7)
+
+            one = np.zeros((1, 3, 224, 224), dtype=np.uint8)
+            first = asyncio.ensure_future(submit(link, "slow", one))  # computing for 300 ms
+            await until(lambda: link.inflight == 1)
+            queued = asyncio.ensure_future(submit(link, "slow", one))  # the queue's one place
+            await asyncio.sleep(0.05)
+            with pytest.raises(OverloadedError) as full:
+                await submit(link, "slow", one)
+            assert full.value.http_status == 429  # the model's queue_full_status rides on the error
+            queued.cancel()  # the client went away: dropped before compute, nothing answers it
+            await first
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+
+            with pytest.raises(BadInputError, match="unknown query"):
+                await link.query("nothing")
+            rows = await link.query("stats")
+            assert {(r["model"], r["version"]) for r in rows} == {("digits", 1), ("slow", 1)}
+            digits = next(r for r in rows if r["model"] == "digits")
+            assert digits["batches"] >= 2 and all(isinstance(k, str) for k in digits["batch_sizes"])
+            text = bytes(await link.query("metrics")).decode()
+            assert 'visionserve_batches_total{device="cpu",model="digits",version="1"}' in text
+            index = await link.query("index")
+            assert {(r["name"], r["state"]) for r in index} == {("digits", "READY"), ("slow", "READY")}
+            assert msgspec.to_builtins(index) == index  # plain data, as MessagePack carries it
+
+    asyncio.run(scenario())
