@@ -8,8 +8,7 @@ what is measured is what users run:
    ``.site/`` (``pip install --no-index --no-deps --target``; torch, torchvision, numpy and the other packages
    the machine brings are never installed from ``.whl/``, even when a wheel is there);
 3. ``pytest -m gpu``: every CUDA test (the run fails when one fails);
-4. export: resnet50 (ImageNet size, initial weights) as ONNX, TorchScript and AOTInductor for CUDA, fp32 and fp16,
-   each behind the parity gate;
+4. export: resnet50 (224x224, initial weights) as ONNX, TorchScript and AOTInductor for CUDA, fp32 and fp16, gated;
 5. bench: the runtime alone at batch 1/8/32/64/128 for each GPU runtime, precision and CUDA graphs on/off
    (onnxruntime only when its CUDA execution provider is there; AOTInductor has no bf16 package);
 6. decode: nvJPEG batch decode against the CPU decoding pool on every core, on the same JPEGs;
@@ -43,26 +42,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 # Import name -> distribution name, for what the project needs beyond what the GPU machine brings.
 NEEDED = {
-    "litestar": "litestar",
-    "msgspec": "msgspec",
-    "uvicorn": "uvicorn",
-    "httptools": "httptools",
-    "multipart": "multipart",
-    "python_multipart": "python-multipart",
-    "litestar_htmx": "litestar-htmx",
-    "polyfactory": "polyfactory",
-    "faker": "faker",
-    "rich_click": "rich-click",
-    "sniffio": "sniffio",
-    "sklearn": "scikit-learn",
-    "scipy": "scipy",
-    "joblib": "joblib",
-    "threadpoolctl": "threadpoolctl",
-    "onnxscript": "onnxscript",
-    "onnx_ir": "onnx-ir",
-    "ml_dtypes": "ml-dtypes",
-    "zmq": "pyzmq",
-}
+    "litestar": "litestar", "msgspec": "msgspec", "uvicorn": "uvicorn", "httptools": "httptools",
+    "multipart": "multipart", "python_multipart": "python-multipart", "litestar_htmx": "litestar-htmx",
+    "polyfactory": "polyfactory", "faker": "faker", "rich_click": "rich-click", "sniffio": "sniffio",
+    "sklearn": "scikit-learn", "scipy": "scipy", "joblib": "joblib", "threadpoolctl": "threadpoolctl",
+    "onnxscript": "onnxscript", "onnx_ir": "onnx-ir", "ml_dtypes": "ml-dtypes", "zmq": "pyzmq",
+}  # fmt: skip
 # Never installed from .whl/: the GPU machine's own builds (a second torch would break CUDA there).
 NEVER_INSTALL = ("torch", "torchvision", "numpy", "pillow", "onnx", "onnxruntime", "onnxruntime-gpu", "triton")
 SECTIONS = ("environment", "install", "gpu_tests", "export", "bench", "decode", "serve_loadtest", "train")
@@ -76,13 +61,9 @@ class Check:
         self.dry = args.dry_run
         self.out = Path(args.out).resolve()
         self.started = time.monotonic()
-        self.report: dict[str, Any] = {
-            "kind": "dry run (CPU, tiny sizes)" if self.dry else "GPU check",
-            "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "sections": {},
-            "skipped": {},
-            "errors": {},
-        }
+        self.report: dict[str, Any] = {"kind": "dry run (CPU, tiny sizes)" if self.dry else "GPU check",
+                                       "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                                       "sections": {}, "skipped": {}, "errors": {}}  # fmt: skip
         site = Path(args.site).resolve()
         path = [str(ROOT), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
@@ -150,12 +131,8 @@ class Check:
         env.update(python=platform.python_version(), cpu_cores=os.cpu_count(), machine=platform.machine())
         env["driver"] = None
         if shutil.which("nvidia-smi"):
-            smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
+            query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
+            smi = subprocess.run(query, capture_output=True, text=True, timeout=30)
             env["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout else None
         self.gpus = int(env["gpus"])
         self.ort_cuda = "CUDAExecutionProvider" in env["onnxruntime_providers"]
@@ -216,11 +193,8 @@ class Check:
             suite = re.search(r"<testsuite [^>]*>", text)
             attrs = dict(re.findall(r'(\w+)="([^"]*)"', suite.group(0))) if suite else {}
             total = int(attrs.get("tests", 0))
-            counts.update(
-                failed=int(attrs.get("failures", 0)),
-                errors=int(attrs.get("errors", 0)),
-                skipped=int(attrs.get("skipped", 0)),
-            )
+            counts.update({k: int(attrs.get(a, 0)) for k, a in (("failed", "failures"), ("errors", "errors"),
+                                                                ("skipped", "skipped"))})  # fmt: skip
             counts["passed"] = total - counts["failed"] - counts["errors"] - counts["skipped"]
         tail = proc.stdout.strip().splitlines()[-1:] or [""]
         result = {**counts, "exit_code": proc.returncode, "summary": tail[0]}
@@ -341,14 +315,9 @@ class Check:
             slo_result = json.loads(self.cli(*slo, timeout_s=300, log="loadtest-slo").stdout.splitlines()[-1])
         finally:
             server.stop(60)
-        return {
-            "model": self.model,
-            "config": config.read_text(),
-            "ready_after_s": round(ready_s, 1),
-            "closed": [_step_summary(s) for s in closed_result.get("steps", [])],
-            "slo_p99_ms": self.args.slo_p99_ms,
-            "slo": slo_result.get("slo"),
-        }
+        return {"model": self.model, "config": config.read_text(), "ready_after_s": round(ready_s, 1),
+                "closed": [_step_summary(s) for s in closed_result.get("steps", [])],
+                "slo_p99_ms": self.args.slo_p99_ms, "slo": slo_result.get("slo")}  # fmt: skip
 
     def train(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -378,9 +347,7 @@ class Check:
         if self.repo.exists():
             shutil.rmtree(self.repo)
         self.timings: dict[str, float] = {}
-        self.gpus = 0
-        self.ort_cuda = False
-        self.gpu_tests_failed = False
+        self.gpus, self.ort_cuda, self.gpu_tests_failed = 0, False, False
         self.step("environment", self.environment, min_left_s=0)
         if "environment" in self.report["errors"]:
             return self.finish()
@@ -488,10 +455,9 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    description = __doc__.split("\n\n")[0] if __doc__ else None
     p = argparse.ArgumentParser(
-        prog="gpu_check",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "gpu_check", description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny sizes (for CI)")
     p.add_argument("--out", default="gpu-check-report", help="folder for report.json, report.md and the logs")

@@ -33,6 +33,7 @@ MAX_BATCH, QUEUE, DELAY_MS = 4, 32, 40.0
 # with the load generator at three times capacity on the same two cores, 2.6 ms on a quieter run.
 AT_ONCE_S = DELAY_MS / 1000 / 4
 HELD_S = 2.0
+OVERLOAD_S = 15.0  # long enough for the queue to fill and stay full (it fills in well under a second at 3x)
 STALLED_S = 0.1  # the generator's send lag p99 past which a run measured a stalled machine
 PACED = (
     f"max_batch_size = {MAX_BATCH}\nmax_queue_delay_ms = 0\nmax_queue_size = {QUEUE}\n[faults]\ndelay_ms = {DELAY_MS}\n"
@@ -83,7 +84,7 @@ def test_three_times_capacity_is_refused_early_and_accepted_work_stays_within_th
         rss_before = server_rss_mb(server)
         rate = 3 * measured
         for _attempt in range(2):
-            records = asyncio.run(run_open_loop(server.url, [REQUEST], rate=rate, duration_s=30, timeout_s=20))
+            records = asyncio.run(run_open_loop(server.url, [REQUEST], rate=rate, duration_s=OVERLOAD_S, timeout_s=20))
             # The generator shares the server's cores: when it could not send on schedule, the machine stalled (CI
             # saw a send lag p99 of 476 ms and refusals' p99 of 184 ms in one run, against 1.5 and 3 ms in others)
             # and the run measured the machine, not the queue's bound. Measured again once; a second stall fails.
@@ -98,14 +99,14 @@ def test_three_times_capacity_is_refused_early_and_accepted_work_stays_within_th
         # The queue's own bound: what is queued ahead (max_queue_size images), the batch computing and the one
         # forming, at the rate the server computed meanwhile (images/s = requests/s: one image per request), plus
         # 50 ms for the front end and the transport on a busy 2-core machine.
-        served = len(accepted) / 30
+        served = len(accepted) / OVERLOAD_S
         bound_s = (QUEUE + 2 * MAX_BATCH) / served + 0.05
         p99_s = percentile([r.latency_s for r in accepted], 0.99)
         refusal_p50_s = percentile([r.service_s for r in refused], 0.5)
         refusal_p99_s = percentile([r.service_s for r in refused], 0.99)
         lag_p99_s = percentile([r.sent_s - r.due_s for r in records], 0.99)
         print(
-            f"\noverload: capacity {measured:.1f} req/s (closed loop, 16 clients), offered {rate:.1f} req/s for 30 s "
+            f"\noverload: capacity {measured:.1f} req/s (closed loop, 16 clients), offered {rate:.1f} req/s for {OVERLOAD_S:g} s "
             f"({len(records)} requests): {dict(outcomes)}; accepted {served:.1f} req/s, p50 "
             f"{percentile([r.latency_s for r in accepted], 0.5) * 1e3:.0f} ms, p99 {p99_s * 1e3:.0f} ms against the "
             f"queue's bound of {bound_s * 1e3:.0f} ms; refusals p50 {refusal_p50_s * 1e3:.2f} ms, p99 "
