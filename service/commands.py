@@ -200,6 +200,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--log-format", default="text", choices=["text", "json"], help="json: one access-log line per request"
     )
     p.add_argument("--no-metrics", action="store_true", help="turn /metrics and its recording off")
+    p.add_argument(
+        "--strict-readiness",
+        action="store_true",
+        help="/v2/health/ready stays false while any model version of the repository failed to load (Triton's "
+        "name); off: ready once the engines serve what did load",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -224,6 +230,7 @@ def run_serve(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         min_body_bytes_per_s=args.min_body_bytes_per_s,
+        strict_readiness=args.strict_readiness,
     )
     if args.workers < 0 or args.shm_mb < 1:
         raise ConfigError(f"--workers must be >= 0 and --shm-mb >= 1, got {args.workers} and {args.shm_mb}")

@@ -27,6 +27,7 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     hang_at_batch: int = -1  # that batch (0 = the first) never returns: a wedged forward
     fail_after_batches: int = -1  # every batch from that one on raises
     load_delay_ms: float = 0.0  # added to loading each instance (a slow load, or a slow replacement)
+    load_error: str = ""  # loading each instance raises a RuntimeError with this message (a runtime's own exception)
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +70,7 @@ _FAULT_RULES: dict[str, tuple[Any, str]] = {
     "hang_at_batch": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
     "fail_after_batches": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
     "load_delay_ms": (lambda v: v >= 0, "a number >= 0"),
+    "load_error": (lambda v: isinstance(v, str), "a message (empty: none)"),
 }
 
 _ALLOWED_TEXT = {
@@ -79,7 +81,7 @@ _ALLOWED_TEXT = {
     "batch_policy": "delay or adaptive",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
-    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms",
+    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error",
     **{k: v[1] for k, v in _RULES.items()},
 }
 
@@ -167,7 +169,7 @@ warmup = true                 # run every batch-size bucket once before reportin
 instance_stuck_after_s = 60   # a batch unanswered this long: its instance is abandoned and replaced (0: never)
 unhealthy_after_failed_batches = 3  # this many batches in a row failing every image: the model reports not ready
 # [faults]                    # fault drills only (README, "Reliability"): delay_ms, hang_at_batch,
-                              # fail_after_batches, load_delay_ms
+                              # fail_after_batches, load_delay_ms, load_error
 """
 
 

@@ -260,6 +260,9 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.fallbacks = Counter("visionserve_fallback", "Fallbacks to the CPU, by reason", (*LABELS, "reason"),
                                  registry=self.registry)  # fmt: skip
+        # A version that raised while loading (its reason is in the repository index, its metadata and the log).
+        self.load_failures = Counter("visionserve_model_load_failures", "Model versions that failed to load",
+                                     ("model", "version"), registry=self.registry)  # fmt: skip
         self._requests: list[RequestRecorder] = []
         self._batches: dict[tuple[str, str, str], BatchRecorder] = {}
         self._lock = threading.Lock()  # guards the recorder tables, not the records

@@ -23,6 +23,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     decode_workers: int | None = None
     large_image_pixels: int = 4_000_000  # decoded pixels past which an image takes the large-image lane
     metrics: bool = True
+    strict_readiness: bool = False  # ready only while every model version of the repository is loaded
     engine_timeout_s: float = 120.0  # a request the engine has not answered by then is a 504 (a wedged engine)
     # Slow and hostile clients (service/frontend/http/connection.py): a request head over max_header_bytes is a 431;
     # a head not complete header_timeout_s after the connection opened or the request began is a 408; a body that

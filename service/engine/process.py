@@ -24,6 +24,7 @@ from service.transport.server import EngineEndpoint
 
 log = logging.getLogger("visionserve.engine")
 LAUNCH_ENV = "VISIONSERVE_ENGINE"
+LOAD_FAILED_EXIT = 3  # the engine's status when loading the repository raised (the supervisor prints it)
 
 
 class EngineLaunch(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,10 +47,15 @@ async def run_engine(launch: EngineLaunch) -> None:
     started = time.perf_counter()
     loading = loop.create_task(server.load_all())
     await asyncio.wait([loading, loop.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if stop.is_set():
+    if stop.is_set() and not loading.done():
         log.warning("engine %s: stopped while loading", launch.name)
         loading.cancel()
         return
+    if loading.exception() is not None:
+        # Loading stopped half way (not one model failing, which is recorded per model): never serve what happened
+        # to load before it. Exit non-zero; the supervisor reports it and restarts this engine with a backoff.
+        log.critical("engine %s: loading the repository failed", launch.name, exc_info=loading.exception())
+        raise SystemExit(LOAD_FAILED_EXIT)
     await endpoint.start(server)
     log.info("engine %s serving after %.1f s", launch.name, time.perf_counter() - started)
     await stop.wait()

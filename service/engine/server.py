@@ -103,7 +103,11 @@ class EngineServer:
                 )  # fmt: skip
             except VisionServeError as exc:
                 log.error("model %s version %s failed to load: %s", entry.name, number, exc)
-                self.errors[f"{entry.name}/{number}"] = str(exc)
+                self._load_failed(entry.name, number, str(exc))
+                continue
+            except Exception as exc:  # a runtime's own exception nobody translated: reported, never lost
+                log.exception("model %s version %s failed to load with an unexpected error", entry.name, number)
+                self._load_failed(entry.name, number, f"{type(exc).__name__}: {exc}")
                 continue
             loaded[number] = engine
             state = engine.state()
@@ -115,6 +119,12 @@ class EngineServer:
             self.errors.pop(entry.name, None)
             self.unloaded.pop(entry.name, None)
         self._version += 1
+
+    def _load_failed(self, name: str, number: int, reason: str) -> None:
+        """A version that did not load: unavailable with its reason (the index, metadata, the log) and counted."""
+        self.errors[f"{name}/{number}"] = reason
+        if self.metrics is not None:
+            self.metrics.load_failures.labels(name, str(number)).inc()
 
     def _state_changed(self) -> None:
         self._version += 1  # a model's state changed (stuck, replaced, unhealthy): front ends re-read the catalog

@@ -195,7 +195,8 @@ class ServerState:
     ) -> None:
         self.settings = settings
         self.slots: dict[str, dict[int, ModelSlot]] = {}
-        self.errors: dict[str, str] = {}
+        self.errors: dict[str, str] = {}  # model (or "model/version") -> why it is not served
+        self.load_errors: dict[str, str] = {}  # the part of ``errors`` that failed to load (not unloaded on purpose)
         self.draining = False
         self.started_at = time.time()
         self.limits = ImageLimits(max_pixels=settings.max_pixels)
@@ -250,7 +251,10 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        """This front end can serve, and every engine has heard from every front end: the whole server can."""
+        """This front end can serve, and every engine has heard from every front end: the whole server can. With
+        ``strict_readiness``, also: no model version failed to load."""
+        if self.settings.strict_readiness and self.load_errors:
+            return False
         return self.linked and all(link.frontends >= self.frontends for link in self.links)
 
     async def close(self) -> None:
@@ -268,10 +272,12 @@ class ServerState:
         """Re-read what the engines serve (on connect, and whenever a model's state or readiness changes)."""
         slots: dict[str, dict[int, ModelSlot]] = {}
         errors: dict[str, str] = {}
+        load_errors: dict[str, str] = {}
         for link in self.links:
             catalog: Catalog | None = link.catalog
             if catalog is None:
                 continue
+            load_errors.update(catalog.errors)
             errors.update(catalog.errors)
             errors.update(catalog.unloaded)
             for info in catalog.models:
@@ -288,6 +294,7 @@ class ServerState:
                 slots.setdefault(info.model, {})[info.version] = slot
         self.slots = slots
         self.errors = errors
+        self.load_errors = load_errors
         if self.linked and self._ready_event is not None:
             self._ready_event.set()
 
@@ -317,7 +324,11 @@ class ServerState:
         if not versions:
             if not self.linked and not self.slots:
                 raise OverloadedError(UNAVAILABLE)
-            reason = self.errors.get(name)
+            reason = self.errors.get(name) or "; ".join(
+                f"version {key.partition('/')[2]}: {why}"
+                for key, why in self.errors.items()
+                if key.startswith(name + "/")
+            )
             raise NotFoundError(f"unknown model {name!r}" + (f" (refused at load: {reason})" if reason else ""))
         if version in (None, ""):
             return versions[max(versions)]

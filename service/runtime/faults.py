@@ -2,7 +2,7 @@
 forward that raises. They come from a model's ``[faults]`` table (``service.core.config.Faults``) and exist so that
 the reliability tests and fire drills can wedge or break a real model the way a driver bug or a bad kernel would,
 with the rest of the server unchanged. ``load_delay_ms`` slows each instance's load (a replacement that takes a
-while, as a large model's does).
+while, as a large model's does); ``load_error`` makes it raise an exception of no project type.
 
 One plan is shared by every instance of a model version (and by the instances that replace them), so "the sixth
 batch hangs" means the sixth batch the model ran, whichever instance ran it.
@@ -29,12 +29,16 @@ class FaultPlan:
     @staticmethod
     def wanted(faults: Faults) -> bool:
         delays = faults.delay_ms > 0 or faults.load_delay_ms > 0
-        return delays or faults.hang_at_batch >= 0 or faults.fail_after_batches >= 0
+        return delays or faults.hang_at_batch >= 0 or faults.fail_after_batches >= 0 or bool(faults.load_error)
 
     def before_load(self) -> None:
         """Called before an instance loads (at start-up, and for a replacement)."""
         if self.faults.load_delay_ms > 0:
             time.sleep(self.faults.load_delay_ms / 1000.0)
+        if self.faults.load_error:
+            # Not the project's own error: what a runtime's library raises that nobody translated (an import error,
+            # a driver's exception), which the engine must still report rather than lose.
+            raise RuntimeError(f"injected load failure: {self.faults.load_error}")
 
     def before_batch(self) -> None:
         """Called on a runtime's worker thread before its forward."""
