@@ -106,7 +106,8 @@ def test_three_times_capacity_is_refused_early_and_accepted_work_stays_within_th
         refusal_p99_s = percentile([r.service_s for r in refused], 0.99)
         lag_p99_s = percentile([r.sent_s - r.due_s for r in records], 0.99)
         print(
-            f"\noverload: capacity {measured:.1f} req/s (closed loop, 16 clients), offered {rate:.1f} req/s for {OVERLOAD_S:g} s "
+            f"\noverload: capacity {measured:.1f} req/s (closed loop, 16 clients), offered {rate:.1f} req/s for "
+            f"{OVERLOAD_S:g} s "
             f"({len(records)} requests): {dict(outcomes)}; accepted {served:.1f} req/s, p50 "
             f"{percentile([r.latency_s for r in accepted], 0.5) * 1e3:.0f} ms, p99 {p99_s * 1e3:.0f} ms against the "
             f"queue's bound of {bound_s * 1e3:.0f} ms; refusals p50 {refusal_p50_s * 1e3:.2f} ms, p99 "
