@@ -5,8 +5,10 @@
 #   docker run --gpus all -p 8080:8080 -v "$PWD/model_repository:/mnt/models:ro" --shm-size 1g visionserve:0.1.0
 #
 # The CUDA libraries torch and onnxruntime-gpu use come with their wheels (the nvidia-* packages in
-# constraints.txt); the base image brings the driver's user-space side and cuDNN's system packages.
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04
+# constraints.txt are CUDA 13 builds: torch 2.14.1+cu130, cuDNN 9 for CUDA 13); the base image is CUDA 13's
+# runtime, the same major, so nothing in it contradicts them, and the container toolkit mounts the driver.
+# Dockerfile.cpu is the image with no CUDA and no torch at all (the serving install: ONNX on onnxruntime's CPU build).
+ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -17,7 +19,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# Python 3.11, the version constraints.txt is resolved and tested for (Ubuntu 22.04 ships 3.10). Apt versions are
+# Python 3.11, the version constraints.txt is resolved and tested for (Ubuntu 24.04 ships 3.12). Apt versions are
 # not pinned: the CUDA image and the PPA move together, and constraints.txt pins everything Python.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -39,8 +41,9 @@ COPY models ./models
 COPY export ./export
 COPY loadtest ./loadtest
 COPY deploy ./deploy
-# The exact versions the project is tested with; `fast` adds uvloop and httptools, `ray` the Ray Serve deployment.
-RUN pip install -c constraints.txt ".[fast,ray]"
+# The exact versions the project is tested with: onnxruntime's CUDA build (`gpu`), the torch runtimes (`torch`:
+# TorchScript, AOTInductor, GPU JPEG decoding), `fast` (uvloop, httptools) and `ray` (the Ray Serve deployment).
+RUN pip install -c constraints.txt ".[gpu,torch,fast,ray]"
 
 USER 1000:1000
 EXPOSE 8080 8081

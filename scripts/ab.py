@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: --protocol)")  # fmt: skip
         p.add_argument(f"--{side}-url", default=None, help=f"side {name}: a running server to load instead of "
                        "starting one; image or v2 protocol only (default: none, start one)")  # fmt: skip
+        p.add_argument(
+            f"--{side}-python",
+            default=None,
+            help=f"side {name}: the interpreter that runs its server, "
+            "e.g. another virtual environment's (default: this one's)",
+        )
     p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients per side (default: %(default)s)")
     p.add_argument("--duration-s", type=float, default=5.0, help="measured seconds per step (default: %(default)s)")
     p.add_argument("--warmup-s", type=float, default=1.0, help="seconds per step before measuring "
@@ -98,11 +104,14 @@ class Side:
     flags: list[str]
     protocol: str
     url: str | None  # a running server's; None: started here
+    python: str | None = None  # the interpreter that runs its server (another virtual environment's); None: this one
     server: launcher.RunningServer | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)
 
     def describe(self) -> str:
         where = self.url or f"{self.repository}, flags: {' '.join(self.flags) or 'none'}"
+        if self.python:
+            where += f", python {self.python}"
         return f"{where}; {self.protocol} protocol"
 
     def bounds(self, args: argparse.Namespace) -> StepBounds:
@@ -147,7 +156,8 @@ def start(sides: Sequence[Side], block: int, logs: Path, cpus: set[int] | None) 
             for side in order:
                 if side.url is None:
                     side.server = launcher.launch(side.repository, *side.flags, log=logs / f"{side.name}-{block}.log",
-                                                  grpc_port=0 if side.protocol == "grpc" else None)  # fmt: skip
+                                                  grpc_port=0 if side.protocol == "grpc" else None,
+                                                  python=side.python)  # fmt: skip
         for side in order:
             if side.server is not None:
                 launcher.wait_ready(side.server)
@@ -222,7 +232,7 @@ def parse_sides(args: argparse.Namespace) -> list[Side]:
             raise ValueError(f"--{side}-url takes the image or v2 protocol: gRPC is for servers started here")
         sides.append(Side(side.upper(), getattr(args, f"{side}_repository") or args.repository,
                           shlex.split(getattr(args, f"{side}_flags")), protocol,
-                          url.rstrip("/") if url else None))  # fmt: skip
+                          url.rstrip("/") if url else None, getattr(args, f"{side}_python")))  # fmt: skip
     return sides
 
 

@@ -42,6 +42,21 @@ def _run_train(args: argparse.Namespace) -> int:
     return run_train(args, export=prepare_export)
 
 
+# A module a command needs that the serving install leaves out -> the extra that brings it (pyproject.toml).
+EXTRAS = {"torch": "torch", "torchvision": "torch", "sklearn": "train", "onnxscript": "train", "rich": "cli",
+          "matplotlib": "cli", "httpx": "cli", "onnxruntime": "cpu"}  # fmt: skip
+
+
+# Commands whose whole job lives in one extra: theirs is named whatever module they missed first.
+COMMAND_EXTRAS = {"train": "train", "export": "train"}
+
+
+def missing_extra(exc: ModuleNotFoundError, command: str | None = None) -> str | None:
+    """The extra that would install what ``exc`` says is missing (None: not one of ours to name)."""
+    extra = EXTRAS.get((exc.name or "").partition(".")[0])
+    return COMMAND_EXTRAS.get(command or "", extra) if extra is not None else None
+
+
 # Commands whose run needs more than their own module (name -> run); the others run their module's run_{name}.
 RUNS: dict[str, Callable[[argparse.Namespace], int]] = {"train": _run_train}
 
@@ -79,21 +94,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((w for w in words if not w.startswith("-")), None)
     # No subcommand named (plain --help, or a mistake): list them all and import none; `models` and `train` import
     # torch, which made `visionserve --help` take 3.6-5.4 s.
-    parser = build_parser(command if command in SUBCOMMANDS else "")
-    args = parser.parse_args(words)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
+        parser = build_parser(command if command in SUBCOMMANDS else "")
+        args = parser.parse_args(words)
+        logging.basicConfig(
+            level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         return int(args._run(args) or 0)
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(exc, command)
+        if extra is None:
+            raise
+        print(
+            f"visionserve {command}: error: this command needs {exc.name}, which the serving install leaves out: "
+            f"install the '{extra}' extra (pip install -c constraints.txt -e '.[{extra}]', or `make install` for "
+            "everything a developer uses)",
+            file=sys.stderr,
+        )
+        return 2
     except ConfigError as exc:
-        print(f"visionserve {args.command}: error: {exc}", file=sys.stderr)
+        print(f"visionserve {command}: error: {exc}", file=sys.stderr)
         return 2
     except VisionServeError as exc:
-        print(f"visionserve {args.command}: error: {exc}", file=sys.stderr)
+        print(f"visionserve {command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"visionserve {args.command}: interrupted", file=sys.stderr)
+        print(f"visionserve {command}: interrupted", file=sys.stderr)
         return 130
 
 

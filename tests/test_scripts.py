@@ -28,6 +28,7 @@ SCRIPTS = ROOT / "scripts"
 # What runs each script for real: a test below, or another file.
 SMOKE_TESTED = {
     "ab.py": "test_ab_alternates_two_servers_and_prints_medians_and_ratios",
+    "default_model.py": "test_the_shipped_default_model_is_what_train_and_export_make_again",
     "frontends_bench.py": "test_frontends_bench_holds_served_against_the_pipeline",
     "gen_protocol.py": "test_gen_protocol_regenerates_the_committed_modules",
     "gpu_check.py": "tests/test_gpu_check.py",
@@ -208,3 +209,12 @@ def test_install_browser_is_quiet_when_both_are_there(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(SCRIPTS / "install-browser.sh")], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout == done.stderr == ""
+
+
+@pytest.mark.slow
+def test_the_shipped_default_model_is_what_train_and_export_make_again(capsys: pytest.CaptureFixture[str]) -> None:
+    """The model `make serve` serves (examples/model_repository/digits) is the project's own train and export:
+    trained again here, the accuracy is within a point of the shipped record, the shipped model.onnx scores its
+    record on the validation split, and its parity record is within the gate."""
+    assert load("default_model").main(["--check"]) == 0, capsys.readouterr().err
+    assert "shipped 9" in capsys.readouterr().out

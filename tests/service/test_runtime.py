@@ -72,3 +72,30 @@ def test_bucket_sizes() -> None:
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(32) == [1, 2, 4, 8, 16, 32]
     assert bucket_sizes(24) == [1, 2, 4, 8, 16, 24]
+
+
+def test_onnxruntimes_cuda_libraries_are_preloaded_once_and_a_failure_is_only_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """onnxruntime-gpu's CUDA provider finds CUDA and cuDNN only once something loaded them (importing torch did):
+    preload_dlls() before the first CUDA session, once per process; a failure leaves the provider to refuse, which
+    the engine turns into its observable CPU fallback."""
+    from service.runtime import onnxrt
+
+    calls: list[int] = []
+
+    class Ort:
+        __version__ = "1.31.1"
+
+        @staticmethod
+        def preload_dlls() -> None:
+            calls.append(1)
+            raise OSError("libcudnn.so.9: cannot open shared object file")
+
+    monkeypatch.setattr(onnxrt, "_preloaded", [])
+    assert onnxrt.preload_cuda_libraries(Ort) is False
+    assert onnxrt.preload_cuda_libraries(Ort) is False and calls == [1]  # once per process
+    assert "preload_dlls() failed: libcudnn.so.9" in caplog.text
+    monkeypatch.setattr(onnxrt, "_preloaded", [])
+    monkeypatch.setattr(Ort, "preload_dlls", staticmethod(lambda: calls.append(2)))
+    assert onnxrt.preload_cuda_libraries(Ort) is True and calls == [1, 2]
