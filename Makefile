@@ -17,6 +17,7 @@ PYTEST_ARGS ?=
 REPOSITORY ?= model_repository
 HOST ?= 127.0.0.1
 PORT ?= 8000
+SERVE_ARGS ?=
 
 .PHONY: install install-dev install-serve lint test test-fast test-fast-models test-serve-only serve default-model clean
 
@@ -66,7 +67,7 @@ $(REPOSITORY)/digits:
 	cp -R examples/model_repository/digits $(REPOSITORY)/digits
 
 serve: $(SERVE_STAMP) $(REPOSITORY)/digits
-	$(SERVE_BIN)/visionserve serve --repository $(REPOSITORY) --host $(HOST) --port $(PORT)
+	$(SERVE_BIN)/visionserve serve --repository $(REPOSITORY) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # Make the shipped default model again with the project's own train and export (needs `make install`);
 # scripts/default_model.py --check holds the shipped one to a fresh run (a test runs it).

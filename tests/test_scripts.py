@@ -29,6 +29,7 @@ SCRIPTS = ROOT / "scripts"
 SMOKE_TESTED = {
     "ab.py": "test_ab_alternates_two_servers_and_prints_medians_and_ratios",
     "default_model.py": "test_the_shipped_default_model_is_what_train_and_export_make_again",
+    "first_answer.py": "test_first_answer_measures_a_fresh_make_serve",
     "frontends_bench.py": "test_frontends_bench_holds_served_against_the_pipeline",
     "gen_protocol.py": "test_gen_protocol_regenerates_the_committed_modules",
     "gpu_check.py": "tests/test_gpu_check.py",
@@ -218,3 +219,15 @@ def test_the_shipped_default_model_is_what_train_and_export_make_again(capsys: p
     record on the validation split, and its parity record is within the gate."""
     assert load("default_model").main(["--check"]) == 0, capsys.readouterr().err
     assert "shipped 9" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_first_answer_measures_a_fresh_make_serve() -> None:
+    """A copy of the checkout, `make serve` in it from nothing (the serving install, the shipped model), the README's
+    curl answered: the figures the lean install is held to, printed (their values are the docs', not a test's)."""
+    done = run("scripts/first_answer.py", "--json", "--pip-cache", timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert positive(figures["first_answer_s"]) and positive(figures["engine_start_s"])
+    assert figures["torch_imports"] is False and 0 < figures["environment_mb"] < 1000
+    assert "first answer to the README's curl" in done.stdout

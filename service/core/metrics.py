@@ -12,7 +12,6 @@ prometheus-client still renders the exposition format.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from service.core.devices import may_have_gpu
+from service.core.devices import GpuSample, may_have_gpu, nvml_samples
 
 # From 0.5 ms to about 20 s, each bucket 1.5x the last: fine enough to read a p99 anywhere between 1 ms and 10 s.
 DURATION_BUCKETS = tuple(round(0.0005 * 1.5**k, 6) for k in range(27))
@@ -423,25 +422,35 @@ class _LiveCollector(Collector):
 def _gpu_metrics() -> Iterator[Metric]:
     if not may_have_gpu():  # no device file: nothing to report, and no torch import (~2 s) on the first scrape
         return
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return
-        count = torch.cuda.device_count()
-    except Exception:
+    samples = nvml_samples()
+    if samples is None:  # no NVML here: torch says what it can (memory; utilisation needs NVML anyway)
+        samples = _torch_samples()
+    if not samples:
         return
     used_name, total_name, util_name = GPU_METRIC_NAMES
     used = GaugeMetricFamily(used_name, "GPU memory in use", labels=["device"])
     total = GaugeMetricFamily(total_name, "GPU memory in all", labels=["device"])
     util = GaugeMetricFamily(util_name, "GPU busy fraction (last sample)", labels=["device"])
-    for index in range(count):
-        name = f"cuda:{index}"
-        free, whole = torch.cuda.mem_get_info(index)
-        used.add_metric([name], whole - free)
-        total.add_metric([name], whole)
-        with contextlib.suppress(Exception):  # needs NVML (nvidia-ml-py); memory is still reported
-            util.add_metric([name], torch.cuda.utilization(index) / 100.0)
+    for sample in samples:
+        used.add_metric([sample.device], sample.used_bytes)
+        total.add_metric([sample.device], sample.total_bytes)
+        if sample.utilization is not None:
+            util.add_metric([sample.device], sample.utilization)
     yield used
     yield total
     yield util
+
+
+def _torch_samples() -> list[GpuSample]:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        samples = []
+        for index in range(torch.cuda.device_count()):
+            free, whole = torch.cuda.mem_get_info(index)
+            samples.append(GpuSample(f"cuda:{index}", whole - free, whole, None))
+        return samples
+    except Exception:
+        return []

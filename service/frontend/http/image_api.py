@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 from litestar import Request, post
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import Parameter
+from litestar.params import FromPath, Parameter, PathParameter
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser  # type: ignore[import-untyped]
 
 from service.core.answers import ClassifyResponse, ImageResult, Prediction
@@ -124,8 +124,8 @@ async def _form_files(request: Request[Any, Any, Any], boundary: str | None) -> 
 )
 async def classify(
     request: Request[Any, Any, Any],
-    model: str,
-    version: str | None = None,
+    model: FromPath[str],
+    version: Annotated[str | None, PathParameter()] = None,
     top_k: Annotated[int, Parameter(ge=1, le=1000, description="classes per image")] = 5,
     priority: Annotated[
         int, Parameter(ge=0, le=MAX_INT, description="lower is served first; 0 is the default level")

@@ -14,6 +14,7 @@ from pathlib import Path
 from litestar import get
 from litestar.exceptions import NotFoundException
 from litestar.openapi.plugins import SwaggerRenderPlugin
+from litestar.params import FromPath
 from litestar.response import Response
 from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
 
@@ -37,7 +38,7 @@ def _asset(name: str) -> bytes:
 
 
 @get(f"{ASSETS_ROOT}/{{version:str}}/{{name:str}}", include_in_schema=False, sync_to_thread=True)
-def swagger_asset(version: str, name: str) -> Response[bytes]:
+def swagger_asset(version: FromPath[str], name: FromPath[str]) -> Response[bytes]:
     """One of Swagger UI's files (read once, then held: about 2 MB in all)."""
     media_type = ASSET_TYPES.get(name)
     if media_type is None or version != VERSIONED:

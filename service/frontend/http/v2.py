@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import FromPath, PathParameter
 
 from service.core.errors import BadInputError
 from service.frontend import protocol
@@ -121,6 +122,11 @@ async def server_metadata() -> dict[str, Any]:
 
 
 MODEL = "/v2/models/{model:str}"
+# Path parameters declared as such (litestar deprecates inferring them); a version, or a model for the statistics
+# of all, is absent from some of a handler's paths.
+Model = FromPath[str]
+OptionalModel = Annotated[str | None, PathParameter()]
+Version = Annotated[str | None, PathParameter()]
 VERSION = "/v2/models/{model:str}/versions/{version:str}"
 
 
@@ -130,7 +136,7 @@ VERSION = "/v2/models/{model:str}/versions/{version:str}"
     tags=["v2"],
     responses=ERROR_RESPONSES,
 )
-async def model_metadata(request: Request[Any, Any, Any], model: str, version: str | None = None) -> dict[str, Any]:
+async def model_metadata(request: Request[Any, Any, Any], model: Model, version: Version = None) -> dict[str, Any]:
     server = server_of(request)
     return protocol.metadata(server, protocol.resolve(server, model, version))
 
@@ -141,14 +147,14 @@ async def model_metadata(request: Request[Any, Any, Any], model: str, version: s
     tags=["v2"],
     responses=HEALTH_RESPONSES,
 )
-async def model_ready(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[ModelReady]:
+async def model_ready(request: Request[Any, Any, Any], model: Model, version: Version = None) -> Response[ModelReady]:
     server = server_of(request)
     ok = protocol.is_ready(server, protocol.resolve(server, model, version).slot)
     return Response(ModelReady(name=model, ready=ok), status_code=_status(ok))
 
 
 @get([MODEL + "/config", VERSION + "/config"], summary="Model configuration", tags=["v2"], responses=ERROR_RESPONSES)
-async def model_config(request: Request[Any, Any, Any], model: str, version: str | None = None) -> dict[str, Any]:
+async def model_config(request: Request[Any, Any, Any], model: Model, version: Version = None) -> dict[str, Any]:
     return protocol.model_config(protocol.resolve(server_of(request), model, version))
 
 
@@ -159,7 +165,7 @@ async def model_config(request: Request[Any, Any, Any], model: str, version: str
     responses=ERROR_RESPONSES,
 )
 async def model_stats(
-    request: Request[Any, Any, Any], model: str | None = None, version: str | None = None
+    request: Request[Any, Any, Any], model: OptionalModel = None, version: Version = None
 ) -> dict[str, Any]:
     return {"model_stats": await protocol.model_statistics(server_of(request), model, version)}
 
@@ -299,7 +305,7 @@ def _encode_outputs(
 
 @post([MODEL + "/infer", VERSION + "/infer"], summary="Inference (JSON or binary tensor data)", status_code=200,
       tags=["v2"], responses=ERROR_RESPONSES)  # fmt: skip
-async def infer(request: Request[Any, Any, Any], model: str, version: str | None = None) -> Response[V2Response]:
+async def infer(request: Request[Any, Any, Any], model: Model, version: Version = None) -> Response[V2Response]:
     return await _infer(request, model, version)
 
 
@@ -340,7 +346,7 @@ async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, An
 
 @post("/v2/repository/models/{model:str}/load", summary="Load or reload a model (admin)", status_code=200,
       tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
-async def repository_load(request: Request[Any, Any, Any], model: str) -> dict[str, str]:
+async def repository_load(request: Request[Any, Any, Any], model: Model) -> dict[str, str]:
     """Load (or reload) ``model``; ``{"parameters": {"config": "<JSON of config.toml fields>"}}`` applies that
     config for this load, or is refused with 400, never ignored."""
     server = _require_admin(request)
@@ -361,7 +367,7 @@ async def repository_load(request: Request[Any, Any, Any], model: str) -> dict[s
 
 @post("/v2/repository/models/{model:str}/unload", summary="Unload a model (admin)", status_code=200,
       tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
-async def repository_unload(request: Request[Any, Any, Any], model: str) -> dict[str, str]:
+async def repository_unload(request: Request[Any, Any, Any], model: Model) -> dict[str, str]:
     """Unload ``model``; unloading a model that is not loaded, or that the repository does not hold, is not an error
     (as in Triton: 200, so scripts stay idempotent)."""
     server = _require_admin(request)
