@@ -114,15 +114,7 @@ class ModelEngine:
         self._faults = FaultPlan(config.faults) if FaultPlan.wanted(config.faults) else None
         if degraded and on_fallback is not None:
             on_fallback("device_unavailable")
-        instances: list[RuntimeLike] = []
-        try:
-            for device in devices:
-                for _ in range(config.instances):
-                    instances.append(self._start(device))
-        except Exception:
-            for instance in instances:
-                instance.close()
-            raise
+        instances = self._start_all(devices)
         self.batcher = Batcher(
             instances,
             batcher_config(config),
@@ -132,6 +124,49 @@ class ModelEngine:
             on_instance_stuck=self._instance_stuck,
             on_state_change=on_state_change,
         )
+
+    def _start_all(self, devices: list[str]) -> list[RuntimeLike]:
+        """Every instance on every planned device. A GPU whose instance fails to load with a device failure is
+        left out, and when none is left the model loads on the CPU, as ``fallback = "cpu"`` promises at run time:
+        ``DEGRADED``, with the reason in its state and ``visionserve_fallback_total{reason="load_failed"}``.
+        With ``fallback = "none"`` the failure refuses the model."""
+        instances: list[RuntimeLike] = []
+        failed: list[str] = []
+        try:
+            for device in devices:
+                try:
+                    instances += self._start_on(device)
+                except DeviceFailure as exc:
+                    if not device.startswith("cuda") or self.config.fallback == "none":
+                        raise
+                    log.error("model %s v%s: %s failed to load: %s", self.version.model, self.version.version,
+                              device, exc)  # fmt: skip
+                    failed.append(f"{device} failed to load: {exc}")
+            if failed:
+                if not instances:
+                    instances = self._start_on("cpu")
+                    failed.append("serving on CPU (fallback)")
+                    self._fallbacks += 1
+                self._state, self._note = "DEGRADED", "; ".join(failed)
+                if self._on_fallback is not None:
+                    self._on_fallback("load_failed")
+        except BaseException:
+            for instance in instances:
+                instance.close()
+            raise
+        return instances
+
+    def _start_on(self, device: str) -> list[RuntimeLike]:
+        """The config's instances on ``device``; none left open if one fails."""
+        started: list[RuntimeLike] = []
+        try:
+            for _ in range(self.config.instances):
+                started.append(self._start(device))
+        except BaseException:
+            for instance in started:
+                instance.close()
+            raise
+        return started
 
     def _start(self, device: str) -> RuntimeLike:
         """A loaded, warmed-up instance on ``device`` (blocking), with the model's injected faults armed."""

@@ -131,6 +131,46 @@ def test_no_gpu_with_device_cuda_serves_degraded_from_cpu(tmp_path: Path) -> Non
     asyncio.run(engine.close())
 
 
+def test_a_gpu_instance_that_fails_to_load_falls_back_to_the_cpu_where_the_config_allows(tmp_path: Path) -> None:
+    """A CUDA instance that fails at load (here a device failure from its runtime, as onnxruntime's session without
+    its CUDA provider is) used to refuse the whole model even with fallback = "cpu"."""
+
+    def factory(device: str) -> Any:
+        if device.startswith("cuda"):
+            raise DeviceFailure(f"onnxruntime's CUDA execution provider is not usable for {device}")
+        return FakeRuntime(SPEC, device=device)
+
+    fallbacks: list[str] = []
+    engine = ModelEngine(
+        _version(tmp_path), ModelConfig(device="cuda", instances=2, warmup=False), factory=factory,
+        available_gpus=["cuda:0"], on_fallback=fallbacks.append,
+    )  # fmt: skip
+    state = engine.state()
+    assert (state.state, state.devices, state.fallbacks) == ("DEGRADED", ("cpu",), 1)
+    assert "cuda:0 failed to load: onnxruntime's CUDA execution provider" in state.note and "(fallback)" in state.note
+    assert fallbacks == ["load_failed"] and len(engine.batcher.instances) == 2
+    results = asyncio.run(_classify(engine, [1, 2, 3]))
+    assert len(results.logits) == 3 and results.errors == [None] * 3
+    asyncio.run(engine.close())
+    with pytest.raises(DeviceFailure, match="not usable for cuda:0"):  # fallback = "none": refused, as it asks
+        ModelEngine(_version(tmp_path), ModelConfig(device="cuda", fallback="none", warmup=False), factory=factory,
+                    available_gpus=["cuda:0"])  # fmt: skip
+
+
+def test_one_gpu_failing_to_load_leaves_the_other_serving(tmp_path: Path) -> None:
+    def factory(device: str) -> Any:
+        if device == "cuda:1":
+            raise DeviceFailure("CUDA error: out of memory")
+        return FakeRuntime(SPEC, device=device)
+
+    engine = ModelEngine(_version(tmp_path), ModelConfig(device="cuda", warmup=False), factory=factory,
+                         available_gpus=["cuda:0", "cuda:1"])  # fmt: skip
+    state = engine.state()
+    assert (state.state, state.devices, state.fallbacks) == ("DEGRADED", ("cuda:0",), 0)
+    assert "cuda:1 failed to load" in state.note and "fallback" not in state.note
+    asyncio.run(engine.close())
+
+
 @pytest.fixture(scope="module")
 def digits_repo(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repo")
