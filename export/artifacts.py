@@ -79,3 +79,16 @@ def to_aoti(model: nn.Module, example: torch.Tensor, path: Path, *, device: str 
         warnings.simplefilter("ignore")
         program = torch.export.export(target, (example.to(device),), dynamic_shapes={"x": {0: batch}})
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+
+
+def cuda_toolkit_missing() -> str | None:
+    """Why AOTInductor cannot compile for CUDA here (None: it can). Its CUDA compile needs the CUDA toolkit's headers
+    and nvcc (CUDA_HOME), which a pip-only torch does not bring (pytorch/pytorch#150442): said before a compile
+    that would fail minutes in."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if home is None or not (Path(home) / "include" / "cuda_runtime.h").is_file():
+        return ("AOTInductor's CUDA compile needs the CUDA toolkit (headers and nvcc, found through CUDA_HOME); "
+                f"none here (CUDA_HOME: {home}): install it, or leave aoti out of --formats")  # fmt: skip
+    return None

@@ -34,11 +34,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.artifacts import DEFAULT_OPSET, example_input, half_model, to_aoti, to_onnx, to_torchscript
-from export.parity import FP16, FP32, ParityResult, compare, eager_outputs, parity_batches
+from export.artifacts import (
+    DEFAULT_OPSET,
+    cuda_toolkit_missing,
+    example_input,
+    half_model,
+    to_aoti,
+    to_onnx,
+    to_torchscript,
+)
+from export.parity import FP16, FP32, ParityResult, compare, eager_outputs, exact_fp32, parity_batches
 from export.quantize import INT8_FILE, Int8Data, Int8Options, Int8Verdict, quantize_model
 from service.core.config import CONFIG_FILE, default_config_text, load_config
-from service.core.errors import ConfigError
+from service.core.errors import ConfigError, VisionServeError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
 from service.core.spec import SPEC_FILE, ExportRecord, ModelSpec, write_spec
 from service.runtime import AotiRuntime, OnnxRuntime, Runtime, TorchScriptRuntime
@@ -210,6 +218,10 @@ def _aoti_candidates(
     for device in devices:
 
         def produce(path: Path, m: nn.Module = module, d: str = device) -> None:
+            if d == "cuda":
+                missing = cuda_toolkit_missing()
+                if missing:
+                    raise ConfigError(missing)
             to_aoti(m, example_input(*shape), path, device=d)
 
         out.append(Candidate("aoti" if device == "cpu" else "aoti-cuda", precision, produce, device=device))
@@ -330,7 +342,7 @@ def publish(
     final_spec: ModelSpec | None = None
     try:
         for candidate in candidates:
-            report, record = _gate(stage, candidate)
+            report, record = _gate_alone(stage, candidate)
             reports.append(report)
             if record is not None:
                 records.append(record)
@@ -370,6 +382,21 @@ def _next_version(request: ExportRequest, model_dir: Path) -> tuple[int, int]:
     return version, request.max_batch_size or existing_config.max_batch_size
 
 
+def _gate_alone(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRecord | None]:
+    """:func:`_gate`, a candidate that raises failing alone with its reason: the others are still checked and
+    written (one format that cannot be produced here, an AOTInductor compile or a CUDA session, stopped them all)."""
+    try:
+        return _gate(stage, candidate)
+    except Exception as exc:
+        file_name = (FP16_FILES if candidate.precision == "fp16" else MODEL_FILES)[candidate.format]
+        (stage.folder / file_name).unlink(missing_ok=True)
+        reason = str(exc) if isinstance(exc, VisionServeError) else f"{type(exc).__name__}: {exc}"
+        stage.say(f"{candidate.format} {candidate.precision} failed: {reason}")
+        tolerance = FP32 if candidate.precision == "fp32" else FP16
+        parity = ParityResult(0, float("nan"), float("nan"), tolerance, error=reason)
+        return ArtifactReport(candidate.format, candidate.precision, file_name, 0, 0.0, parity), None
+
+
 def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRecord | None]:
     """Produce ``candidate`` in the staging folder and check its parity (and latency); its record if it passed,
     else it is deleted again."""
@@ -387,7 +414,8 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
         stage.say(f"parity {fmt} {precision}")
         check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
         runtime = make_runtime(fmt, stage.spec, target, check_device, stage.max_batch)
-        parity = compare(stage.expected, runtime.run, stage.batches, FP32 if precision == "fp32" else FP16)
+        with exact_fp32(check_device if precision == "fp32" else "cpu"):
+            parity = compare(stage.expected, runtime.run, stage.batches, FP32 if precision == "fp32" else FP16)
     report = ArtifactReport(fmt, precision, file_name, target.stat().st_size, export_s, parity)
     if runtime is not None and parity.passed and stage.request.latency:
         if runtime.device != stage.device and candidate.device is None:  # a compiled package stays on its own

@@ -7,7 +7,8 @@ maximum over every image, and top-1 agreement over every image.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -39,9 +40,12 @@ class ParityResult:
     tolerance: Tolerance
     checked: bool = True
     note: str = ""
+    error: str = ""  # the candidate could not be produced or run: failed, with this reason
 
     @property
     def passed(self) -> bool:
+        if self.error:
+            return False
         if not self.checked:
             return True
         return (
@@ -50,6 +54,8 @@ class ParityResult:
         )
 
     def describe(self) -> str:
+        if self.error:
+            return f"FAIL: {self.error}"
         if not self.checked:
             return f"not checked ({self.note})"
         verdict = "pass" if self.passed else "FAIL"
@@ -100,3 +106,19 @@ def compare(
         agree += int((got.argmax(1) == expected.argmax(1)).sum())
         total += len(batch)
     return ParityResult(total, worst, agree / total, tolerance)
+
+
+@contextlib.contextmanager
+def exact_fp32(device: str) -> Iterator[None]:
+    """TF32 off while an fp32 artifact's parity is checked on CUDA: cuDNN and cuBLAS run fp32 convolutions and
+    matrix products in TF32 by default on Ampere and later (about 1e-3 relative error, PyTorch's numerical accuracy
+    note), which would fail the 1e-4 fp32 gate for a faithful export. Restored after."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

@@ -40,6 +40,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     instances: int = 1
     threads: int = 0  # intra-op threads per runtime instance; 0: the runtime's own default
     intra_op_spinning: bool = True  # onnxruntime's intra-op threads spin-wait between parallel sections
+    conv_algo_search: Literal["heuristic", "exhaustive", "default"] = "heuristic"  # onnxruntime's CUDA provider
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
     batch_policy: Literal["delay", "adaptive"] = "adaptive"
@@ -79,6 +80,7 @@ _ALLOWED_TEXT = {
     "precision": "fp32, fp16, bf16 (GPU only) or int8 (model.int8.onnx, from `export --int8`)",
     "queue_full_status": "503 or 429",
     "batch_policy": "delay or adaptive",
+    "conv_algo_search": "heuristic, exhaustive or default",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
     "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error",
@@ -154,6 +156,9 @@ threads = 0                   # intra-op threads per instance (CPU); 0: the runt
 intra_op_spinning = true      # onnxruntime: intra-op threads spin-wait for work between parallel sections (true:
                               # lower tails under load, measured) or sleep (false: CPU left to other work, a
                               # wake-up per section)
+conv_algo_search = "heuristic"  # onnxruntime on CUDA: how cuDNN picks convolution algorithms. exhaustive (its
+                              # own default) times every one on each new input shape: each batch size not seen in
+                              # warm-up pays it while serving; heuristic asks cuDNN's heuristics, no timing
 max_batch_size = {max_batch_size}
 max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a fuller batch
 batch_policy = "adaptive"     # adaptive: with an instance idle, wait (never past max_queue_delay_ms) only while

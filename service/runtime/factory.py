@@ -150,7 +150,8 @@ def make_runtime(
                 path,
             )
         return OnnxRuntime(version.spec, path, device=device, name=name, precision=precision,
-                           threads=config.threads or None, spinning=config.intra_op_spinning)  # fmt: skip
+                           threads=config.threads or None, spinning=config.intra_op_spinning,
+                           conv_algo_search=config.conv_algo_search)  # fmt: skip
     cls = AotiRuntime if backend == "aoti" else TorchScriptRuntime
     return cls(
         version.spec,

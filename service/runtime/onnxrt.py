@@ -109,12 +109,21 @@ class OnnxRuntime(Runtime):
         threads: int | None = None,
         precision: str = "fp32",
         spinning: bool = True,
+        conv_algo_search: str = "heuristic",
     ) -> None:
         self.path = Path(path)
         self.threads = threads
         self.spinning = spinning
+        self.conv_algo_search = conv_algo_search
         self.precision = precision
         super().__init__(spec, device=device, name=name)
+
+    def cuda_options(self) -> dict[str, Any]:
+        """The CUDA execution provider's options. ``cudnn_conv_algo_search``: its default, EXHAUSTIVE, times every
+        convolution algorithm on each new input shape, and batches are not padded to the warmed sizes, so most batch
+        sizes would pay that search while serving; HEURISTIC (the config's default) asks cuDNN's heuristics instead.
+        Which is faster once warm is for a GPU to measure (docs/gpu-check.md)."""
+        return {"device_id": _cuda_index(self.device), "cudnn_conv_algo_search": self.conv_algo_search.upper()}
 
     def _load(self) -> None:
         import onnxruntime as ort
@@ -135,7 +144,7 @@ class OnnxRuntime(Runtime):
             providers = int8_cuda_providers(ort.get_available_providers(), _cuda_index(self.device), self.path)
         elif self.device.startswith("cuda"):
             preload_cuda_libraries(ort)
-            providers = [("CUDAExecutionProvider", {"device_id": _cuda_index(self.device)}), "CPUExecutionProvider"]
+            providers = [("CUDAExecutionProvider", self.cuda_options()), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -241,3 +242,63 @@ def test_spec_round_trips_through_json(tmp_path: Path) -> None:
 
     assert decode_spec(encode_spec(spec)) == spec
     assert msgspec.json.decode(encode_spec(spec))["input"]["dtype"] == "uint8"
+
+
+def test_a_candidate_that_cannot_be_produced_fails_alone_with_its_reason(tmp_path: Path) -> None:
+    """One format that raises (an AOTInductor compile, a CUDA session on a new GPU) used to raise out of the export
+    and take every other artifact with it."""
+    from export.exporter import Candidate, module_candidates, publish
+    from export.parity import eager_outputs
+
+    source = from_architecture("smallcnn", input_size=32)
+    request = ExportRequest(name="m", repository=str(tmp_path), latency=False)
+
+    def broken(path: Path) -> None:
+        path.write_bytes(b"half written")
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    candidates = [
+        Candidate(c.format, c.precision, broken if c.format == "torchscript" else c.produce, c.device)
+        for c in module_candidates(source.eager.eval(), source.spec, request)
+    ]
+    report = publish(source.spec, request, candidates, lambda batches: eager_outputs(source.eager.eval(), batches))
+    by_format = {a.format: a for a in report.artifacts}
+    assert by_format["onnx"].written and not by_format["torchscript"].written and not report.ok
+    assert by_format["torchscript"].parity.describe() == (
+        "FAIL: RuntimeError: no kernel image is available for execution on the device"
+    )
+    version = tmp_path / "m" / "1"
+    assert (version / "model.onnx").is_file() and not (version / "model.pt").exists()
+    assert [e["format"] for e in json.loads((version / "spec.json").read_text())["exports"]] == ["onnx"]
+
+
+def test_aotinductors_cuda_compile_is_refused_before_it_starts_without_the_toolkit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.utils import cpp_extension
+
+    from export.artifacts import cuda_toolkit_missing
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)  # a pip-only torch: no toolkit (pytorch/pytorch#150442)
+    assert "needs the CUDA toolkit" in (cuda_toolkit_missing() or "")
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    assert cuda_toolkit_missing() is None
+
+
+def test_fp32_parity_on_cuda_runs_with_tf32_off_and_puts_it_back() -> None:
+    import torch
+
+    from export.parity import exact_fp32
+
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with exact_fp32("cuda:0"):
+            assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (False, False)
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (True, True)
+        with exact_fp32("cpu"):  # the CPU has no TF32: left alone
+            assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before

@@ -61,3 +61,24 @@ def test_onnxruntime_takes_the_configured_spinning(aoti_repo: Path, spinning: bo
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == entry
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize(("setting", "option"), [("heuristic", "HEURISTIC"), ("exhaustive", "EXHAUSTIVE")])
+def test_the_cuda_providers_convolution_search_comes_from_the_config(
+    aoti_repo: Path, setting: str, option: str
+) -> None:
+    """onnxruntime's CUDA provider defaults to an exhaustive search per new input shape, paid while serving by each
+    batch size warm-up did not see: the config's setting (heuristic by default) is what the provider is given. The
+    session is built on the CPU here; the CUDA options are what it would be handed."""
+    version = ModelRepository(aoti_repo).model("digits").latest
+    assert ModelConfig().conv_algo_search == "heuristic"
+    runtime = make_runtime(version, ModelConfig(conv_algo_search=setting), "onnxruntime", "cpu")  # type: ignore[arg-type]
+    try:
+        assert isinstance(runtime, OnnxRuntime)
+        runtime.device = "cuda:1"  # what the options say for a GPU instance
+        assert runtime.cuda_options() == {"device_id": 1, "cudnn_conv_algo_search": option}
+    finally:
+        runtime.device = "cpu"
+        runtime.close()
+    with pytest.raises(ConfigError, match="conv_algo_search must be heuristic, exhaustive or default"):
+        parse_config({"conv_algo_search": "fastest"}, source="config.toml")
