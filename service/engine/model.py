@@ -204,12 +204,18 @@ class ModelEngine:
             state=state,
             backend=self.backend,
             devices=devices,
-            precision=serving_precision(self.config, devices),
+            precision=self._precision(devices),
             ungated=self.config.precision == "int8" and self.version.int8_ungated,
             note=note,
             fallbacks=self._fallbacks,
             replaced=batcher.stuck_total,
         )
+
+    def _precision(self, devices: tuple[str, ...]) -> str:
+        """What the instances really run (an fp32 ONNX graph asked to serve fp16 runs fp32), else what the config
+        and devices imply."""
+        ran = {p for p in (getattr(i, "precision", None) for i in self.batcher.instances) if isinstance(p, str)}
+        return ran.pop() if len(ran) == 1 else serving_precision(self.config, devices)
 
     async def _instance_stuck(self, instance: RuntimeLike, error: Exception) -> list[RuntimeLike]:
         """A fresh instance on the stuck one's device (loaded and warmed up off the event loop)."""

@@ -67,6 +67,15 @@ def artifact(version: ModelVersion, backend: str, device: str, precision: str = 
     return version.files.get(fmt) or version.fp16_files.get(fmt)
 
 
+def served_precision(version: ModelVersion, backend: str, path: Path, precision: str) -> str:
+    """The precision ``backend`` really runs ``path`` at. A TorchScript or AOTInductor module is cast (or compiled)
+    at the precision asked; an ONNX graph runs at the one it was exported in: fp16 with no ``model.fp16.onnx``, or
+    bf16 (export writes none), runs the fp32 graph, and must say so rather than report fp16."""
+    if backend != "onnxruntime" or precision in ("fp32", "int8"):
+        return precision
+    return "fp16" if precision == "fp16" and path == version.fp16_files.get("onnx") else "fp32"
+
+
 def _any_artifact(version: ModelVersion, backend: str) -> bool:
     return any(artifact(version, backend, d, p) is not None for d in ("cpu", "cuda") for p in ("fp32", "fp16"))
 
@@ -128,7 +137,7 @@ def make_runtime(
 ) -> RuntimeLike:
     """A loaded runtime instance of ``version`` on ``device`` (``cuda_graphs``: capture per bucket on CUDA)."""
     on_gpu = device.startswith("cuda")
-    precision = config.precision if on_gpu or config.precision == "int8" else "fp32"
+    precision: str = config.precision if on_gpu or config.precision == "int8" else "fp32"
     name = f"{version.model}-v{version.version}"
     if backend == "noop":
         return FakeRuntime(version.spec, device=device, name=name)
@@ -142,6 +151,11 @@ def make_runtime(
                if backend == "aoti" else "")
         )  # fmt: skip
     if backend == "onnxruntime":
+        served = served_precision(version, backend, path, precision)
+        if served != precision:
+            log.warning("model %s: precision %s asked for on %s, but %s is an %s graph (export --fp16 writes "
+                        "model.fp16.onnx): serving %s", name, precision, device, path.name, served, served)  # fmt: skip
+            precision = served
         if precision == "int8" and version.int8_ungated:
             log.warning(
                 "model %s: serving %s, written with --int8-ungated: its agreement with fp32 was not gated "

@@ -221,3 +221,27 @@ def test_engine_serves_a_real_model_on_cpu_with_warm_up(digits_repo: Path, tmp_p
         await engine.close()
 
     asyncio.run(scenario())
+
+
+def test_the_precision_reported_is_the_one_the_instances_run(tmp_path: Path) -> None:
+    """precision = "fp16" with only an fp32 ONNX graph runs fp32 (a graph cannot be cast at load): its state, hence
+    metadata and metrics, say fp32, not what the config asked for."""
+    from service.runtime.factory import served_precision
+
+    version = _version(tmp_path)
+    fp16 = tmp_path / "model.fp16.onnx"
+    assert served_precision(version, "onnxruntime", tmp_path / "model.onnx", "fp16") == "fp32"
+    assert served_precision(version, "onnxruntime", tmp_path / "model.onnx", "bf16") == "fp32"
+    assert served_precision(version, "torchscript", tmp_path / "model.pt", "fp16") == "fp16"  # cast at load
+    with_fp16 = ModelVersion(model="fake", version=1, path=tmp_path, spec=SPEC, files={}, fp16_files={"onnx": fp16})
+    assert served_precision(with_fp16, "onnxruntime", fp16, "fp16") == "fp16"
+
+    def factory(device: str) -> Any:
+        runtime = FakeRuntime(SPEC, device=device)
+        runtime.precision = "fp32"  # what make_runtime gives an fp32 graph asked to serve fp16
+        return runtime
+
+    engine = ModelEngine(version, ModelConfig(device="cuda", precision="fp16", warmup=False), factory=factory,
+                         available_gpus=["cuda:0"])  # fmt: skip
+    assert engine.state().precision == "fp32"
+    asyncio.run(engine.close())
