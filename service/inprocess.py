@@ -47,14 +47,12 @@ class InProcessEngine:
     def __init__(self, settings: ServerSettings, *, gpus: list[str] | None = None) -> None:
         self.settings = settings
         self.gpus = gpus
-        self.link: InProcessLink | None = None
 
     def connect(self, owner: LinkOwner) -> list[EngineLink]:
-        self.link = InProcessLink(self.settings, owner, gpus=self.gpus)
-        return [self.link]
+        return [InProcessLink(self.settings, owner, gpus=self.gpus)]
 
     def close(self) -> None:
-        self.link = None
+        """Nothing is shared between its link and others (the link closes its engine)."""
 
 
 class InProcessLink:

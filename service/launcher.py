@@ -211,13 +211,19 @@ def is_ready(url: str, timeout_s: float = 1.0) -> bool:
 
 def wait_ready(server: RunningServer, timeout_s: float = 120.0) -> None:
     """Until the server says it is ready; raises if its process exits first or ``timeout_s`` passes."""
+    wait_until(server, lambda: is_ready(server.url), timeout_s, "ready")
+
+
+def wait_until(server: RunningServer, probe: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Until ``probe()`` is true (polled every POLL_S), for a state other than readiness (a server held not ready
+    on purpose that already answers); raises if the server's process exits first or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _check_alive(server)
-        if is_ready(server.url):
+        if probe():
             return
         time.sleep(POLL_S)
-    raise RuntimeError(f"the server at {server.url} was not ready in {timeout_s:g} s:\n{server.tail()}")
+    raise RuntimeError(f"the server at {server.url} was not {what} in {timeout_s:g} s:\n{server.tail()}")
 
 
 async def wait_ready_async(server: RunningServer, client: httpx.AsyncClient, timeout_s: float = 120.0) -> None:

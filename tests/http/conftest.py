@@ -65,13 +65,8 @@ def start_server(
     fast-model switch; stopped when the test that started it ends."""
     if fast_models():
         _serve_noop(repo, real_models)
-    running = launcher.launch(repo, *extra, log=log, port=port, grpc_port=grpc_port)
+    running = launcher.start(repo, *extra, log=log, port=port, grpc_port=grpc_port, ready_timeout_s=ready_timeout_s)
     _STARTED.append(running)
-    try:
-        launcher.wait_ready(running, ready_timeout_s)
-    except BaseException:
-        launcher.stop(running, timeout_s=5)
-        raise
     return running
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -38,6 +37,13 @@ def classify(url: str, model: str = "digits") -> httpx.Response:
     return httpx.post(f"{url}/v1/models/{model}/classify", content=png, headers={"Content-Type": "image/png"})
 
 
+def serves(url: str) -> bool:
+    try:
+        return classify(url).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def test_a_model_that_raises_while_loading_is_reported_everywhere_and_the_rest_serve(
     repo: Path, tmp_path: Path
 ) -> None:
@@ -61,15 +67,8 @@ def test_a_model_that_raises_while_loading_is_reported_everywhere_and_the_rest_s
 def test_strict_readiness_stays_false_while_a_model_failed_to_load(repo: Path, tmp_path: Path) -> None:
     server = launcher.launch(repo, "--strict-readiness", log=tmp_path / "server.log")
     servers._STARTED.append(server)
-    deadline = time.monotonic() + 120
-    while True:  # the engine up: digits answers (readiness cannot tell, by design)
-        assert server.process.poll() is None and time.monotonic() < deadline, server.tail()
-        try:
-            if classify(server.url).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+    # The engine up: digits answers (readiness cannot tell, by design).
+    launcher.wait_until(server, lambda: serves(server.url), 120, "serving digits")
     for _ in range(5):
         ready = httpx.get(server.url + "/v2/health/ready")
         assert (ready.status_code, ready.json()) == (400, {"ready": False})

@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -52,10 +51,7 @@ def test_no_503_after_the_first_ready_with_four_front_ends(served_repo: Path, tm
     shutil.copytree(served_repo / "digits", root / "digits")
     server = launcher.launch(root, "--workers", "4", log=tmp_path / "server.log")
     servers._STARTED.append(server)  # stopped with the test, whatever happens
-    deadline = time.monotonic() + 120
-    while not launcher.is_ready(server.url, timeout_s=2):
-        assert server.process.poll() is None, server.tail()
-        assert time.monotonic() < deadline, server.tail()
+    launcher.wait_until(server, lambda: launcher.is_ready(server.url, timeout_s=2), 120, "ready")
     image, _ = digit_png(3)
     codes = []
     for _ in range(60):  # a new connection each: the kernel hands them to whichever front end accepts

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from export.exporter import ExportReport, ExportRequest, export_model
+from export.exporter import ExportReport, ExportRequest, export_source
 from export.sources import from_checkpoint
 
 
@@ -16,14 +16,7 @@ def aoti_export(digits_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("aoti-repo")
     source = from_checkpoint(digits_checkpoint)
     request = ExportRequest(name="digits", repository=str(root), formats=("onnx", "torchscript", "aoti"), latency=False)
-    return export_model(
-        source.eager,
-        source.spec,
-        request,
-        real_images=source.real_images,
-        real_source=source.real_source,
-        source_sha256=source.sha256,
-    )
+    return export_source(source, request)
 
 
 @pytest.fixture(scope="session")
