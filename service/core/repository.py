@@ -219,10 +219,11 @@ def read_version(model: str, path: Path, *, deep: bool = True, backend: str = "a
     others = {**{f"{k}-fp16": v for k, v in fp16.items()}, **{f"{k}-int8": v for k, v in int8.items()}}
     spares = backend in ("auto", "onnxruntime") and any(k.startswith("onnx") for k in (*files, *others))
     for fmt, file in {**files, **others}.items():
+        spare = spares and not fmt.startswith("onnx")
         try:
-            _check_artifact(fmt, file, spec, deep=deep and not (spares and not fmt.startswith("onnx")))
+            _check_artifact(fmt, file, spec, deep=deep and not spare)
         except ConfigError as exc:
-            if not spares or fmt.startswith("onnx"):
+            if not spare:
                 raise
             log.warning("model %s: %s set aside (the ONNX artifact serves): %s", model, file.name, exc)
             for table in (files, fp16, int8):
