@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from service.core.config import parse_config
+from service.core.config import ModelConfig, parse_config
 from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError
 from service.core.metrics import LiveState, Metrics, ModelCounts, merge_request_states
 from service.core.repository import ModelEntry, ModelRepository
@@ -30,6 +30,25 @@ from service.engine.model import ModelEngine, cuda_devices, plan_devices
 from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Snapshot, Stamps, Submit, WireError
 
 log = logging.getLogger("visionserve.engine")
+
+
+def engine_share(config: ModelConfig, mine: list[str], machine: list[str], *, primary: bool) -> list[str] | None:
+    """The GPUs this engine offers ``config``'s model, or None when another engine serves it.
+
+    One plan for the machine, taken apart by engine: the model's devices are planned over every usable GPU, and a
+    GPU engine takes the planned GPUs that are its own. A model planned on the CPU (by choice, for lack of a GPU,
+    or as a fallback) lives in the primary engine alone. So a model pinned to ``cuda:1`` is served by ``cuda:1``'s
+    engine only, never on the CPU by engine 0 beside it: the front ends route by catalog, and a CPU copy would
+    take part of its traffic. A plan that cannot be made (``fallback = "none"``) is the primary's to report.
+    """
+    try:
+        planned = plan_devices(config, machine)[0]
+    except VisionServeError:
+        return mine if primary else None
+    if planned == ["cpu"]:
+        return mine if primary else None
+    own = [g for g in mine if g in planned]
+    return own or None
 
 
 class Endpoint(Protocol):
@@ -55,6 +74,7 @@ class EngineServer:
         self.settings = settings
         self.endpoint = endpoint
         self.gpus = gpus  # None: every usable GPU (or the CPU); else only these (checked in load_all)
+        self.machine_gpus: list[str] = []  # every usable GPU of the machine, when this engine is one of several
         self.primary = primary
         self.repository = ModelRepository(settings.repository)
         self.models: dict[str, dict[int, ModelEngine]] = {}
@@ -75,6 +95,7 @@ class EngineServer:
     async def load_all(self) -> None:
         if self.gpus is not None:  # the supervisor counted device files; keep the GPUs torch can really use
             usable = await asyncio.to_thread(cuda_devices)
+            self.machine_gpus = usable
             self.gpus = [g for g in self.gpus if g in usable]
         index = await asyncio.to_thread(self.repository.scan)
         self.errors.update(index.errors)
@@ -83,12 +104,12 @@ class EngineServer:
         log.info("engine %s ready: %s", self.endpoint.name, ", ".join(self.models) or "no models")
 
     async def _load(self, entry: ModelEntry) -> None:
-        if not self.primary:  # a model served on the CPU lives in the primary engine only, not once per GPU engine
-            try:
-                if plan_devices(entry.config, self.gpus or [])[0] == ["cpu"]:
-                    return
-            except VisionServeError:
-                return
+        gpus = self.gpus
+        if gpus is not None:
+            share = engine_share(entry.config, gpus, self.machine_gpus, primary=self.primary)
+            if share is None:
+                return  # another engine serves it
+            gpus = share
         loaded: dict[int, ModelEngine] = {}
         for number, version in sorted(entry.versions.items()):
             observer = on_fallback = None
@@ -98,7 +119,7 @@ class EngineServer:
                 on_fallback = self._on_fallback(hook)
             try:
                 engine = await asyncio.to_thread(
-                    ModelEngine, version, entry.config, available_gpus=self.gpus, observer=observer,
+                    ModelEngine, version, entry.config, available_gpus=gpus, observer=observer,
                     on_fallback=on_fallback, on_state_change=self._state_changed,
                 )  # fmt: skip
             except VisionServeError as exc:
