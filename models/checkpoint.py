@@ -43,6 +43,16 @@ class SkippedImage(msgspec.Struct, frozen=True):
     reason: str
 
 
+class Extension(msgspec.Struct, frozen=True, kw_only=True):
+    """One ``train --resume --epochs M`` past the epochs the run was planned for: planned ``from_epochs``, it had
+    finished ``at_epoch`` of them and went on towards ``to_epochs`` on the schedule rebuilt for those
+    (``models/resume.py``)."""
+
+    from_epochs: int
+    to_epochs: int
+    at_epoch: int
+
+
 class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
     """How a checkpoint was trained."""
 
@@ -68,6 +78,7 @@ class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
     best_epoch: int | None = None
     best_val_accuracy: float | None = None
     resumed_from_epoch: int | None = None
+    extensions: tuple[Extension, ...] = ()  # each extension of the run, in order; () for a run never extended
 
 
 @dataclass(frozen=True)

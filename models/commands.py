@@ -34,7 +34,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="digits (scikit-learn's bundled handwritten digits), folder:PATH (one sub-folder per class), "
         "or synthetic[:N] (generated images)",
     )
-    p.add_argument("--epochs", type=int, default=15, help="training epochs")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=15,
+        help="training epochs (default: 15); with --resume, more than the checkpoint's extends its run",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="images per optimisation step (per process)")
     p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (SGD, one-cycle schedule)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay")
@@ -77,7 +82,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         help="train and validate on at most this many batches per epoch (benchmarks, smoke runs); default: all",
     )
     p.add_argument(
-        "--resume", default=None, help="continue an interrupted run from this checkpoint (same flags otherwise)"
+        "--resume",
+        default=None,
+        help="continue the run in this checkpoint (default: none): an interrupted run to its --epochs, or any run "
+        "past them with a larger --epochs (its one-cycle schedule rebuilt for the new total); --arch, --dataset "
+        "and its classes, --input-size, --batch-size, --lr and --seed must be the checkpoint's",
     )
     _add_export_arguments(p)
 

@@ -22,5 +22,5 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True):
     workers: int | None = None  # DataLoader workers for folders; None: models.folder.default_workers()
     loader: str = "auto"  # folders: auto | memory | stream
     augment: bool = True  # folders: random resized crop and flip (models/augment.py)
-    resume: str | None = None  # a checkpoint written by an earlier, interrupted run of this same config
+    resume: str | None = None  # a checkpoint of an earlier run of this config: continued, or extended to more epochs
     limit_batches: int | None = None  # benchmarks and smoke runs: at most this many batches per epoch and pass

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 import torch
 import torchvision
 
-from models.checkpoint import EpochRecord, SkippedImage, TrainRecord
+from models.checkpoint import EpochRecord, Extension, SkippedImage, TrainRecord
 from models.config import TrainConfig
 from models.feeds import Feed
 from models.folder import MAX_LISTED_SKIPS
@@ -25,6 +25,7 @@ def training_record(
     skipped: dict[str, str],
     started: float,
     resumed_from: int | None,
+    extensions: tuple[Extension, ...] = (),
 ) -> TrainRecord:
     listed = sorted(skipped.items())[:MAX_LISTED_SKIPS]
     return TrainRecord(
@@ -54,4 +55,5 @@ def training_record(
         best_epoch=best[0] if best else None,
         best_val_accuracy=best[1] if best else None,
         resumed_from_epoch=resumed_from,
+        extensions=extensions,
     )

@@ -31,6 +31,7 @@ from models.augment import augmentation_for
 from models.checkpoint import (
     Checkpoint,
     EpochRecord,
+    Extension,
     TrainRecord,
     apply_weights,
     load_resume_state,
@@ -213,6 +214,7 @@ class _Run:
     best: tuple[int, float] | None = None
     first_epoch: int = 1
     resumed_from: int | None = None
+    extensions: tuple[Extension, ...] = ()  # how often, and from where, ``--resume --epochs M`` extended the run
     started: float = 0.0
 
     @property
@@ -226,7 +228,7 @@ class _Run:
     def summary(self) -> TrainRecord:
         return training_record(
             self.config, self.feed, self.device, self.world, self.history, self.best, self.skipped, self.started,
-            self.resumed_from,
+            self.resumed_from, self.extensions,
         )  # fmt: skip
 
 
@@ -275,7 +277,7 @@ def _prepare(
         raise ConfigError(f"dataset {config.dataset} has no training images")
     _seed_everything(config.seed)
     network = get_architecture(config.arch).build(num_classes=len(feed.labels))
-    previous = _load_start(config, network, feed.name, world, resume_from)
+    previous = _load_start(config, network, feed.name, spec, world, resume_from)
     model, train_model = _place(network, spec, device, world)
     steps_per_epoch = min(feed.steps_per_epoch(), config.limit_batches or feed.steps_per_epoch())
     optimizer, scheduler, scaler, amp_dtype = _optimiser(config, model, steps_per_epoch, device)
@@ -295,6 +297,7 @@ def _load_start(
     config: TrainConfig,
     network: nn.Module,
     dataset: str,
+    spec: ModelSpec,
     world: int,
     resume_from: tuple[Checkpoint, dict[str, Any]] | None,
 ) -> TrainRecord | None:
@@ -304,6 +307,8 @@ def _load_start(
             resume_from[0],
             arch=config.arch,
             dataset=dataset,
+            labels=spec.labels,
+            input_size=spec.input.height,
             epochs=config.epochs,
             batch_size=config.batch_size,
             lr=config.lr,
@@ -348,10 +353,14 @@ def _optimiser(
 
 
 def _restore(run: _Run, state: dict[str, Any], previous: TrainRecord) -> None:
-    """Put an interrupted run's optimiser, random states, history and best epoch back into ``run``."""
+    """Put an interrupted run's optimiser, random states, history and best epoch back into ``run``; with a larger
+    ``--epochs`` than the checkpoint's, the schedule is the one for the new total, fast-forwarded."""
+    resuming.check_steps(state, epochs=previous.epochs, steps_per_epoch=run.steps_per_epoch)
     done, seen_bad = resuming.restore(
-        state, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler, generator=run.generator
-    )
+        state, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler, generator=run.generator,
+        extend=run.config.epochs > previous.epochs,
+    )  # fmt: skip
+    run.extensions = resuming.extensions(previous, run.config.epochs)
     run.skipped |= seen_bad
     run.history = list(previous.history)
     if previous.best_epoch is not None and previous.best_val_accuracy is not None:
