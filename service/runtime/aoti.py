@@ -6,6 +6,17 @@ deprecated; it is the path PyTorch is going forward with for serving.
 A package is compiled for one device type: the CPU one cannot load on CUDA ("Incorrect device passed to
 aoti_runner_cpu", seen with torch 2.14.1), so the runtime is handed the file for its device. Its precision is the
 one it was compiled in (no autocast over compiled kernels); bf16 has no package and is refused.
+
+Its errors on CUDA need more than torch's translation. The compiled model's C entry points catch every C++
+exception, print it to stderr and return an error code (``CONVERT_EXCEPTION_TO_ERROR_CODE`` in Inductor's
+``aoti_runtime/interface.cpp``); the runner (``torch/csrc/inductor/aoti_runner/model_container_runner.cpp``) turns
+that code into a plain ``RuntimeError`` whose text is only ``run_func_( container_handle_, ...) API call failed at
+.../model_container_runner.cpp, line N``. A CUDA error, out of memory included, thus reaches Python with no type
+and no CUDA text. So on CUDA such an error is followed by a probe of the device (``torch.cuda.synchronize``): a
+sticky CUDA error (an illegal memory access, a lost device) raises there, and is a :class:`DeviceFailure`; a device
+that answers is taken as out of memory (:class:`OutOfMemoryError`), so the batcher splits the batch instead of
+retrying image by image, and a single image that still fails counts against the device. Where the text does name
+the CUDA error (a later torch may pass it on), torch's own translation decides and no probe is needed.
 """
 
 from __future__ import annotations
@@ -13,8 +24,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from service.core.errors import ConfigError
-from service.runtime.torchbase import TorchRuntime
+from service.core.errors import ConfigError, DeviceFailure, OutOfMemoryError, VisionServeError
+from service.runtime.torchbase import TorchRuntime, translate_torch_error
+
+# The text of the runner's RuntimeError when the compiled model returned an error code (its real error went to stderr).
+AOTI_UNTYPED_FAILURE = "API call failed"
 
 
 class AotiRuntime(TorchRuntime):
@@ -42,7 +56,39 @@ class AotiRuntime(TorchRuntime):
                 # One worker thread per instance calls it, so the runner's own locking is not needed.
                 return torch._inductor.aoti_load_package(str(self.path), run_single_threaded=True, device_index=index)
         except Exception as exc:
+            if self._device_error_at_load(exc):
+                raise self._translate_load(exc) from exc
             raise ConfigError(
                 f"torch {torch.__version__} cannot load the AOTInductor package {self.path} on {self.device}: {exc} "
                 "(a package loads only on the device type and torch version it was compiled for: re-export it)"
             ) from exc
+
+    def _device_error_at_load(self, exc: Exception) -> bool:
+        """Whether a failure of ``aoti_load_package`` is the device's: a CUDA error or out of memory by its type or
+        text, or on CUDA the runner's untyped failure (creating the model container, which allocates the weights on
+        the device, failed: the probe in :meth:`_translate` tells a failing device from memory). Anything else (a
+        package for another device type or torch version) is the package's, a :class:`ConfigError`."""
+        if isinstance(translate_torch_error(exc, self.kind, self.device), DeviceFailure):
+            return True
+        return self.cuda and type(exc) is RuntimeError and AOTI_UNTYPED_FAILURE in str(exc)
+
+    def _translate(self, exc: Exception) -> VisionServeError:
+        error = translate_torch_error(exc, self.kind, self.device)
+        if isinstance(error, DeviceFailure) or type(exc) is not RuntimeError or not getattr(self, "cuda", False):
+            return error  # typed, or not a plain RuntimeError, or on the CPU (where no device can be at fault)
+        # A plain RuntimeError with no CUDA text, on CUDA: AOTInductor's untyped failure (see the module docstring).
+        try:
+            self._probe_device()
+        except Exception as probe:
+            return DeviceFailure(
+                f"{self.kind} device failure on {self.device}: AOTInductor failed without an error type "
+                f"({type(exc).__name__}: {exc}), and the device then failed: {type(probe).__name__}: {probe}"
+            )
+        return OutOfMemoryError(
+            f"{self.kind} failed on {self.device} and AOTInductor gave no error type ({type(exc).__name__}: {exc}); "
+            "the device answered, so it is taken as out of memory and the batch is split (its message went to stderr)"
+        )
+
+    def _probe_device(self) -> None:
+        """Raise if the device is failing: a sticky CUDA error surfaces on the next synchronisation."""
+        self.torch.cuda.synchronize(self.tdevice)

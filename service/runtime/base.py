@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from service.core.errors import BadInputError, RuntimeFailure, VisionServeError
+from service.core.errors import BadInputError, DeviceFailure, RuntimeFailure, VisionServeError
 from service.core.spec import ModelSpec
 from service.runtime.faults import FaultPlan
 
@@ -107,7 +107,18 @@ class Runtime:
 
     def _load_on_worker(self) -> None:
         self._thread_id = threading.get_ident()
-        self._load()
+        try:
+            self._load()
+        except Exception as exc:
+            # What a half-done load holds (a module, CUDA graphs, a session) goes before the error does: an instance
+            # that ran out of device memory must not keep it from the next one.
+            try:
+                self._release()
+            except Exception:
+                log.exception("releasing what the failed load of %s on %s held", self.name, self.device)
+            if isinstance(exc, VisionServeError):
+                raise
+            raise self._translate_load(exc) from exc  # translated at the seam, as a run's errors are
 
     def _staging(self, n: int) -> np.ndarray:
         """A reused uint8 buffer of at least ``n`` images (subclasses may stage straight into pinned memory)."""
@@ -157,6 +168,21 @@ class Runtime:
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return RuntimeFailure(f"{self.kind} runtime failed on {self.device}: {type(exc).__name__}: {exc}")
+
+    def _translate_load(self, exc: Exception) -> VisionServeError:
+        """A load error that is not ours (graph capture and warm-up runs included). A device failure (a CUDA error,
+        out of memory) stays one, told apart by the runtime's own :meth:`_translate`, so the engine can leave the
+        device out and load on the CPU (``fallback = "cpu"``); anything else is a :class:`RuntimeFailure` naming
+        what was loaded and where."""
+        where = f"{self.kind} runtime could not load {self._artifact()} on {self.device}"
+        error = self._translate(exc)
+        if isinstance(error, DeviceFailure):
+            return type(error)(f"{where}: {error}")
+        return RuntimeFailure(f"{where}: {type(exc).__name__}: {exc}")
+
+    def _artifact(self) -> str:
+        """What this runtime loads, for messages (subclasses name their file)."""
+        return f"model {self.name}"
 
     # ---- for subclasses -------------------------------------------------------------------------------------
     def _load(self) -> None:

@@ -150,7 +150,11 @@ class OnnxRuntime(Runtime):
         try:
             self.session = ort.InferenceSession(str(self.path), options, providers=providers)
         except Exception as exc:
-            raise ConfigError(f"onnxruntime cannot load {self.path}: {exc}") from exc
+            # The CUDA provider allocates its arena and cuDNN/cuBLAS handles here: a device that is out of memory
+            # or failing is a device failure (the engine falls back to the CPU), not a bad model file.
+            if isinstance(translate_onnxruntime_error(exc, self.device), DeviceFailure):
+                raise self._translate_load(exc) from exc
+            raise ConfigError(f"onnxruntime cannot load {self.path} on {self.device}: {exc}") from exc
         gpu_providers = {"CUDAExecutionProvider", "TensorrtExecutionProvider"}
         if self.device.startswith("cuda") and not gpu_providers & set(self.session.get_providers()):
             raise DeviceFailure(f"onnxruntime's CUDA execution provider is not usable for {self.device}")
@@ -181,6 +185,9 @@ class OnnxRuntime(Runtime):
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return translate_onnxruntime_error(exc, self.device)
+
+    def _artifact(self) -> str:
+        return str(self.path)
 
     def _release(self) -> None:
         self.__dict__.pop("binding", None)

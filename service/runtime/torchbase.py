@@ -1,6 +1,8 @@
 """What the PyTorch runtimes (TorchScript, AOTInductor) share: on CUDA a pinned uint8 host buffer, one
 non-blocking copy in on the instance's own stream, CUDA graphs per batch-size bucket, reduced precision, one copy
-out; and the translation of torch's errors into :class:`DeviceFailure` / :class:`RuntimeFailure`.
+out; and the translation of torch's errors into :class:`DeviceFailure` / :class:`RuntimeFailure`, at load (graph
+capture included: it runs the model) as at run time, so a GPU that runs out of memory while capturing is left out by
+the engine and the model falls back to the CPU, as it would at run time.
 
 Checked against torch 2.11-2.14 (``torch.cuda.graph``, ``torch.cuda.graph_pool_handle``, ``torch.autocast``):
 
@@ -214,6 +216,9 @@ class TorchRuntime(Runtime):
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return translate_torch_error(exc, self.kind, self.device)
+
+    def _artifact(self) -> str:
+        return str(self.path)
 
     def _release(self) -> None:
         self.__dict__.get("graphs", {}).clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.core.errors import ConfigError
+from service.core.errors import ConfigError, DeviceFailure
 from service.core.repository import load_torchscript
 from service.runtime.torchbase import TorchRuntime, bucket_sizes
 
@@ -22,7 +22,11 @@ class TorchScriptRuntime(TorchRuntime):
         try:
             module = load_torchscript(self.path, self.device)
         except Exception as exc:
-            raise ConfigError(f"torch cannot load TorchScript {self.path}: {exc}") from exc
+            # Its weights are mapped onto the device here: out of memory or a CUDA error is the device's failure
+            # (the engine falls back to the CPU), not a bad file.
+            if isinstance(self._translate(exc), DeviceFailure):
+                raise self._translate_load(exc) from exc
+            raise ConfigError(f"torch cannot load TorchScript {self.path} on {self.device}: {exc}") from exc
         module.eval()
         return module.to(memory_format=torch.channels_last)
 
