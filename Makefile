@@ -91,3 +91,11 @@ GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
 gpu-check:
 	$(GPU_PYTHON) scripts/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
+
+# The wheels the GPU machine lacks, for its Python (GPU_PY_VERSION), into .whl/ (kept out of git): the list is
+# scripts/gpucheck/wheels.py's, which tests/test_gpu_check.py checks against every import of the serving path.
+GPU_PY_VERSION ?= 3.12
+.PHONY: gpu-wheels
+gpu-wheels:
+	grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+	$$($(GPU_PYTHON) scripts/gpu_check.py --list-wheels $(GPU_PY_VERSION))

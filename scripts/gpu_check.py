@@ -17,10 +17,13 @@ what is measured is what users run:
 8. train smallcnn on digits on CUDA (AMP and channels-last are what ``train`` does there), and with
    DistributedDataParallel through torchrun where two or more GPUs exist.
 
-Every step that cannot run says why in the report (``skipped``). ``--dry-run`` runs the same steps on the CPU with
-tiny sizes (smallcnn, short durations), so CI proves that the command itself works. The exit status is 1 when a GPU
-test fails or a step errs, else 0. Budget: under 9 minutes on one H100 (each step checks the time left and is
-skipped, with that reason, when the budget is spent).
+Every step that cannot run says why in the report (``skipped``): a module it needs that neither the machine nor
+the carried wheels bring, a step before it that it depends on, its share of the time. A step that fails is recorded
+with its reason and the next one still runs; the report is written after every step. ``--dry-run`` runs the same
+steps with the same arguments on the CPU with tiny sizes (smallcnn, short durations): the device and the sizes are
+the only difference, so CI proves the command itself. The exit status is 1 when a GPU test fails or a step errs,
+else 0. Budget: 530 s on one H100, cut into a share per step (:data:`STEP_SHARE_S`); a step may use what the steps
+before it left unused, never what the steps after it are owed, and its commands are stopped at its deadline.
 """
 
 from __future__ import annotations
@@ -39,71 +42,93 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gpucheck.outputs import bench_matrix, junit_counts, last_line, step_summary
+from gpucheck.report import SECTIONS, markdown
+from gpucheck.wheels import CARRIED, choose_wheels, download_command
+
 ROOT = Path(__file__).resolve().parent.parent
-# Import name -> distribution name, for what the project needs beyond what the GPU machine brings.
-NEEDED = {
-    "litestar": "litestar", "msgspec": "msgspec", "uvicorn": "uvicorn", "httptools": "httptools",
-    "multipart": "multipart", "python_multipart": "python-multipart", "litestar_htmx": "litestar-htmx",
-    "polyfactory": "polyfactory", "faker": "faker", "rich_click": "rich-click", "sniffio": "sniffio",
-    "sklearn": "scikit-learn", "scipy": "scipy", "joblib": "joblib", "threadpoolctl": "threadpoolctl",
-    "onnxscript": "onnxscript", "onnx_ir": "onnx-ir", "ml_dtypes": "ml-dtypes", "zmq": "pyzmq",
-}  # fmt: skip
-# Never installed from .whl/: the GPU machine's own builds (a second torch would break CUDA there).
-NEVER_INSTALL = ("torch", "torchvision", "numpy", "pillow", "onnx", "onnxruntime", "onnxruntime-gpu", "triton")
-SECTIONS = ("environment", "install", "gpu_tests", "export", "bench", "decode", "serve_loadtest", "train")
+# Each step's share of the 530 s budget on one H100 (scaled to the dry run's budget). A step may also use what the
+# steps before it left unused; its commands are stopped at its deadline, so the steps after it keep their shares.
+STEP_SHARE_S = {"environment": 20, "install": 40, "gpu_tests": 120, "export": 120, "bench": 90, "decode": 25,
+                "serve_loadtest": 80, "train": 35}  # fmt: skip
+# The modules a step cannot run without, beyond torch (checked once the carried wheels are installed).
+STEP_NEEDS = {"gpu_tests": ("pytest",), "export": ("onnx", "onnxscript"), "bench": ("onnxruntime",),
+              "decode": ("PIL",), "serve_loadtest": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"),
+              "train": ("sklearn",)}  # fmt: skip
 
 
 class Check:
-    """Runs the steps, keeps every number and every reason, and writes the report."""
+    """Runs the steps, keeps every number and every reason, and writes the report after each step."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.dry = args.dry_run
+        self.device = "cpu" if self.dry else "cuda"  # with the sizes, the only difference between the two runs
         self.out = Path(args.out).resolve()
         self.started = time.monotonic()
         self.report: dict[str, Any] = {"kind": "dry run (CPU, tiny sizes)" if self.dry else "GPU check",
                                        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                                       "sections": {}, "skipped": {}, "errors": {}}  # fmt: skip
+                                       "budget_s": args.budget_s, "sections": {}, "skipped": {}, "errors": {},
+                                       "seconds": {}}  # fmt: skip
         site = Path(args.site).resolve()
         path = [str(ROOT), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
         self.site = site
         self.repo = self.out / "repo"
         self.model = "smallcnn" if self.dry else "resnet50"
+        self.timings: dict[str, float] = {}
+        self.gpus, self.ort_cuda, self.gpu_tests_failed = 0, False, False
+        self.missing: set[str] = set()  # modules that do not import once the carried wheels are installed
+        self.deadline = self.started + args.budget_s
 
     # ---- plumbing -------------------------------------------------------------------------------------------
     def left_s(self) -> float:
         return float(self.args.budget_s) - (time.monotonic() - self.started)
 
+    def step_left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def share_s(self, name: str) -> float:
+        return STEP_SHARE_S[name] * self.args.budget_s / sum(STEP_SHARE_S.values())
+
     def run(self, cmd: list[str], timeout_s: float, log: str) -> subprocess.CompletedProcess[str]:
-        """Run ``cmd`` from the repository root with the carried packages on the path; keep its output."""
-        timeout = max(5.0, min(timeout_s, self.left_s()))
+        """Run ``cmd`` from the repository root with the carried packages on the path, stopped at the step's
+        deadline; keep its output."""
+        timeout = min(timeout_s, self.step_left_s())
+        if timeout < 1:
+            raise StepError(f"no time left in this step's share for {' '.join(cmd[2:5])}")
         started = time.monotonic()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             (self.out / f"{log}.log").write_text(f"$ {' '.join(cmd)}\n(timed out after {timeout:.0f} s)\n")
-            raise StepError(f"{' '.join(cmd[2:5])} ran past {timeout:.0f} s") from exc
+            raise StepError(f"{' '.join(cmd[2:5])} ran past {timeout:.0f} s (this step's share)") from exc
         (self.out / f"{log}.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n--- stderr\n{proc.stderr}")
         self.timings[log] = round(time.monotonic() - started, 1)
         return proc
 
-    def cli(self, *args: str, timeout_s: float, log: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, args: list[str], *, timeout_s: float, log: str) -> subprocess.CompletedProcess[str]:
         proc = self.run([sys.executable, "-m", "service.cli", *args, "--no-progress"], timeout_s, log)
         if proc.returncode != 0:
             raise StepError(f"visionserve {args[0]} exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
         return proc
 
-    def step(self, name: str, fn: Any, *, min_left_s: float = 20.0) -> None:
-        if self.left_s() < min_left_s:
-            self.report["skipped"][name] = f"time budget: {self.left_s():.0f} s left of {self.args.budget_s:.0f} s"
+    def step(self, name: str, fn: Any, *, after: str | None = None) -> None:
+        """Run one step within its deadline; whatever it raises is its own error, and the next step still runs."""
+        later = sum(self.share_s(s) for s in SECTIONS[SECTIONS.index(name) + 1 :] if s not in self.args.skip)
+        allowance = self.left_s() - later
+        reason = self._why_not(name, allowance, after)
+        if reason is not None:
+            self.report["skipped"][name] = reason
+            say(f"{name}: skipped ({reason})")
+            self.write()
             return
-        if name in self.args.skip:
-            self.report["skipped"][name] = "--skip"
-            return
-        say(f"{name} ({self.left_s():.0f} s left)")
+        say(f"{name} ({allowance:.0f} s, {self.left_s():.0f} s left in all)")
+        self.deadline = time.monotonic() + allowance
         started = time.monotonic()
         try:
+            if name == self.args.fail_step:
+                raise StepError("made to fail by --fail-step")
             self.report["sections"][name] = fn()
         except StepError as exc:
             self.report["errors"][name] = str(exc)
@@ -111,20 +136,68 @@ class Check:
         except Exception as exc:  # a bug of this script: recorded, and the other steps still run
             self.report["errors"][name] = f"{type(exc).__name__}: {exc}"
             say(f"  error: {type(exc).__name__}: {exc}")
-        self.report.setdefault("seconds", {})[name] = round(time.monotonic() - started, 1)
+        self.report["seconds"][name] = round(time.monotonic() - started, 1)
+        self.write()
+
+    def _why_not(self, name: str, allowance: float, after: str | None) -> str | None:
+        """Why step ``name`` cannot run now (None: it can)."""
+        if name in self.args.skip:
+            return "--skip"
+        if after is not None and after not in self.report["sections"]:
+            return f"it needs the {after} step, which did not complete"
+        absent = [m for m in STEP_NEEDS.get(name, ()) if m in self.missing]
+        if absent:
+            carried = [CARRIED[m] for m in absent if m in CARRIED]
+            where = f"carry its wheel in {self.args.wheels}/ (`make gpu-wheels`)" if carried else "not carried"
+            return f"module {', '.join(absent)} does not import here ({where})"
+        if allowance < 1:
+            return f"time budget: {self.left_s():.0f} s left of {self.args.budget_s:.0f} s, owed to the later steps"
+        return None
+
+    # ---- the commands (one builder per command, for both runs) ----------------------------------------------
+    def gpu_test_args(self, junit: Path) -> list[str]:
+        return ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                *gpu_test_files(), *self.args.pytest_args]  # fmt: skip
+
+    def export_args(self) -> list[str]:
+        args = ["export", "--arch", self.model, "--name", self.model, "--repository", str(self.repo),
+                "--formats", "onnx,torchscript,aoti", "--aoti-devices", self.device, "--no-latency",
+                "--max-batch-size", str(max(self.args.batch_sizes))]  # fmt: skip
+        return [*args, "--fp16"] if self.device == "cuda" else args
+
+    def bench_args(self, backend: str, precision: str, graphs: bool) -> list[str]:
+        return ["bench", "--model", self.model, "--repository", str(self.repo), "--device", self.device,
+                "--backend", backend, "--figures", "engine", "--json", "--precision", precision,
+                "--cuda-graphs", "on" if graphs else "off", "--batch-sizes", ",".join(map(str, self.args.batch_sizes)),
+                "--seconds", str(self.args.seconds)]  # fmt: skip
+
+    def decode_args(self) -> list[str]:
+        return ["bench", "--model", self.model, "--repository", str(self.repo), "--figures", "decode",
+                "--batch-sizes", str(self.args.decode_batch), "--seconds", str(self.args.seconds), "--json",
+                "--device", self.device, "--backend", "torchscript"]  # fmt: skip
+
+    def serve_config(self) -> str:
+        precision = "fp16" if self.device == "cuda" else "fp32"
+        return (f'device = "{self.device}"\nprecision = "{precision}"\nmax_batch_size = {self.args.serve_batch}\n'
+                f"max_queue_delay_ms = 2.0\ninstances = {self.args.serve_instances}\n")  # fmt: skip
+
+    def loadtest_args(self, url: str, mode: str) -> list[str]:
+        common = ["loadtest", "--url", url, "--model", self.model, "--json", "--duration",
+                  str(self.args.loadtest_s), "--warmup", str(self.args.loadtest_warmup_s),
+                  "--processes", str(self.args.loadtest_processes)]  # fmt: skip
+        if mode == "closed":
+            return [*common, "--mode", "closed", "--concurrency", ",".join(map(str, self.args.concurrency)),
+                    "--image-size", "500x375"]  # fmt: skip
+        return [*common, "--slo-p99-ms", str(self.args.slo_p99_ms), "--rate", str(self.args.slo_start_rate),
+                "--slo-max-steps", str(self.args.slo_max_steps)]  # fmt: skip
+
+    def train_args(self, out: str) -> list[str]:
+        return ["train", "--arch", "smallcnn", "--dataset", "digits", "--device", self.device,
+                "--epochs", str(self.args.train_epochs), "--out", str(self.out / out)]  # fmt: skip
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
-        code = (
-            "import json, torch, torchvision, onnxruntime as o; c = torch.cuda.is_available(); "
-            "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-            "'torchvision': torchvision.__version__, 'onnxruntime': o.__version__, "
-            "'onnxruntime_providers': o.get_available_providers(), 'cuda_available': c, "
-            "'gpus': torch.cuda.device_count() if c else 0, "
-            "'devices': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if c else [], "
-            "'cudnn': torch.backends.cudnn.version() if c else None}))"
-        )
-        proc = self.run([sys.executable, "-c", code], 120, "environment")
+        proc = self.run([sys.executable, "-c", ENVIRONMENT_CODE], 120, "environment")
         if proc.returncode != 0:
             raise StepError(f"torch does not import: {proc.stderr.strip()[-400:]}")
         env: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -135,26 +208,31 @@ class Check:
             smi = subprocess.run(query, capture_output=True, text=True, timeout=30)
             env["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout else None
         self.gpus = int(env["gpus"])
-        self.ort_cuda = "CUDAExecutionProvider" in env["onnxruntime_providers"]
+        self.ort_cuda = "CUDAExecutionProvider" in (env.get("onnxruntime_providers") or [])
         if not self.dry and not self.gpus:
             raise StepError("no usable CUDA device: run with --dry-run on a machine without a GPU")
         return env
 
     def install(self) -> dict[str, Any]:
-        import importlib.util
+        import importlib
 
-        missing = {mod: NEEDED[mod] for mod in self._unimportable(list(NEEDED))}
+        needed = sorted({*CARRIED, *(m for needs in STEP_NEEDS.values() for m in needs)})
+        unimportable = self._unimportable(needed)
+        missing = {CARRIED[m] for m in unimportable if m in CARRIED}
         wheels_dir = Path(self.args.wheels)
         wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
-        size_mb = sum(w.stat().st_size for w in wheels) / 1e6
-        chosen, refused = choose_wheels(wheels, set(missing.values()))
+        chosen, refused, other_python = choose_wheels(wheels, missing)
         result: dict[str, Any] = {
-            "missing_before": sorted(missing.values()),
+            "missing_before": sorted(unimportable),
             "wheels_dir": str(wheels_dir),
-            "wheels_mb": round(size_mb, 1),
+            "wheels_mb": round(sum(w.stat().st_size for w in wheels) / 1e6, 1),
             "installed": [w.name for w in chosen],
             "refused_never_reinstalled": [w.name for w in refused],
+            "refused_for_another_python": [w.name for w in other_python],
         }
+        if other_python:
+            version = platform.python_version().rpartition(".")[0]
+            result["hint"] = f"carried for another Python: {' '.join(download_command(version))}"
         if chosen:
             cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                    "--disable-pip-version-check", "--upgrade", "--target", str(self.site),
@@ -163,10 +241,8 @@ class Check:
             if proc.returncode != 0:
                 raise StepError(f"pip install from {wheels_dir} failed: {proc.stderr.strip()[-400:]}")
         importlib.invalidate_caches()
-        still = sorted(NEEDED[mod] for mod in self._unimportable(list(missing)))
-        result["missing_after"] = still
-        if importlib.util.find_spec("service") is None:  # pragma: no cover - the script runs from the checkout
-            raise StepError("run from the repository root")
+        self.missing = set(self._unimportable(needed))
+        result["missing_after"] = sorted(self.missing)
         return result
 
     def _unimportable(self, modules: list[str]) -> list[str]:
@@ -175,80 +251,47 @@ class Check:
             "import importlib, sys\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
             "    except Exception:\n        print(m)"
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", code, *modules], cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120
-        )
+        proc = self.run([sys.executable, "-c", code, *modules], 120, "imports")
         return proc.stdout.split()
 
     def gpu_tests(self) -> dict[str, Any]:
         junit = self.out / "gpu-tests.xml"
-        # The dry run collects only the files that hold GPU tests (collecting the whole suite costs ~30 s on 2 cores).
-        paths = ["tests/service/test_gpu.py", "tests/service/test_preprocess.py"] if self.dry else []
-        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               *paths, *self.args.pytest_args]  # fmt: skip
-        proc = self.run(cmd, self.args.pytest_timeout_s, "gpu-tests")
-        counts = {k: 0 for k in ("passed", "failed", "errors", "skipped")}
-        if junit.is_file():
-            text = junit.read_text()
-            suite = re.search(r"<testsuite [^>]*>", text)
-            attrs = dict(re.findall(r'(\w+)="([^"]*)"', suite.group(0))) if suite else {}
-            total = int(attrs.get("tests", 0))
-            counts.update({k: int(attrs.get(a, 0)) for k, a in (("failed", "failures"), ("errors", "errors"),
-                                                                ("skipped", "skipped"))})  # fmt: skip
-            counts["passed"] = total - counts["failed"] - counts["errors"] - counts["skipped"]
+        proc = self.run([sys.executable, *self.gpu_test_args(junit)], self.args.pytest_timeout_s, "gpu-tests")
+        counts = junit_counts(junit)
         tail = proc.stdout.strip().splitlines()[-1:] or [""]
-        result = {**counts, "exit_code": proc.returncode, "summary": tail[0]}
+        result = {**counts, "files": gpu_test_files(), "exit_code": proc.returncode, "summary": tail[0]}
         self.gpu_tests_failed = proc.returncode not in (0, 5) or bool(counts["failed"] or counts["errors"])
         if self.gpu_tests_failed:
-            failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
-            result["failed_tests"] = failed
+            result["failed_tests"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
         if not self.dry and counts["passed"] == 0:
             result["note"] = "no GPU test ran"
         return result
 
     def export(self) -> dict[str, Any]:
-        args = ["export", "--arch", self.model, "--name", self.model, "--repository", str(self.repo),
-                "--formats", "onnx,torchscript,aoti", "--no-latency"]  # fmt: skip
-        if not self.dry:
-            # The CPU package of resnet50 is not benched here and its C++ compile would cost minutes of the budget.
-            args += ["--fp16", "--aoti-devices", "cuda", "--max-batch-size", str(max(self.args.batch_sizes))]
-        else:
-            args += ["--max-batch-size", str(max(self.args.batch_sizes))]
-        proc = self.cli(*args, timeout_s=420, log="export")
+        proc = self.cli(self.export_args(), timeout_s=600, log="export")
         version = self.repo / self.model / "1"
         files = {p.name: round(p.stat().st_size / 1e6, 2) for p in sorted(version.glob("model*"))}
-        parity = [line for line in proc.stdout.splitlines() if line.startswith("parity ")]
-        return {"model": self.model, "files_mb": files, "parity": parity}
-
-    def bench_matrix(self) -> list[tuple[str, str, bool]]:
-        out = []
-        for backend in ("torchscript", "aoti", "onnxruntime"):
-            for precision in ("fp32", "fp16", "bf16"):
-                for graphs in (True, False):
-                    out.append((backend, precision, graphs))
-        return out
+        if not files:
+            raise StepError(f"export wrote no artifact: {proc.stdout.strip()[-400:]}")
+        lines = proc.stdout.splitlines()
+        refused = [line for line in lines if "refused" in line or "skipped" in line]
+        parity = [line for line in lines if line.startswith("parity ")]
+        return {"model": self.model, "files_mb": files, "parity": parity, "refused_or_skipped": refused}
 
     def bench(self) -> dict[str, Any]:
         runs: list[dict[str, Any]] = []
         skipped: list[dict[str, Any]] = []
-        device = "cpu" if self.dry else "cuda"
-        for backend, precision, graphs in self.bench_matrix():
+        for backend, precision, graphs in bench_matrix():
             label = {"backend": backend, "precision": precision, "cuda_graphs": graphs}
             reason = self._bench_skip(backend, precision, graphs)
-            if reason is None and self.left_s() < 30:
-                reason = "time budget"
+            if reason is None and self.step_left_s() < 10:
+                reason = "this step's share of the time is spent"
             if reason is not None:
                 skipped.append({**label, "reason": reason})
                 continue
-            args = ["bench", "--model", self.model, "--repository", str(self.repo), "--device", device,
-                    "--backend", backend, "--figures", "engine", "--json",
-                    "--batch-sizes", ",".join(map(str, self.args.batch_sizes)),
-                    "--seconds", str(self.args.seconds)]  # fmt: skip
-            if not self.dry:
-                args += ["--precision", precision, "--cuda-graphs", "on" if graphs else "off"]
             log = f"bench-{backend}-{precision}-{'graphs' if graphs else 'eager'}"
             try:
-                proc = self.cli(*args, timeout_s=240, log=log)
+                proc = self.cli(self.bench_args(backend, precision, graphs), timeout_s=240, log=log)
             except StepError as exc:
                 runs.append({**label, "error": str(exc)})
                 self.report["errors"][f"bench {log}"] = str(exc)
@@ -263,74 +306,57 @@ class Check:
             return "no bf16 AOTInductor package (a package keeps the precision it was compiled in)"
         if backend == "onnxruntime" and precision == "bf16":
             return "no bf16 ONNX artifact (export writes fp32 and fp16)"
-        if self.dry and (precision != "fp32" or not graphs):
-            return "dry run on the CPU: reduced precision and CUDA graphs are GPU-only (measured once, fp32)"
+        artifact = {"onnxruntime": "model.onnx", "torchscript": "model.pt", "aoti": AOTI_FILE[self.device]}[backend]
+        if not (self.repo / self.model / "1" / artifact).is_file():
+            return f"export wrote no {artifact} (see the export step)"
+        if self.device == "cpu" and (precision != "fp32" or not graphs):
+            return "on the CPU: reduced precision and CUDA graphs are GPU-only (measured once, fp32)"
         if backend == "onnxruntime":
-            if not self.dry and not self.ort_cuda:
+            if self.device == "cuda" and not self.ort_cuda:
                 return "onnxruntime has no CUDA execution provider here (the CPU build is installed)"
-            if not graphs and not self.dry:
+            if not graphs and self.device == "cuda":
                 return "CUDA graphs are a torch-runtime setting; onnxruntime measured once"
         return None
 
     def decode(self) -> dict[str, Any]:
-        size = 4 if self.dry else 64
-        args = ["bench", "--model", self.model, "--repository", str(self.repo), "--figures", "decode",
-                "--batch-sizes", str(size), "--seconds", str(self.args.seconds), "--json",
-                "--device", "cpu" if self.dry else "cuda", "--backend", "torchscript"]  # fmt: skip
-        result = json.loads(self.cli(*args, timeout_s=180, log="decode").stdout.strip().splitlines()[-1])
+        result = json.loads(self.cli(self.decode_args(), timeout_s=180, log="decode").stdout.strip().splitlines()[-1])
         keys = ("decode_cpu_images_per_s", "decode_gpu_images_per_s", "decode_gpu_skipped", "decode_workers")
         out = {k: result[k] for k in keys if k in result}
-        out["batch"] = size
+        out["batch"] = self.args.decode_batch
         if "decode_gpu_images_per_s" in out:
             out["gpu_to_cpu_ratio"] = out["decode_gpu_images_per_s"] / out["decode_cpu_images_per_s"]
         return out
 
     def serve_loadtest(self) -> dict[str, Any]:
         config = self.repo / self.model / "config.toml"
-        if self.dry:
-            config.write_text('device = "cpu"\nmax_batch_size = 4\nmax_queue_delay_ms = 2.0\n')
-        else:
-            config.write_text(
-                'device = "cuda"\nprecision = "fp16"\nmax_batch_size = 64\nmax_queue_delay_ms = 2.0\ninstances = 2\n'
-            )
+        config.write_text(self.serve_config())
         # Imported here: the carried packages (.site) are importable only once the install step has run.
         sys.path[:0] = [p for p in (str(ROOT), str(self.site)) if p not in sys.path]
         from service import launcher
 
         started = time.monotonic()
         server = launcher.start(self.repo, "--max-images", "64", log=self.out / "server.log", env=self.env,
-                                ready_timeout_s=min(300.0, self.left_s()))  # fmt: skip
+                                ready_timeout_s=max(1.0, min(300.0, self.step_left_s())))  # fmt: skip
         ready_s = time.monotonic() - started
-        url = server.url
         try:
-            closed = ["loadtest", "--url", url, "--model", self.model, "--mode", "closed", "--json",
-                      "--concurrency", ",".join(map(str, self.args.concurrency)),
-                      "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.loadtest_warmup_s),
-                      "--image-size", "500x375", "--processes", str(self.args.loadtest_processes)]  # fmt: skip
-            closed_result = json.loads(self.cli(*closed, timeout_s=300, log="loadtest-closed").stdout.splitlines()[-1])
-            slo = ["loadtest", "--url", url, "--model", self.model, "--json", "--slo-p99-ms", str(self.args.slo_p99_ms),
-                   "--rate", str(self.args.slo_start_rate), "--slo-max-steps", str(self.args.slo_max_steps),
-                   "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.loadtest_warmup_s),
-                   "--processes", str(self.args.loadtest_processes)]  # fmt: skip
-            slo_result = json.loads(self.cli(*slo, timeout_s=300, log="loadtest-slo").stdout.splitlines()[-1])
+            closed = self.cli(self.loadtest_args(server.url, "closed"), timeout_s=300, log="loadtest-closed")
+            closed_result = json.loads(closed.stdout.splitlines()[-1])
+            slo = self.cli(self.loadtest_args(server.url, "slo"), timeout_s=300, log="loadtest-slo")
+            slo_result = json.loads(slo.stdout.splitlines()[-1])
         finally:
             server.stop(60)
         return {"model": self.model, "config": config.read_text(), "ready_after_s": round(ready_s, 1),
-                "closed": [_step_summary(s) for s in closed_result.get("steps", [])],
+                "closed": [step_summary(s) for s in closed_result.get("steps", [])],
                 "slo_p99_ms": self.args.slo_p99_ms, "slo": slo_result.get("slo")}  # fmt: skip
 
     def train(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        device = "cpu" if self.dry else "cuda"
-        args = ["train", "--arch", "smallcnn", "--dataset", "digits", "--device", device,
-                "--epochs", str(self.args.train_epochs), "--out", str(self.out / "digits.pt")]  # fmt: skip
-        proc = self.cli(*args, timeout_s=300, log="train")
-        out["single"] = {"device": device, "amp_and_channels_last": device == "cuda", "result": last_line(proc.stdout)}
+        proc = self.cli(self.train_args("digits.pt"), timeout_s=300, log="train")
+        out["single"] = {"device": self.device, "amp_and_channels_last": self.device == "cuda",
+                         "result": last_line(proc.stdout)}  # fmt: skip
         if self.gpus >= 2:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.gpus}",
-                   "-m", "service.cli", "train", "--arch", "smallcnn", "--dataset", "digits", "--device", "cuda",
-                   "--epochs", str(self.args.train_epochs), "--out", str(self.out / "digits-ddp.pt"),
-                   "--no-progress"]  # fmt: skip
+                   "-m", "service.cli", *self.train_args("digits-ddp.pt"), "--no-progress"]  # fmt: skip
             proc = self.run(cmd, 300, "train-ddp")
             if proc.returncode != 0:
                 raise StepError(f"DDP training exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
@@ -346,45 +372,58 @@ class Check:
         self.out.mkdir(parents=True, exist_ok=True)
         if self.repo.exists():
             shutil.rmtree(self.repo)
-        self.timings: dict[str, float] = {}
-        self.gpus, self.ort_cuda, self.gpu_tests_failed = 0, False, False
-        self.step("environment", self.environment, min_left_s=0)
-        if "environment" in self.report["errors"]:
-            return self.finish()
-        self.step("install", self.install, min_left_s=0)
-        self.step("gpu_tests", self.gpu_tests)
-        self.step("export", self.export)
-        if "export" in self.report["sections"]:
-            self.step("bench", self.bench)
-            self.step("decode", self.decode)
-            self.step("serve_loadtest", self.serve_loadtest, min_left_s=60)
-        else:
+        try:
+            self.step("environment", self.environment)
+            self.step("install", self.install, after="environment")
+            self.step("gpu_tests", self.gpu_tests, after="environment")
+            self.step("export", self.export, after="environment")
             for name in ("bench", "decode", "serve_loadtest"):
-                self.report["skipped"].setdefault(name, "the export failed or was skipped")
-        self.step("train", self.train)
-        return self.finish()
+                self.step(name, getattr(self, name), after="export")
+            self.step("train", self.train, after="environment")
+        finally:
+            self.write()
+            say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
+        failed = bool(self.gpu_tests_failed) or bool(self.report["errors"])
+        return 1 if failed else 0
 
-    def finish(self) -> int:
+    def write(self) -> None:
+        """The report as it stands (after every step, so that a check stopped half way still leaves one)."""
         self.report["seconds_total"] = round(time.monotonic() - self.started, 1)
         self.report["command_seconds"] = self.timings
         self.report["gpu_tests_failed"] = bool(self.gpu_tests_failed)
         (self.out / "report.json").write_text(json.dumps(self.report, indent=2) + "\n")
-        (self.out / "report.md").write_text(markdown(self.report))
-        say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
-        failed = bool(self.gpu_tests_failed) or bool(self.report["errors"])
-        return 1 if failed else 0
+        try:
+            text = markdown(self.report)
+        except Exception as exc:  # a bug of the rendering must not cost the report: the numbers are in the JSON
+            text = f"# visionserve {self.report['kind']}\n\nThe report could not be drawn ({exc!r}): see report.json.\n"
+        (self.out / "report.md").write_text(text)
 
 
-def choose_wheels(wheels: Sequence[Path], missing: set[str]) -> tuple[list[Path], list[Path]]:
-    """(the wheels to install: those of missing distributions, the wheels refused: the machine's own packages)."""
-    chosen, refused = [], []
-    for wheel in wheels:
-        dist = wheel.name.split("-")[0].lower().replace("_", "-")
-        if dist in NEVER_INSTALL or dist.startswith("nvidia-"):
-            refused.append(wheel)
-        elif dist in {m.lower() for m in missing}:
-            chosen.append(wheel)
-    return chosen, refused
+# torch alone is needed; torchvision and onnxruntime are reported, or said to be missing.
+ENVIRONMENT_CODE = """
+import importlib, json, torch
+c = torch.cuda.is_available()
+env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": c,
+       "gpus": torch.cuda.device_count() if c else 0,
+       "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if c else [],
+       "cudnn": torch.backends.cudnn.version() if c else None}
+for name in ("torchvision", "onnxruntime"):
+    try:
+        env[name] = importlib.import_module(name).__version__
+    except Exception as exc:
+        env[name], env[name + "_missing"] = None, f"{type(exc).__name__}: {exc}"
+if env["onnxruntime"]:
+    env["onnxruntime_providers"] = importlib.import_module("onnxruntime").get_available_providers()
+print(json.dumps(env))
+"""
+AOTI_FILE = {"cpu": "model.pt2", "cuda": "model.cuda.pt2"}
+
+
+def gpu_test_files() -> list[str]:
+    """Every test file that holds a GPU test, found by its marker: named to pytest, so that nothing else of the
+    suite is collected (its other files import tools the GPU machine lacks)."""
+    found = [p for p in sorted((ROOT / "tests").rglob("test_*.py")) if "pytest.mark.gpu" in p.read_text()]
+    return [str(p.relative_to(ROOT)) for p in found]
 
 
 class StepError(Exception):
@@ -393,55 +432,6 @@ class StepError(Exception):
 
 def say(message: str) -> None:
     print(f"gpu-check: {message}", file=sys.stderr, flush=True)
-
-
-def last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-2] if len(lines) >= 2 and lines[-1].startswith("checkpoint written") else (lines[-1] if lines else "")
-
-
-def _step_summary(step: dict[str, Any]) -> dict[str, Any]:
-    """One loadtest step without its histogram: clients or rate, throughput, errors, latency percentiles."""
-    keep = ("step", "concurrency", "rate", "requests", "errors", "requests_per_s", "images_per_s", "latency_ms",
-            "client_limited", "client_cpu")  # fmt: skip
-    return {k: step[k] for k in keep if k in step}
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The report for people: one section per step, every number, and what was skipped and why."""
-    lines = [f"# visionserve {report['kind']}", "", f"Started {report['started_at']}, "
-             f"{report['seconds_total']:.0f} s in all.", ""]  # fmt: skip
-    sections = report["sections"]
-    for name in SECTIONS:
-        lines += [f"## {name}", ""]
-        if name in report["errors"]:
-            lines += [f"ERROR: {report['errors'][name]}", ""]
-        if name in report["skipped"]:
-            lines += [f"skipped: {report['skipped'][name]}", ""]
-        body = sections.get(name)
-        if name == "bench" and body:
-            sizes = [str(b) for b in body["batch_sizes"]]
-            lines += ["| runtime | precision | CUDA graphs | " + " | ".join(f"batch {s}" for s in sizes) + " |",
-                      "|---|---|---|" + "---:|" * len(sizes)]  # fmt: skip
-            for run in body["runs"]:
-                rates = run.get("engine_images_per_s", {})
-                cells = [f"{rates[s]:.1f}" if s in rates else run.get("error", "-")[:40] for s in sizes]
-                graphs = "on" if run["cuda_graphs"] else "off"
-                lines.append(f"| {run['backend']} | {run['precision']} | {graphs} | " + " | ".join(cells) + " |")
-            lines += ["", "engine images/s (the runtime alone on ready uint8 batches)", ""]
-            for s in body["skipped"]:
-                lines.append(f"- skipped {s['backend']} {s['precision']} graphs {s['cuda_graphs']}: {s['reason']}")
-            lines.append("")
-        elif body is not None:
-            lines += ["```json", json.dumps(body, indent=2), "```", ""]
-    other = {k: v for k, v in report["skipped"].items() if k not in SECTIONS}
-    if other or report["errors"]:
-        lines += ["## skipped and errors", ""]
-        lines += [f"- skipped {k}: {v}" for k, v in other.items()]
-        lines += [f"- error {k}: {v}" for k, v in report["errors"].items() if k not in SECTIONS]
-        lines.append("")
-    lines += [f"GPU tests failed: {report['gpu_tests_failed']}", ""]
-    return "\n".join(lines)
 
 
 def _ints(text: str) -> list[int]:
@@ -465,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site", default=".site", help="folder the carried wheels are installed into (on PYTHONPATH)")
     p.add_argument("--budget-s", type=float, default=None, help="time budget; None: 530 s, or 280 s with --dry-run")
     p.add_argument("--skip", default="", help=f"comma-separated steps to skip, of: {', '.join(SECTIONS[2:])}")
+    p.add_argument("--fail-step", default=None, help="make this step fail (proves that the next still runs)")
+    p.add_argument("--list-wheels", default=None, metavar="PYTHON_VERSION",
+                   help="print the `pip download` command of the carried wheels for this Python, and exit")  # fmt: skip
     p.add_argument("--batch-sizes", type=_ints, default=None, help="bench batch sizes; None: 1,8,32,64,128 (dry 1,4)")
     p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.2)")
     p.add_argument("--concurrency", type=_ints, default=None, help="closed-loop clients; None: 1,2,4,...,256 (dry 1,2)")
@@ -489,11 +482,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.slo_start_rate = 20 if dry else 500
     args.slo_max_steps = 2 if dry else 6
     args.train_epochs = 1 if dry else 3
+    args.decode_batch = 4 if dry else 64
+    args.serve_batch = 4 if dry else 64
+    args.serve_instances = 1 if dry else 2
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return Check(parse_args(argv)).main()
+    args = parse_args(argv)
+    if args.list_wheels:
+        print(" ".join(download_command(args.list_wheels)))
+        return 0
+    return Check(args).main()
 
 
 if __name__ == "__main__":
