@@ -334,3 +334,26 @@ def test_a_real_out_of_memory_while_capturing_cuda_graphs_is_out_of_memory() -> 
 
     with pytest.raises(OutOfMemoryError, match=r"could not load .*model\.pt on cuda"):
         Allocates(SPEC, "model.pt", device="cuda", max_batch_size=2)
+
+
+def test_a_graphs_static_input_has_the_host_buffers_layout_and_the_module_gets_channels_last(
+    tmp_path: Path,
+) -> None:
+    """The host-to-device copy of a graph's input is one memcpy only when both sides are contiguous NCHW; the module
+    still runs channels-last (the transpose is the first kernel of the graph). Built on the CPU, where the layouts are
+    the same objects: the device is the only thing missing (tests/service/test_gpu.py checks the captured graphs)."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float().flatten(1)[:, :10]
+
+    torch.jit.script(Tiny()).save(str(tmp_path / "model.pt"))
+    runtime = TorchScriptRuntime(SPEC, tmp_path / "model.pt")
+    try:
+        assert runtime.run(images(2)).shape == (2, 10)
+        static_in = runtime._call(lambda: runtime._device_input(2))
+        assert static_in.is_contiguous()
+        assert runtime._layout(static_in).is_contiguous(memory_format=torch.channels_last)
+    finally:
+        runtime.close()
