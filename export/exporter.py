@@ -12,8 +12,8 @@ beside the version, checked, and only the ones that pass are moved into ``<repos
 says by how much it failed.
 
 With ``int8`` the fp32 ``model.onnx`` that passed its parity check is quantized in the staging folder
-(:mod:`export.quantize`) and ``model.int8.onnx`` joins it only if it passes its own gate against fp32 on held-out
-images (or is written marked ungated with ``int8_ungated``).
+(:mod:`export.quantize`) and ``model.int8.onnx`` joins it only if it agrees with fp32 on held-out images and is
+faster on the export's device (``int8_ungated``, ``int8_allow_slower``: written anyway, marked in spec.json).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from export.artifacts import (
     to_torchscript,
 )
 from export.parity import FP16, FP32, ParityResult, compare, eager_outputs, exact_fp32, parity_batches
-from export.quantize import INT8_FILE, Int8Data, Int8Options, Int8Verdict, quantize_model
+from export.quantize import INT8_FILE, MIN_SPEEDUP, Int8Data, Int8Options, Int8Verdict, quantize_model
 from service.core.config import CONFIG_FILE, default_config_text, load_config
 from service.core.errors import ConfigError, VisionServeError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
@@ -81,6 +81,8 @@ class ExportRequest(msgspec.Struct, frozen=True, kw_only=True):
     int8_ungated: bool = False  # write it whatever the gate says, marked ungated in spec.json
     int8_method: str = "auto"  # calibration: auto (measured) | minmax | percentile | entropy
     int8_exclude: tuple[str, ...] = ()  # graph nodes kept in float
+    int8_min_speedup: float = MIN_SPEEDUP  # int8 must take at most 1 - this of fp32's time on the export's device
+    int8_allow_slower: bool = False  # write it even when it is not that much faster, marked in spec.json
 
 
 @dataclass
@@ -468,24 +470,19 @@ def _int8_artifact(stage: _Stage, data: Int8Data, reports: list[ArtifactReport])
     if not fp32.is_file():  # its own parity failed: there is nothing trustworthy to quantize
         return None
     target = stage.folder / INT8_FILE
-    request, spec = stage.request, stage.spec
-    options = Int8Options(method=request.int8_method, ungated=request.int8_ungated, exclude=request.int8_exclude)
+    request = stage.request
+    options = Int8Options(method=request.int8_method, ungated=request.int8_ungated, exclude=request.int8_exclude,
+                          min_speedup=request.int8_min_speedup, allow_slower=request.int8_allow_slower)  # fmt: skip
     started = time.perf_counter()
-    verdict = quantize_model(fp32, target, data, options, progress=stage.say)
+    verdict = quantize_model(fp32, target, data, options, device=stage.device, progress=stage.say)
     report = ArtifactReport("onnx", "int8", INT8_FILE, 0, time.perf_counter() - started, verdict)
     reports.append(report)
     if not target.is_file():
         return None
     report.size_bytes = target.stat().st_size
-    if request.latency:
-        # INT8 is onnxruntime's CPU path here; on CUDA it needs TensorRT, which export does not assume.
-        stage.say("latency onnx int8 on cpu")
-        runtime = OnnxRuntime(spec, target, device="cpu", name=spec.name)
-        try:
-            report.latency_ms = measure_latency(runtime, spec, _latency_sizes(stage.max_batch))
-        finally:
-            runtime.close()
     gate = verdict.record
+    if request.latency and gate.speed is not None:  # the speed gate timed it on the export's device already
+        report.latency_ms = dict(gate.speed.int8_median_ms)
     return ExportRecord(
         format="onnx",
         file=INT8_FILE,

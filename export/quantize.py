@@ -12,6 +12,11 @@ fp32's. A model that fails is not written, and the message says by how much it m
 ``ungated`` writes it anyway, marked so in ``spec.json``: for speed work on models whose fp32 predictions mean
 nothing (initial weights), where agreement is noise.
 
+A model that passes is then timed against ``model.onnx`` on the export's device (onnxruntime's CUDA provider
+where it has one for a CUDA export, else the CPU), in turns, median per batch size: INT8 is not faster on every CPU
+(onnxruntime #17389: 15.2 against 15.8 ms). Unless it takes at most ``1 - min_speedup`` of fp32's time at each size
+it is refused with the figures; ``allow_slower`` (and ``ungated``) write it anyway, marked in ``spec.json``.
+
 The graph's uint8 front (Cast, then the normalising Mul/Add, and a Transpose for NHWC models) stays in float:
 quantizing it would only add a rounding step before the first convolution, which quantizes its input anyway.
 
@@ -23,17 +28,19 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from service.core.errors import ConfigError
-from service.core.spec import Int8Record
+from service.core.spec import Int8Record, Int8Speed
 
 MIN_TOP1_AGREEMENT = 0.99
 MAX_ACCURACY_DROP = 0.01  # one point
@@ -42,6 +49,17 @@ MIN_CALIBRATION = 4
 MAX_CALIBRATION = 128  # onnxruntime's calibrators keep every activation of every image: bounded memory
 CALIBRATION_BATCH = 16
 METHODS = ("minmax", "percentile", "entropy")
+# int8 must take at most 95% of fp32's median time: that refuses onnxruntime #17389's 3.8% (not worth up to a point
+# of accuracy); at 90% smallcnn (0.67-0.90x at batch 1 here) passed or not run to run. resnet18 ran 2.9-4.1x fp32.
+MIN_SPEEDUP = 0.05
+SPEED_BATCH_SIZES = (1, 8)
+# Per batch size, SPEED_ROUNDS rounds of a block of SPEED_BLOCK_RUNS timed runs of each model, the order
+# alternating, each block after 2 untimed runs: switching session every run measured fp32 at batch 1 1.4x slower
+# than in blocks on 2 cores (likely the other session's spinning threads); 4 rounds left smallcnn's batch-8 ratio
+# anywhere in 0.77-1.04x, 12 in 0.77-0.79x. A large model stops after the round that passes SPEED_BUDGET_S.
+SPEED_ROUNDS = 12  # about 0.1 s for smallcnn
+SPEED_BLOCK_RUNS = 4
+SPEED_BUDGET_S = 2.0
 INT8_FILE = "model.int8.onnx"
 # The float front of an exported graph: uint8 -> float and the per-channel normalisation (outside ONNX models
 # wrapped by export/outside.py add a Transpose and an Identity).
@@ -68,6 +86,8 @@ class Int8Options:
     exclude: tuple[str, ...] = ()  # node names kept in float, besides the input's front
     min_top1_agreement: float = MIN_TOP1_AGREEMENT
     max_accuracy_drop: float = MAX_ACCURACY_DROP
+    min_speedup: float = MIN_SPEEDUP  # int8 may take at most 1 - this of fp32's time; < 0 accepts any speed
+    allow_slower: bool = False  # write it even when it is not faster, marked in spec.json
 
 
 @dataclass
@@ -89,16 +109,26 @@ class Int8Verdict:
 
     @property
     def passed(self) -> bool:
-        """Whether the artifact may be written: it met the gate, or the gate was waived."""
-        return self.record.passed or not self.record.gated
+        """Whether the artifact may be written: it met both gates (accuracy, then speed), or they were waived."""
+        speed = self.record.speed
+        fast_enough = speed is None or speed.passed or speed.allowed_slower
+        return (self.record.passed or not self.record.gated) and fast_enough
 
     def describe(self) -> str:
         r = self.record
         verdict = "pass" if r.passed else ("UNGATED, would FAIL" if not r.gated else "FAIL")
         if r.passed and not r.gated:
             verdict = "UNGATED, would pass"
-        text = (
-            f"{verdict}: top-1 agreement with fp32 {r.top1_agreement:.2%} (limit {r.min_top1_agreement:.0%}"
+        speed = r.speed
+        if speed is not None and not speed.passed:
+            verdict = "NOT FASTER than fp32, written anyway" if speed.allowed_slower else "FAIL, not faster than fp32"
+            if not r.gated:
+                verdict += ", UNGATED"
+        text = ""
+        if speed is not None and not speed.passed:
+            text += describe_speed(speed) + "; "
+        text += (
+            f"top-1 agreement with fp32 {r.top1_agreement:.2%} (limit {r.min_top1_agreement:.0%}"
             f"{_short_by(r.top1_agreement, r.min_top1_agreement, r.held_out_images)})"
         )
         if r.fp32_accuracy is not None and r.int8_accuracy is not None:
@@ -114,9 +144,25 @@ class Int8Verdict:
             f"{self.max_rel_error:.2e}; calibrated with {r.calibration_method} on {r.calibration_images} images "
             f"({r.calibration_source})"
         )
-        if self.hints and not r.passed:
+        if speed is not None and speed.passed:
+            text += "; " + describe_speed(speed)
+        if self.hints:  # set where a gate failed
             text += ". Try: " + "; ".join(self.hints)
-        return text
+        return f"{verdict}: {text}"
+
+
+def describe_speed(speed: Int8Speed) -> str:
+    """The speed gate's figures in one line: each batch size's medians and ratio, and the limit."""
+    sizes = ", ".join(
+        f"batch {n} int8 {speed.int8_median_ms[n]:.3g} ms against fp32 {fp32:.3g} ms "
+        f"({speed.int8_median_ms[n] / fp32:.2f}x)"
+        for n, fp32 in speed.fp32_median_ms.items()
+    )
+    return (
+        f"speed on {speed.device} ({speed.provider}, median of {speed.runs} runs each, in alternating blocks): "
+        f"{sizes}; "
+        f"int8 / fp32 {speed.ratio:.2f}x, limit {1 - speed.min_speedup:.2f}x"
+    )
 
 
 def _short_by(value: float, limit: float, images: int) -> str:
@@ -164,12 +210,12 @@ class _Reader:
         return None if batch is None else {self.name: np.ascontiguousarray(batch)}
 
 
-def _session(path: Path) -> Any:
+def _session(path: Path, providers: list[Any] | None = None) -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    options.log_severity_level = 3  # the rest as the server's runtime has it: all graph optimizations, spinning
+    return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
 
 
 def _run(session: Any, images: np.ndarray, batch: int = 32) -> np.ndarray:
@@ -220,11 +266,13 @@ def quantize_model(
     data: Int8Data,
     options: Int8Options = Int8Options(),
     *,
+    device: str = "cpu",
     progress: Say | None = None,
 ) -> Int8Verdict:
-    """Quantize ``fp32_path`` into ``target``, gate it on ``data.held_out``, and delete ``target`` again when it
-    fails (unless ``options.ungated``). Raises :class:`ConfigError` for unusable inputs (too few images, an
-    unknown method or excluded node)."""
+    """Quantize ``fp32_path`` into ``target``, gate it on ``data.held_out``, time it against ``fp32_path`` on
+    ``device`` (cpu, cuda or cuda:N) where it passed, and delete ``target`` again when it fails either gate (unless
+    ``options.ungated``, or ``options.allow_slower`` for speed). Raises :class:`ConfigError` for unusable inputs
+    (too few images, an unknown method or excluded node, a ``min_speedup`` of 1 or more)."""
     say = progress or (lambda _m: None)
     _check(data, options)
     calibration = data.calibration[:MAX_CALIBRATION]
@@ -237,8 +285,9 @@ def quantize_model(
     quantize_s = time.perf_counter() - started
 
     say(f"int8: gate on {len(data.held_out)} held-out images")
+    int8 = _session(target)
     reference = _run(fp32, data.held_out)
-    got = _run(_session(target), data.held_out)
+    got = _run(int8, data.held_out)
     agreement = float((got.argmax(1) == reference.argmax(1)).mean())
     fp32_acc = int8_acc = None
     if data.held_out_labels is not None:
@@ -264,12 +313,87 @@ def quantize_model(
         excluded_nodes=tuple(graph.exclude),
         quantize_s=round(quantize_s, 3),
     )
+    if passed or options.ungated:  # a refused model's speed is beside the point
+        images = data.held_out if len(data.held_out) else calibration
+        speed = _speed((fp32_path, target), (fp32, int8), images, device, options, say)
+        say(f"int8: {describe_speed(speed)}")
+        record = msgspec.structs.replace(record, speed=speed)
     verdict = Int8Verdict(record, float(_rel_error(got, reference).max()))
     if not passed:
         verdict.hints = _hints(record, options, graph.first_layer, graph.last_layer)
-        if not options.ungated:
-            target.unlink(missing_ok=True)
+    elif record.speed is not None and not record.speed.passed and not record.speed.allowed_slower:
+        verdict.hints = _speed_hints(record.speed)
+    if not verdict.passed:
+        target.unlink(missing_ok=True)
     return verdict
+
+
+def _speed(paths: tuple[Path, Path], cpu: tuple[Any, Any], images: np.ndarray, device: str, options: Int8Options,
+           say: Say) -> Int8Speed:  # fmt: skip
+    """Median latency of fp32 and int8 (``paths``) per batch size, in alternating blocks so that a machine's
+    drifting load falls on both alike (the lesson of the runtime benches, docs/performance.md)."""
+    kind, provider, sessions = _speed_sessions(paths, device, cpu, say)
+    say(f"int8: timing against fp32 on {kind}, batch sizes {', '.join(map(str, SPEED_BATCH_SIZES))}")
+    medians: tuple[dict[int, float], dict[int, float]] = ({}, {})
+    runs = SPEED_ROUNDS * SPEED_BLOCK_RUNS
+    for size in SPEED_BATCH_SIZES:
+        batch = np.ascontiguousarray(np.resize(images, (size, *images.shape[1:])))
+        feeds = [{s.get_inputs()[0].name: batch} for s in sessions]
+        times: tuple[list[float], list[float]] = ([], [])
+        started = time.perf_counter()
+        for r in range(SPEED_ROUNDS):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                for n in range(2 + SPEED_BLOCK_RUNS):
+                    began = time.perf_counter()
+                    sessions[i].run(None, feeds[i])
+                    if n >= 2:
+                        times[i].append(time.perf_counter() - began)
+            if time.perf_counter() - started > SPEED_BUDGET_S:
+                break
+        runs = min(runs, len(times[0]))
+        for i in (0, 1):
+            medians[i][size] = round(statistics.median(times[i]) * 1e3, 4)
+    ratio = max(medians[1][n] / max(medians[0][n], 1e-9) for n in SPEED_BATCH_SIZES)
+    passed = ratio <= 1 - options.min_speedup
+    return Int8Speed(
+        device=kind,
+        provider=provider,
+        runs=runs,
+        fp32_median_ms=medians[0],
+        int8_median_ms=medians[1],
+        ratio=round(ratio, 4),
+        min_speedup=options.min_speedup,
+        passed=passed,
+        allowed_slower=not passed and (options.allow_slower or options.ungated),
+    )
+
+
+def _speed_sessions(
+    paths: tuple[Path, Path], device: str, cpu: tuple[Any, Any], say: Say
+) -> tuple[Literal["cpu", "cuda"], str, tuple[Any, Any]]:
+    """(device type, provider, the fp32 and int8 sessions) to time on ``device``: the CUDA execution provider for
+    a CUDA export where this onnxruntime has it (export has imported torch, which loads the CUDA libraries it
+    needs), else the CPU sessions the gate ran."""
+    import onnxruntime as ort
+
+    if device.startswith("cuda"):
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            # HEURISTIC as the server's default (conv_algo_search): exhaustive search per shape is not serving.
+            options = {"device_id": int(device.partition(":")[2] or 0), "cudnn_conv_algo_search": "HEURISTIC"}
+            providers = [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
+            sessions = (_session(paths[0], providers), _session(paths[1], providers))
+            if all("CUDAExecutionProvider" in s.get_providers() for s in sessions):
+                return "cuda", "CUDAExecutionProvider", sessions
+        say(f"int8: onnxruntime has no usable CUDA execution provider for {device}: timing on the CPU instead")
+    return "cpu", "CPUExecutionProvider", cpu
+
+
+def _speed_hints(speed: Int8Speed) -> list[str]:
+    hints = ['--int8-allow-slower to write it anyway, marked in spec.json (precision "auto" then serves fp32)',
+             f"a lower --int8-min-speedup (it was {speed.min_speedup:g})"]  # fmt: skip
+    if speed.device == "cuda":
+        hints.append("--device cpu, to time it on the CPU (onnxruntime's INT8 kernels are its CPU path)")
+    return hints
 
 
 @dataclass(frozen=True)
@@ -349,9 +473,19 @@ def _hints(record: Int8Record, options: Int8Options, first: str | None, last: st
     return hints
 
 
+def check_min_speedup(value: float) -> None:
+    """Refuse a ``min_speedup`` no INT8 model could meet (1 or more: no time at all), or NaN."""
+    if not value < 1:
+        raise ConfigError(
+            f"--int8-min-speedup must be a number below 1 (the fraction of fp32's time int8 must save; negative "
+            f"accepts any speed), got {value!r}"
+        )
+
+
 def _check(data: Int8Data, options: Int8Options) -> None:
     if options.method not in ("auto", *METHODS):
         raise ConfigError(f"--int8-method must be auto, {', '.join(METHODS)}, got {options.method!r}")
+    check_min_speedup(options.min_speedup)
     if len(data.calibration) < MIN_CALIBRATION:
         raise ConfigError(
             f"INT8 calibration needs at least {MIN_CALIBRATION} images, got {len(data.calibration)} "

@@ -28,6 +28,7 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     fail_after_batches: int = -1  # every batch from that one on raises
     load_delay_ms: float = 0.0  # added to loading each instance (a slow load, or a slow replacement)
     load_error: str = ""  # loading each instance raises a RuntimeError with this message (a runtime's own exception)
+    resident_bytes: int = 0  # charged to the memory budget in place of the measured size (a model this big); 0: off
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -36,7 +37,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     backend: Literal["auto", "onnxruntime", "torchscript", "aoti", "noop"] = "auto"
     device: str = "auto"
     fallback: Literal["cpu", "none"] = "cpu"
-    precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    precision: Literal["fp32", "fp16", "bf16", "int8", "auto"] = "fp32"
     instances: int = 1
     threads: int = 0  # intra-op threads per runtime instance; 0: the runtime's own default
     intra_op_spinning: bool = True  # onnxruntime's intra-op threads spin-wait between parallel sections
@@ -51,6 +52,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     warmup: bool = True
     instance_stuck_after_s: float = 60.0
     unhealthy_after_failed_batches: int = 3
+    residency: Literal["pinned", "on_demand"] = "pinned"
     faults: Faults = msgspec.field(default_factory=Faults)
 
 
@@ -72,18 +74,21 @@ _FAULT_RULES: dict[str, tuple[Any, str]] = {
     "fail_after_batches": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
     "load_delay_ms": (lambda v: v >= 0, "a number >= 0"),
     "load_error": (lambda v: isinstance(v, str), "a message (empty: none)"),
+    "resident_bytes": (lambda v: v >= 0, "an integer >= 0 (0: the measured size)"),
 }
 
 _ALLOWED_TEXT = {
     "backend": "auto, onnxruntime, torchscript, aoti or noop",
     "fallback": "cpu or none",
-    "precision": "fp32, fp16, bf16 (GPU only) or int8 (model.int8.onnx, from `export --int8`)",
+    "precision": "fp32, fp16, bf16 (GPU only), int8 (model.int8.onnx, from `export --int8`) or auto (the fastest "
+    "gated artifact for the device)",
     "queue_full_status": "503 or 429",
     "batch_policy": "delay or adaptive",
     "conv_algo_search": "heuristic, exhaustive or default",
+    "residency": "pinned or on_demand",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
-    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error",
+    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error, resident_bytes",
     **{k: v[1] for k, v in _RULES.items()},
 }
 
@@ -149,7 +154,9 @@ backend = "auto"              # auto (the fastest measured runtime for the devic
 device = "auto"               # auto (cuda when a usable GPU exists, else cpu) | cpu | cuda | cuda:N
 fallback = "cpu"              # cpu: keep serving from CPU when the GPU fails | none: fail instead
 precision = "fp32"            # fp32 | fp16 | bf16 (GPU only) | int8 (model.int8.onnx from `export --int8`,
-                              # onnxruntime; on CUDA only with its TensorRT or CUDA execution provider)
+                              # onnxruntime; on CUDA only with its TensorRT or CUDA execution provider) | auto
+                              # (int8 where it passed export's accuracy and speed gates on this device type, else
+                              # fp16 on CUDA where the runtime has it, else fp32; metadata says which is served)
 instances = 1                 # runtime instances per device
 threads = 0                   # intra-op threads per instance (CPU); 0: the runtime's default (onnxruntime and
                               # torch: one per core). instances x threads above the cores oversubscribes them
@@ -173,8 +180,11 @@ default_timeout_ms = 0        # 0: no deadline unless the request sets one
 warmup = true                 # run every batch-size bucket once before reporting ready
 instance_stuck_after_s = 60   # a batch unanswered this long: its instance is abandoned and replaced (0: never)
 unhealthy_after_failed_batches = 3  # this many batches in a row failing every image: the model reports not ready
+residency = "pinned"          # pinned: loaded at start and kept | on_demand: loaded by its first request, evicted
+                              # (least recently used, never while it has work) when a load needs room within
+                              # serve's --memory-budget
 # [faults]                    # fault drills only (README, "Reliability"): delay_ms, hang_at_batch,
-                              # fail_after_batches, load_delay_ms, load_error
+                              # fail_after_batches, load_delay_ms, load_error, resident_bytes
 """
 
 

@@ -30,6 +30,22 @@ class InputSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     layout: Literal["NCHW"] = "NCHW"
 
 
+class Int8Speed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """INT8 against its fp32 source (``model.onnx``), timed with onnxruntime on the device the export targeted:
+    median latency per batch size, the two in alternating blocks. ``passed`` when the worst ratio (int8 / fp32) is at
+    most ``1 - min_speedup``; ``allowed_slower`` marks an artifact written although it was not."""
+
+    device: Literal["cpu", "cuda"]  # where it was measured: `precision = "auto"` picks int8 only there
+    provider: str  # onnxruntime's execution provider
+    runs: int  # timed runs per model and batch size, after warm-up (the fewest of any batch size)
+    fp32_median_ms: dict[int, float]  # batch size -> median latency
+    int8_median_ms: dict[int, float]
+    ratio: float  # the largest int8 / fp32 median ratio over the batch sizes: below 1 is faster
+    min_speedup: float  # a fraction: 0.05 asks int8 to take at most 95% of fp32's time
+    passed: bool
+    allowed_slower: bool = False  # written though not faster (--int8-allow-slower, or --int8-ungated)
+
+
 class Int8Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How an INT8 artifact was calibrated, and its gate against fp32 on held-out images (never the calibration
     set). ``gated`` is False for an artifact written with ``--int8-ungated`` whatever its figures."""
@@ -52,6 +68,7 @@ class Int8Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     weight_type: str = "QInt8"
     excluded_nodes: tuple[str, ...] = ()  # left in float: the input's uint8 -> normalised float front, and any asked
     quantize_s: float = 0.0
+    speed: Int8Speed | None = None  # against fp32, where the accuracy gate passed or was waived (absent before)
 
 
 class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -25,6 +25,7 @@ from service.core.spec import ModelSpec
 from service.core.status import EngineState, State
 from service.engine.batcher import Batcher, BatcherConfig, InferRequest, InferResult
 from service.runtime import FaultPlan, Runtime, RuntimeLike, choose_backend, make_runtime, warm_up
+from service.runtime.factory import resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,13 @@ def plan_devices(config: ModelConfig, available: list[str]) -> tuple[list[str], 
     return ["cpu"], True, f"{reason}: serving on CPU (fallback)"
 
 
-def serving_precision(config: ModelConfig, devices: tuple[str, ...] | list[str]) -> str:
-    """The precision served: int8 anywhere; fp16 and bf16 only on CUDA (the CPU runs those models in fp32)."""
+def serving_precision(
+    config: ModelConfig, devices: tuple[str, ...] | list[str], version: ModelVersion | None = None
+) -> str:
+    """The precision served: int8 anywhere; fp16 and bf16 only on CUDA (the CPU runs those models in fp32);
+    "auto" as it resolves for ``version`` on the first device, where ``version`` is given."""
+    if config.precision == "auto" and version is not None and devices:
+        return resolve_precision(version, config, devices[0])
     if config.precision == "int8" or any(d.startswith("cuda") for d in devices):
         return config.precision
     return "fp32"
@@ -215,7 +221,7 @@ class ModelEngine:
         """What the instances really run (an fp32 ONNX graph asked to serve fp16 runs fp32), else what the config
         and devices imply."""
         ran = {p for p in (getattr(i, "precision", None) for i in self.batcher.instances) if isinstance(p, str)}
-        return ran.pop() if len(ran) == 1 else serving_precision(self.config, devices)
+        return ran.pop() if len(ran) == 1 else serving_precision(self.config, devices, self.version)
 
     async def _instance_stuck(self, instance: RuntimeLike, error: Exception) -> list[RuntimeLike]:
         """A fresh instance on the stuck one's device (loaded and warmed up off the event loop)."""

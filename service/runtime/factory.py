@@ -6,6 +6,11 @@ has (:data:`PREFERENCE`). The CPU fallback of a GPU-served model resolves "auto"
 ``precision = "int8"`` serves ``model.int8.onnx`` with onnxruntime, on the CPU and on CUDA (with onnxruntime's
 TensorRT or CUDA execution provider); without the artifact, or on CUDA without either provider, the model is
 refused at load, never served in fp32 instead.
+
+``precision = "auto"`` resolves per device (:func:`resolve_precision`): int8 where ``model.int8.onnx`` passed both of
+export's gates (agreement with fp32, and faster than fp32) on that device type, per ``spec.json``; else fp16 on
+CUDA where the runtime runs it (a ``.fp16.`` artifact, or a TorchScript module cast at load); else fp32. The
+runtime instance carries the precision it really runs, which metadata and metrics report.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from service.core.config import ModelConfig
 from service.core.devices import may_have_gpu
 from service.core.errors import ConfigError
 from service.core.repository import INT8_FILES, MODEL_FILES, ModelVersion
+from service.core.spec import Int8Speed
 from service.runtime.aoti import AotiRuntime
 from service.runtime.base import RuntimeLike
 from service.runtime.fake import FakeRuntime
@@ -76,6 +82,47 @@ def served_precision(version: ModelVersion, backend: str, path: Path, precision:
     return "fp16" if precision == "fp16" and path == version.fp16_files.get("onnx") else "fp32"
 
 
+def int8_gated_on(version: ModelVersion, device: str) -> bool:
+    """Whether ``version``'s ``model.int8.onnx`` passed export's accuracy gate (not ``--int8-ungated``) and its
+    speed gate (not ``--int8-allow-slower``), timed on ``device``'s type (cpu or cuda), per ``spec.json``."""
+    if "onnx" not in version.int8_files or version.int8_ungated:
+        return False
+    record = version.spec.export_record(INT8_FILES["onnx"])
+    gate = record.int8 if record is not None else None
+    speed = _int8_speed(version)  # None in spec.json files from before the speed gate: never timed
+    if gate is None or not gate.passed or speed is None:
+        return False
+    return speed.passed and speed.device == ("cuda" if device.startswith("cuda") else "cpu")
+
+
+def _auto_int8(version: ModelVersion, config: ModelConfig, device: str, backend: str | None = None) -> bool:
+    """Whether precision "auto" serves int8 on ``device``: onnxruntime may run it, and it passed both gates there."""
+    runs_onnx = backend in (None, "onnxruntime") and config.backend in ("auto", "onnxruntime")
+    return config.precision == "auto" and runs_onnx and int8_gated_on(version, device)
+
+
+def _int8_speed(version: ModelVersion) -> Int8Speed | None:
+    record = version.spec.export_record(INT8_FILES["onnx"])
+    return record.int8.speed if record is not None and record.int8 is not None else None
+
+
+def resolve_precision(version: ModelVersion, config: ModelConfig, device: str, backend: str | None = None) -> str:
+    """The precision asked of a runtime on ``device``: ``config.precision``, "auto" resolved (module docstring),
+    and fp16/bf16 on the CPU run as fp32. ``backend``: the one chosen, where it is (int8 needs onnxruntime)."""
+    precision = config.precision
+    cuda = device.startswith("cuda")
+    if precision == "auto":
+        if _auto_int8(version, config, device, backend):
+            return "int8"
+        if not cuda:
+            return "fp32"
+        if backend is None:
+            return "fp16"  # what the backend choice looks for; make_runtime settles what is served
+        path = artifact(version, backend, device, "fp16")
+        return served_precision(version, backend, path, "fp16") if path is not None else "fp32"
+    return precision if cuda or precision == "int8" else "fp32"
+
+
 def _any_artifact(version: ModelVersion, backend: str) -> bool:
     return any(artifact(version, backend, d, p) is not None for d in ("cpu", "cuda") for p in ("fp32", "fp16"))
 
@@ -99,6 +146,10 @@ def choose_backend(version: ModelVersion, config: ModelConfig, device: str | Non
         return "noop"
     if config.precision == "int8":
         return _int8_backend(version, config)
+    # The artifact is looked for first: without one, no GPU probe to plan the device.
+    auto_int8 = config.precision == "auto" and "onnx" in version.int8_files
+    if auto_int8 and _auto_int8(version, config, device or _planned_device(config)):
+        return "onnxruntime"
     if config.backend != "auto":
         if not _any_artifact(version, config.backend):
             files = " or ".join(n for k, n in MODEL_FILES.items() if k.startswith(config.backend[:4]))
@@ -109,7 +160,7 @@ def choose_backend(version: ModelVersion, config: ModelConfig, device: str | Non
         return present[0]
     target = device or _planned_device(config)
     order = PREFERENCE["cuda" if target.startswith("cuda") else "cpu"]
-    precision = config.precision if target.startswith("cuda") else "fp32"
+    precision = resolve_precision(version, config, target)
     for backend in order:
         if artifact(version, backend, target, precision) is not None:
             return backend
@@ -136,13 +187,14 @@ def make_runtime(
     version: ModelVersion, config: ModelConfig, backend: str, device: str, *, cuda_graphs: bool = True
 ) -> RuntimeLike:
     """A loaded runtime instance of ``version`` on ``device`` (``cuda_graphs``: capture per bucket on CUDA)."""
-    on_gpu = device.startswith("cuda")
-    precision: str = config.precision if on_gpu or config.precision == "int8" else "fp32"
     name = f"{version.model}-v{version.version}"
     if backend == "noop":
         return FakeRuntime(version.spec, device=device, name=name)
     if config.backend == "auto":  # per device: the CPU fallback of a GPU model takes the CPU's fastest
         backend = choose_backend(version, config, device)
+    precision = resolve_precision(version, config, device, backend)
+    if config.precision == "auto":
+        log.info("model %s: precision auto on %s serves %s (%s)", name, device, precision, backend)
     path = artifact(version, backend, device, precision)
     if path is None:
         raise ConfigError(
@@ -163,6 +215,11 @@ def make_runtime(
                 name,
                 path,
             )
+        speed = _int8_speed(version) if precision == "int8" else None
+        if speed is not None and not speed.passed:
+            log.warning("model %s: serving %s, written with --int8-allow-slower: it took %.2fx fp32's time on %s "
+                        "at export (limit %.2fx; spec.json has the figures)", name, path, speed.ratio, speed.device,
+                        1 - speed.min_speedup)  # fmt: skip
         return OnnxRuntime(version.spec, path, device=device, name=name, precision=precision,
                            threads=config.threads or None, spinning=config.intra_op_spinning,
                            conv_algo_search=config.conv_algo_search)  # fmt: skip

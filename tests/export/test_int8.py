@@ -1,27 +1,38 @@
 """INT8 at export: the gate on held-out images, a refusal that writes nothing and names the miss, ungated artifacts
-marked in spec.json, and calibration sets that never overlap the gate's images."""
+marked in spec.json, and calibration sets that never overlap the gate's images; then the speed gate against fp32,
+forced either way by ``int8_min_speedup`` so that no test depends on which is really faster here."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from export import calibration
-from export.exporter import ExportRequest, export_model
-from export.quantize import MIN_TOP1_AGREEMENT, Int8Data
+from export.commands import add_export_arguments
+from export.exporter import ExportReport, ExportRequest, export_model
+from export.quantize import MIN_SPEEDUP, MIN_TOP1_AGREEMENT, SPEED_BLOCK_RUNS, SPEED_ROUNDS, Int8Data
 from export.sources import from_checkpoint
 from service.core.errors import ConfigError
 from service.core.repository import ModelRepository
 from service.core.spec import ModelSpec, decode_spec, encode_spec, load_spec
 from tests.conftest import encode_image
 
+# Always fast enough: the accuracy gate's tests must not depend on which model is faster on a shared machine.
+ANY_SPEED = -1.0
+# int8 must take at most 1% of fp32's time, 100x faster: never met, so "not faster" is forced.
+NEVER_FAST_ENOUGH = 0.99
+
 
 def _request(repo: Path, name: str, **kw: object) -> ExportRequest:
-    settings: dict[str, object] = {"formats": ("onnx",), "latency": False, "int8": True, **kw}
+    settings: dict[str, object] = {
+        "formats": ("onnx",), "latency": False, "int8": True, "int8_min_speedup": ANY_SPEED, **kw
+    }  # fmt: skip
     return ExportRequest(name=name, repository=str(repo), **settings)  # type: ignore[arg-type]
 
 
@@ -35,6 +46,26 @@ def _blank_calibration(spec: ModelSpec) -> Int8Data:
         held_out=real.held_out,
         held_out_source=real.held_out_source,
         held_out_labels=real.held_out_labels,
+    )
+
+
+def confident_calibration(eager: torch.nn.Module, spec: ModelSpec, images: int = 24) -> Int8Data:
+    """The real digits split, held out on the validation images fp32 is most sure of (largest gap between its
+    top two logits, over its largest): int8 agrees with fp32 on all of them, so the accuracy gate passes on any
+    machine and a test reaches the speed gate."""
+    real = calibration.from_dataset("digits", spec)
+    with torch.no_grad():
+        logits = eager(torch.from_numpy(real.held_out)).float().numpy()
+    top2 = np.sort(logits, axis=1)[:, -2:]
+    margin = (top2[:, 1] - top2[:, 0]) / np.maximum(np.abs(logits).max(axis=1), 1e-12)
+    keep = np.sort(np.argsort(margin)[-images:])
+    labels = real.held_out_labels[keep] if real.held_out_labels is not None else None
+    return Int8Data(
+        calibration=real.calibration,
+        calibration_source=real.calibration_source,
+        held_out=real.held_out[keep],
+        held_out_source=f"the {images} validation images fp32 is surest of",
+        held_out_labels=labels,
     )
 
 
@@ -150,3 +181,80 @@ def test_spec_json_written_before_int8_still_loads(digits_checkpoint: Path) -> N
     old["exports"] = [{"format": "onnx", "file": "model.onnx", "precision": "fp32", "parity_max_rel_error": 1e-6}]
     loaded = decode_spec(msgspec.json.encode(old))
     assert loaded.exports[0].int8 is None and loaded.export_record("model.onnx") is not None
+
+
+def _export_speed(checkpoint: Path, repo: Path, **kw: object) -> tuple[ExportReport, Path]:
+    source = from_checkpoint(checkpoint)
+    report = export_model(
+        source.eager,
+        source.spec,
+        _request(repo, "digits", int8_method="minmax", **kw),
+        int8_data=lambda spec: confident_calibration(source.eager, spec),
+    )
+    return report, repo / "digits" / "1"
+
+
+def test_int8_not_faster_than_fp32_is_refused_with_the_figures(digits_checkpoint: Path, tmp_path: Path) -> None:
+    report, version_dir = _export_speed(digits_checkpoint, tmp_path, int8_min_speedup=NEVER_FAST_ENOUGH)
+    assert not report.ok
+    int8 = next(a for a in report.artifacts if a.precision == "int8")
+    assert not int8.written and not int8.parity.passed
+    message = int8.parity.describe()
+    assert message.startswith("FAIL, not faster than fp32: speed on cpu (CPUExecutionProvider, median of "), message
+    assert "batch 1 int8 " in message and "batch 8 int8 " in message and " ms against fp32 " in message
+    assert "limit 0.01x" in message and "top-1 agreement with fp32 100.00%" in message  # accuracy passed
+    assert "Try: --int8-allow-slower to write it anyway" in message and "--int8-min-speedup (it was 0.99" in message
+    assert not (version_dir / "model.int8.onnx").exists()
+    assert [e.file for e in load_spec(version_dir / "spec.json").exports] == ["model.onnx"]  # fp32 still written
+
+
+def test_int8_allow_slower_writes_it_marked_with_the_figures(digits_checkpoint: Path, tmp_path: Path) -> None:
+    report, version_dir = _export_speed(
+        digits_checkpoint, tmp_path, int8_min_speedup=NEVER_FAST_ENOUGH, int8_allow_slower=True
+    )
+    assert report.ok
+    int8 = next(a for a in report.artifacts if a.precision == "int8")
+    assert int8.written and (version_dir / "model.int8.onnx").is_file()
+    assert int8.parity.describe().startswith("NOT FASTER than fp32, written anyway: speed on cpu")
+    record = load_spec(version_dir / "spec.json").export_record("model.int8.onnx")
+    assert record is not None and record.int8 is not None and record.int8.speed is not None
+    assert record.int8.gated and record.int8.passed  # the accuracy gate passed; only speed was waived
+    speed = record.int8.speed
+    assert not speed.passed and speed.allowed_slower and speed.min_speedup == NEVER_FAST_ENOUGH
+
+
+def test_spec_json_carries_the_speed_figures(digits_checkpoint: Path, tmp_path: Path) -> None:
+    report, version_dir = _export_speed(digits_checkpoint, tmp_path, int8_min_speedup=ANY_SPEED)
+    assert report.ok
+    record = load_spec(version_dir / "spec.json").export_record("model.int8.onnx")
+    assert record is not None and record.int8 is not None and record.int8.speed is not None
+    speed = record.int8.speed
+    assert speed.passed and not speed.allowed_slower
+    assert speed.device == "cpu" and speed.provider == "CPUExecutionProvider"
+    assert speed.fp32_median_ms.keys() == speed.int8_median_ms.keys() == {1, 8}  # 1 and min(8, max batch size)
+    assert all(ms > 0 for ms in (*speed.fp32_median_ms.values(), *speed.int8_median_ms.values()))
+    ratios = [speed.int8_median_ms[n] / speed.fp32_median_ms[n] for n in (1, 8)]
+    assert speed.ratio == pytest.approx(max(ratios), rel=1e-3)  # the worst batch size decides
+    assert speed.runs == SPEED_ROUNDS * SPEED_BLOCK_RUNS  # a tiny model never reaches the time budget
+    assert "; speed on cpu" in next(a for a in report.artifacts if a.precision == "int8").parity.describe()
+
+
+def test_min_speedup_of_one_or_more_is_refused(digits_checkpoint: Path, tmp_path: Path) -> None:
+    source = from_checkpoint(digits_checkpoint)
+    for bad in (1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--int8-min-speedup must be a number below 1"):
+            export_model(source.eager, source.spec, _request(tmp_path, "digits", int8_min_speedup=bad),
+                         int8_data=lambda spec: calibration.from_dataset("digits", spec))  # fmt: skip
+    assert not (tmp_path / "digits").exists()  # nothing written, model.onnx included
+
+
+def test_export_flags_for_the_speed_gate(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    args = parser.parse_args(["--arch", "smallcnn", "--name", "x"])
+    assert args.int8_min_speedup == MIN_SPEEDUP and not args.int8_allow_slower
+    args = parser.parse_args(["--arch", "smallcnn", "--name", "x", "--int8-allow-slower", "--int8-min-speedup", "-1"])
+    assert args.int8_allow_slower and args.int8_min_speedup == -1.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--arch", "smallcnn", "--name", "x", "--int8-min-speedup", "1"])
+    assert "--int8-min-speedup must be a number below 1" in capsys.readouterr().err
