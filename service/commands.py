@@ -201,6 +201,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-metrics", action="store_true", help="turn /metrics and its recording off")
     p.add_argument(
+        "--memory-budget",
+        default="",
+        help="memory for models per device: 2GB for each, or cpu=8GB,cuda:0=60GB; empty: 70%% of the machine's "
+        'memory, 90%% of each GPU\'s (models with residency = "on_demand" are loaded and evicted within it)',
+    )
+    p.add_argument(
+        "--min-residency-s", type=float, default=1.0, help="a model loaded more recently is not evicted (churn guard)"
+    )
+    p.add_argument("--max-parallel-loads", type=int, default=2, help="on-demand loads of different models at once")
+    p.add_argument(
+        "--cold-start-limit-s", type=float, default=60.0, help="longest a request waits for its model's load"
+    )
+    p.add_argument(
         "--strict-readiness",
         action="store_true",
         help="/v2/health/ready stays false while any model version of the repository failed to load (Triton's "
@@ -231,6 +244,10 @@ def run_serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout_s,
         min_body_bytes_per_s=args.min_body_bytes_per_s,
         strict_readiness=args.strict_readiness,
+        memory_budget=args.memory_budget,
+        min_residency_s=args.min_residency_s,
+        max_parallel_loads=args.max_parallel_loads,
+        cold_start_limit_s=args.cold_start_limit_s,
     )
     if args.workers < 0 or args.shm_mb < 1:
         raise ConfigError(f"--workers must be >= 0 and --shm-mb >= 1, got {args.workers} and {args.shm_mb}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
@@ -32,6 +33,13 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
     min_body_bytes_per_s: int = 1024
+    # Many models per device (service/engine/ondemand.py): the memory budget per device ("" = 70% of the machine's
+    # memory, 90% of each GPU's; "2GB" for every device; "cpu=8GB,cuda:0=60GB"), the youngest a model may be
+    # evicted at (the guard against churn), how many loads run at once, and how long a request waits for a load.
+    memory_budget: str = ""
+    min_residency_s: float = 1.0
+    max_parallel_loads: int = 2
+    cold_start_limit_s: float = 60.0
 
     def __post_init__(self) -> None:
         positive = ("max_body_bytes", "max_images_per_request", "max_pixels", "max_header_bytes", "large_image_pixels")
@@ -57,3 +65,39 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"min_body_bytes_per_s must be >= 0, got {self.min_body_bytes_per_s}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        parse_budget(self.memory_budget)
+        if self.min_residency_s < 0 or self.cold_start_limit_s <= 0 or self.max_parallel_loads < 1:
+            raise ConfigError(
+                "min_residency_s must be >= 0, cold_start_limit_s > 0 and max_parallel_loads >= 1, got "
+                f"{self.min_residency_s}, {self.cold_start_limit_s} and {self.max_parallel_loads}"
+            )
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``2GB``, ``512MB``, ``4096`` (decimal), ``1.5GiB`` (binary)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ConfigError(f"a memory size must look like 2GB, 512MiB or 4096 (bytes), got {text!r}")
+    number, prefix, binary = float(match.group(1)), (match.group(2) or "").upper(), bool(match.group(3))
+    power = "KMGT".index(prefix) + 1 if prefix else 0
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def parse_budget(text: str | None) -> dict[str, int]:
+    """``--memory-budget``: one size for every device (``2GB``), or per device (``cpu=8GB,cuda:0=60GB``, where
+    ``cuda`` alone stands for every GPU). Empty: the defaults."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return {"*": parse_size(text)}
+    out: dict[str, int] = {}
+    for part in text.split(","):
+        device, _, size = part.partition("=")
+        device = device.strip()
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", device) or not size:
+            raise ConfigError(f"--memory-budget: expected DEVICE=SIZE (cpu=8GB, cuda:0=60GB), got {part!r}")
+        out[device] = parse_size(size)
+    return out

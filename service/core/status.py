@@ -10,11 +10,11 @@ import numpy as np
 
 from service.core.errors import VisionServeError
 
-# READY and DEGRADED (serving from the CPU fallback) serve and report ready; UNHEALTHY (its last batches all
-# failed), REPLACING (a stuck instance's replacement is loading; requests queue) and FAILED (no instance left)
-# report not ready.
-State = Literal["READY", "DEGRADED", "UNHEALTHY", "REPLACING", "FAILED"]
-SERVING_STATES = ("READY", "DEGRADED")
+# READY and DEGRADED (serving from the CPU fallback) serve and report ready, as does AVAILABLE (an on-demand model
+# not resident now: its next request loads it); UNHEALTHY (its last batches all failed), REPLACING (a stuck
+# instance's replacement is loading; requests queue) and FAILED (no instance left) report not ready.
+State = Literal["READY", "DEGRADED", "UNHEALTHY", "REPLACING", "FAILED", "AVAILABLE"]
+SERVING_STATES = ("READY", "DEGRADED", "AVAILABLE")
 
 
 class EngineState(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +28,13 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     note: str | None = None
     fallbacks: int = 0
     replaced: int = 0  # stuck instances abandoned and replaced
+    # Many models per device (service/engine/ondemand.py): loaded at start and kept ("pinned"), or on demand; in
+    # memory now or not (and why not); what it was charged to its device's memory budget.
+    residency: str = "pinned"
+    resident: bool = True
+    resident_bytes: int = 0
+    resident_bytes_estimated: bool = False
+    why_not_resident: str | None = None
 
 
 @dataclass
@@ -46,3 +53,4 @@ class InferResult:
     instance: float = 0.0
     batch: float = 0.0
     done: float = 0.0
+    cold_start_s: float = 0.0  # waited for the model's load (an on-demand model's first request, or a miss)

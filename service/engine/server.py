@@ -19,14 +19,23 @@ import msgspec
 import numpy as np
 
 from service.core.config import ModelConfig, parse_config
-from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError
+from service.core.errors import (
+    BadInputError,
+    ConfigError,
+    DeadlineExceededError,
+    NotFoundError,
+    OverloadedError,
+    VisionServeError,
+)
+from service.core.memory_metrics import ResidencyCollector
 from service.core.metrics import LiveState, Metrics, ModelCounts, merge_request_states
 from service.core.repository import ModelEntry, ModelRepository
-from service.core.settings import ServerSettings
+from service.core.settings import ServerSettings, parse_budget
 from service.core.spec import encode_spec
 from service.core.status import SERVING_STATES
 from service.engine.batcher import InferRequest, InferResult
 from service.engine.model import ModelEngine, cuda_devices, plan_devices
+from service.engine.ondemand import Residency
 from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Snapshot, Stamps, Submit, WireError
 
 log = logging.getLogger("visionserve.engine")
@@ -88,8 +97,13 @@ class EngineServer:
         # Every engine hears every front end's report; only the primary renders them, so nothing counts twice.
         states = self._request_states if primary else list
         self.metrics = Metrics(request_states=states) if settings.metrics else None
+        self.residency = Residency(
+            self, parse_budget(settings.memory_budget), min_residency_s=settings.min_residency_s,
+            max_parallel_loads=settings.max_parallel_loads, cold_start_limit_s=settings.cold_start_limit_s,
+        )  # fmt: skip
         if self.metrics is not None:
             self.metrics.watch(self._live)
+            self.metrics.registry.register(ResidencyCollector(self.residency.snapshot))
 
     # ---- loading --------------------------------------------------------------------------------------------
     async def load_all(self) -> None:
@@ -100,7 +114,14 @@ class EngineServer:
         index = await asyncio.to_thread(self.repository.scan)
         self.errors.update(index.errors)
         for name in sorted(index.models):
-            await self._load(index.models[name])
+            entry = index.models[name]
+            if self.gpus is not None and engine_share(entry.config, self.gpus, self.machine_gpus,
+                                                      primary=self.primary) is None:  # fmt: skip
+                continue  # another engine serves it
+            if entry.config.residency == "on_demand":
+                self.residency.offer(entry)
+            else:
+                await self._load_charged(entry, "startup")
         log.info("engine %s ready: %s", self.endpoint.name, ", ".join(self.models) or "no models")
 
     async def _load(self, entry: ModelEntry) -> None:
@@ -141,6 +162,15 @@ class EngineServer:
             self.unloaded.pop(entry.name, None)
         self._version += 1
 
+    async def _load_charged(self, entry: ModelEntry, reason: str) -> None:
+        """Load ``entry`` and charge it to its device's memory budget (evicting on-demand models for room)."""
+        try:
+            await self.residency.load(entry, reason)
+        except VisionServeError as exc:
+            if not any(k == entry.name or k.startswith(f"{entry.name}/") for k in self.errors):
+                log.error("model %s not loaded: %s", entry.name, exc)
+                self.errors[entry.name] = str(exc)
+
     def _load_failed(self, name: str, number: int, reason: str) -> None:
         """A version that did not load: unavailable with its reason (the index, metadata, the log) and counted."""
         self.errors[f"{name}/{number}"] = reason
@@ -164,9 +194,13 @@ class EngineServer:
 
     def submit(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
         try:
-            engine = self._engine(message.model, message.version)
             if self.draining:
                 raise OverloadedError("the server is shutting down")
+            if message.model not in self.models and message.model in self.residency.on_demand:
+                self._submit_cold(peer, message, images)
+                return
+            engine = self._engine(message.model, message.version)
+            self.residency.hit(message.model)
             request = InferRequest(
                 request_id=message.request_id, model=message.model, version=message.version, images=images,
                 priority=message.priority, timeout_ms=message.timeout_ms or None,
@@ -178,6 +212,29 @@ class EngineServer:
         key = (peer, message.id)
         self._pending[key] = future
         future.add_done_callback(lambda f: self._answer(key, message.model, f))
+
+    def _submit_cold(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
+        """A request for an on-demand model that is not resident: it waits for the model's one load, then queues."""
+
+        async def cold() -> InferResult:
+            started = time.monotonic()
+            deadline = started + message.timeout_ms / 1000.0 if message.timeout_ms else None
+            waited = await self.residency.wait_for(message.model, deadline)
+            left_ms = message.timeout_ms - waited * 1000.0 if message.timeout_ms else None
+            if left_ms is not None and left_ms <= 0:
+                raise DeadlineExceededError(f"the deadline passed while model {message.model!r} loaded")
+            request = InferRequest(
+                request_id=message.request_id, model=message.model, version=message.version, images=images,
+                priority=message.priority, timeout_ms=left_ms,
+            )  # fmt: skip
+            result = await self._engine(message.model, message.version).batcher.enqueue(request)
+            result.cold_start_s = waited
+            return result
+
+        key = (peer, message.id)
+        task = asyncio.get_running_loop().create_task(cold())
+        self._pending[key] = task
+        task.add_done_callback(lambda f: self._answer(key, message.model, f))
 
     def _answer(self, key: tuple[bytes, int], model: str, future: asyncio.Future[InferResult]) -> None:
         self._pending.pop(key, None)
@@ -202,6 +259,7 @@ class EngineServer:
                 result.compute_s,
                 result.batch_sizes,
                 Stamps(result.received, result.instance, result.batch, result.done),
+                result.cold_start_s,
             ),
         )
 
@@ -240,12 +298,14 @@ class EngineServer:
                 version=number,
                 spec_json=encode_spec(engine.spec),
                 config=msgspec.to_builtins(self.configs[name].config),
-                state=msgspec.to_builtins(engine.state()),
+                state={**msgspec.to_builtins(engine.state()), **self.residency.describe(name)},
             )
             for name, versions in sorted(self.models.items())
             for number, engine in sorted(versions.items())
         ]
-        return Catalog(models, dict(self.errors), dict(self.unloaded), self._version)
+        models += self.residency.available()
+        return Catalog(sorted(models, key=lambda m: (m.model, m.version)), dict(self.errors), dict(self.unloaded),
+                       self._version)  # fmt: skip
 
     async def _metrics(self, args: dict[str, Any]) -> Any:
         if self.metrics is None:
@@ -288,8 +348,16 @@ class EngineServer:
             base = name.partition("/")[0]
             if "/" in name:
                 continue
+            # Triton's rows for a pinned model; an on-demand model's say whether it is resident, and why not.
+            residency = self.residency.describe(base) if base in self.residency.on_demand else {}
             if base in self.models:
-                rows += [{"name": base, "version": str(v), "state": "READY"} for v in sorted(self.models[base])]
+                rows += [{"name": base, "version": str(v), "state": "READY", **residency}
+                         for v in sorted(self.models[base])]  # fmt: skip
+                continue
+            if base in self.residency.on_demand:
+                why = residency["why_not_resident"]
+                rows += [{"name": base, "version": str(v), "state": "AVAILABLE", "reason": why, **residency}
+                         for v in sorted(self.residency.on_demand[base].versions)]  # fmt: skip
                 continue
             reason = self.unloaded.get(base) or self.errors.get(base) or _version_errors(self.errors, base)
             rows.append({"name": base, "state": "UNAVAILABLE", "reason": reason or "not loaded"})
@@ -303,9 +371,10 @@ class EngineServer:
             if override is not None:
                 entry = _with_config(entry, override)
             old = self.models.pop(name, None)
+            self.residency.accounts.release(name)
             for key in [k for k in self.errors if k == name or k.startswith(f"{name}/")]:
                 del self.errors[key]
-            await self._load(entry)
+            await self._load_charged(entry, "explicit")
             if old:
                 for engine in old.values():
                     await engine.close(self.settings.drain_timeout_s)
@@ -317,11 +386,16 @@ class EngineServer:
     async def _unload_model(self, args: dict[str, Any]) -> Any:
         name = str(args.get("name", ""))
         async with self._lock:
+            if name in self.residency.on_demand:  # out of memory, still available: its next request loads it
+                await self.residency.evict(name, "unloaded by request", reason="unload")
+                return {"name": name, "state": "AVAILABLE"}
             old = self.models.pop(name, None)
             if old is None:
                 if name not in await asyncio.to_thread(self.repository.model_names):
                     raise NotFoundError(f"no model {name!r} in the repository")
                 return {"name": name, "state": "UNAVAILABLE"}  # unloading an unloaded model is not an error
+            self.residency.accounts.release(name)
+            self.residency.count_eviction(name, "unload")
             self.unloaded[name] = "unloaded by request"
             self._version += 1
             for engine in old.values():

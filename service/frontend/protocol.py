@@ -124,6 +124,10 @@ def metadata(server: ServerState, named: Named) -> dict[str, Any]:
             "ungated": state.ungated,
             "fallbacks": state.fallbacks,
             "replaced": state.replaced,
+            "residency": state.residency,
+            "resident": state.resident,
+            "resident_bytes": state.resident_bytes,
+            "why_not_resident": state.why_not_resident or "",
             "labels": len(spec.labels),
         },
     }

@@ -179,6 +179,7 @@ class ModelSlot:
         )
         timing.queue_s += result.queue_s
         timing.compute_s += result.compute_s
+        timing.cold_start_s += result.cold_start_s
         timing.engine = result.stamps
         return InferResult(logits, errors, result.queue_s, result.compute_s, list(result.batch_sizes))
 

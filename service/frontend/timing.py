@@ -24,6 +24,7 @@ class Timing:
     queue_s: float = 0.0
     compute_s: float = 0.0
     postprocess_s: float = 0.0
+    cold_start_s: float = 0.0  # waited in the engine for the model's load (on demand): part of to_engine's stage
     arrived: float = field(default_factory=time.perf_counter)  # the request's first byte seen by the server
     read: float = NOT_OBSERVED  # its body read
     decode_start: float = NOT_OBSERVED  # the first decode thread took an image
@@ -66,6 +67,8 @@ class Timing:
         parts.append(f"postprocess;dur={self.postprocess_s * 1000:.3f}")
         if stages is not None:  # every stage by name (its "compute" in place of the batcher's own, nearly equal)
             parts += [f"{name};dur={s * 1000:.3f}" for name, s in zip(STAGES, stages, strict=True)]
+        if self.cold_start_s:
+            parts.append(f"cold_start;dur={self.cold_start_s * 1000:.3f}")
         if total_s is not None:
             parts.append(f"total;dur={total_s * 1000:.3f}")
         return ", ".join(parts)

@@ -122,6 +122,7 @@ class Result(msgspec.Struct, tag="result", array_like=True, frozen=True):
     compute_s: float
     batch_sizes: list[int]
     stamps: Stamps | None = None
+    cold_start_s: float = 0.0  # the request waited this long for its model's load (0: it was resident)
 
 
 class Answer(msgspec.Struct, frozen=True):

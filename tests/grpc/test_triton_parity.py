@@ -143,10 +143,13 @@ def test_metadata_parameters_are_scalars_as_the_v2_spec_has_them(both: GrpcServe
         params = c.get("/v2/models/digits").json()["parameters"]
         listed = {m["name"]: m for m in c.get("/v1/models").json()}["digits"]
     assert set(params) == {"state", "state_reason", "backend", "devices", "precision", "ungated", "fallbacks",
-                           "replaced", "labels"}  # fmt: skip
+                           "replaced", "residency", "resident", "resident_bytes", "why_not_resident",
+                           "labels"}  # fmt: skip
     assert all(isinstance(v, str | int | float | bool) for v in params.values()), params
     # The same information as before, flattened: the page's model list reads the same engine state.
     assert params["state"] == listed["state"] == "READY" and params["devices"] == listed["device"]
     assert params["state_reason"] == (listed["note"] or "") and params["backend"] == listed["backend"]
     assert params["precision"] == listed["precision"] and params["ungated"] is False and params["labels"] == 10
     assert params["fallbacks"] == 0 and params["replaced"] == 0
+    assert params["residency"] == listed["residency"] == "pinned" and params["resident"] is listed["resident"] is True
+    assert params["resident_bytes"] == listed["resident_bytes"] > 0 and params["why_not_resident"] == ""

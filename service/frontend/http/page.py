@@ -39,6 +39,9 @@ async def list_models(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
                 "backend": state.backend,
                 "precision": state.precision + (" (ungated)" if state.ungated else ""),
                 "note": state.note,
+                "residency": state.residency,
+                "resident": state.resident,
+                "resident_bytes": state.resident_bytes,
                 "classes": slot.spec.num_classes,
                 "input": [slot.spec.input.channels, slot.spec.input.height, slot.spec.input.width],
             }

@@ -1,0 +1,75 @@
+"""The metrics of many models per device (``service/engine/ondemand.py``): what is resident and what it costs, the
+budget, loads, evictions, hits and misses, and how long requests waited for a load. Read at scrape time from
+plain counts the engine keeps (a Prometheus call per request costs throughput: docs/performance.md)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# A cold start is a load: 10 ms to about 3 minutes.
+COLD_START_BUCKETS = tuple(round(0.01 * 1.5**k, 4) for k in range(25))
+
+
+class ResidencyCollector(Collector):
+    """``snapshot()`` gives the engine's residency numbers (cold starts since the last call); this folds the cold
+    starts into a cumulative histogram per model."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.snapshot = snapshot
+        self._cold: dict[str, list[float]] = {}  # model -> [bucket counts..., sum]
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        per_model = GaugeMetricFamily("visionserve_model_resident_bytes", "Memory charged to a resident model on "
+                                      "its device (measured at load)", labels=("model", "device"))  # fmt: skip
+        for model, device, size in snap["resident"]:
+            per_model.add_metric([model, device], size)
+        used = GaugeMetricFamily("visionserve_device_resident_bytes", "Memory charged to the resident models, per "
+                                 "device", labels=("device",))  # fmt: skip
+        budget = GaugeMetricFamily("visionserve_memory_budget_bytes", "The memory budget for models, per device",
+                                   labels=("device",))  # fmt: skip
+        for device, charged, limit in snap["devices"]:
+            used.add_metric([device], charged)
+            budget.add_metric([device], limit)
+        yield per_model
+        yield used
+        yield budget
+        yield _counter("visionserve_model_loads", "Model loads, by reason (startup, on_demand, explicit)",
+                       ("model", "reason"), snap["loads"])  # fmt: skip
+        yield _counter("visionserve_model_evictions", "Models taken out of memory, by reason (lru, unload)",
+                       ("model", "reason"), snap["evictions"])  # fmt: skip
+        yield _counter("visionserve_model_residency_hits", "Requests that found their model resident", ("model",),
+                       {(k,): v for k, v in snap["hits"].items()})  # fmt: skip
+        yield _counter("visionserve_model_residency_misses", "Requests that waited for their model's load",
+                       ("model",), {(k,): v for k, v in snap["misses"].items()})  # fmt: skip
+        yield self._cold_starts(snap["cold_starts"])
+
+    def _cold_starts(self, samples: list[tuple[str, float]]) -> Metric:
+        for model, seconds in samples:
+            counts = self._cold.setdefault(model, [0.0] * (len(COLD_START_BUCKETS) + 2))
+            counts[bisect.bisect_left(COLD_START_BUCKETS, seconds)] += 1
+            counts[-1] += seconds
+        family = HistogramMetricFamily("visionserve_cold_start_duration_seconds", "How long a request waited for "
+                                       "its model's load (on-demand models)", labels=("model",))  # fmt: skip
+        for model, counts in sorted(self._cold.items()):
+            cumulative, running = [], 0.0
+            for bound, count in zip((*map(str, COLD_START_BUCKETS), "+Inf"), counts[:-1], strict=True):
+                running += count
+                cumulative.append((bound, running))
+            family.add_metric([model], cumulative, counts[-1])
+        return family
+
+
+def _counter(name: str, documentation: str, labels: tuple[str, ...], values: dict[Any, int]) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for key, value in sorted(values.items()):
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
+    return family

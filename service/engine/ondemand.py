@@ -1,0 +1,265 @@
+"""Many models on one device: on-demand models loaded by their first request, charged to a memory budget, and the
+least recently used evicted for a load (the accounts and the choice are :mod:`service.engine.residency`'s).
+
+- An on-demand model (``residency = "on_demand"``) is in the catalog from the start, state ``AVAILABLE``, so front
+  ends route to it; its first request starts its load, and every request arriving meanwhile waits for that one
+  load (bounded by its deadline and ``--cold-start-limit-s``), never a 404. Loads of different models run in
+  parallel up to ``--max-parallel-loads``.
+- A load that needs room evicts first; what may be evicted, and the 503 when nothing may, are the accounts'.
+- A pinned model (the default) loads at start as before, and is charged too, so the budget sees it.
+- What a model costs is measured at each load (all its versions, instances and warm-up): the growth of
+  :func:`~service.engine.residency.used_bytes` while it loaded, at least its files' size. A load that overlapped
+  another cannot be told apart from it, so it is charged its last exclusive measurement (or twice its files'
+  size, before there is one) and says so (``resident_bytes_estimated``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from service.core.errors import DeadlineExceededError, OverloadedError, VisionServeError
+from service.core.repository import ModelEntry
+from service.core.spec import encode_spec
+from service.core.status import EngineState
+from service.engine.model import cuda_devices, plan_devices
+from service.engine.residency import Accounts, NoRoom, give_back_memory, used_bytes
+from service.runtime import choose_backend
+from service.transport.messages import ModelInfo
+
+if TYPE_CHECKING:
+    from service.engine.server import EngineServer
+
+log = logging.getLogger("visionserve.engine")
+
+
+class Residency:
+    """The engine server's resident models beyond the pinned ones: loads on demand, evictions, and the numbers."""
+
+    def __init__(self, server: EngineServer, budgets: dict[str, int], *, min_residency_s: float,
+                 max_parallel_loads: int, cold_start_limit_s: float) -> None:  # fmt: skip
+        self.server = server
+        self.accounts = Accounts(budgets, min_residency_s=min_residency_s)
+        self.cold_start_limit_s = cold_start_limit_s
+        self.on_demand: dict[str, ModelEntry] = {}  # every on-demand model, resident or not
+        self.why_not: dict[str, str] = {}  # a non-resident on-demand model: why (never loaded, evicted, refused)
+        self.estimated: set[str] = set()  # charged by estimate (its load overlapped another)
+        self._loading: dict[str, asyncio.Task[None]] = {}
+        self._waiting: dict[str, int] = {}  # requests waiting for a model's load (it is busy meanwhile)
+        self._slots = asyncio.Semaphore(max_parallel_loads)
+        self._active_loads = 0
+        # Counted here and read at scrape time (a Prometheus call per request costs throughput: docs/performance.md).
+        self.hits: dict[str, int] = {}
+        self.misses: dict[str, int] = {}
+        self.loads: dict[tuple[str, str], int] = {}  # (model, reason) -> count
+        self.evictions: dict[tuple[str, str], int] = {}  # (model, reason: lru | unload) -> count
+        self.cold_starts: list[tuple[str, float]] = []  # (model, seconds), folded into a histogram at scrape
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def resident(self, name: str) -> bool:
+        return name in self.server.models
+
+    def hit(self, name: str) -> None:
+        self.hits[name] = self.hits.get(name, 0) + 1
+        self.accounts.touch(name)
+
+    async def wait_for(self, name: str, deadline: float | None) -> float:
+        """Make ``name`` resident (its load started, or joined); the seconds this request waited for it."""
+        self.misses[name] = self.misses.get(name, 0) + 1
+        started = time.monotonic()
+        self._waiting[name] = self._waiting.get(name, 0) + 1
+        try:
+            task = self._loading.get(name)
+            if task is None:
+                task = self._loading[name] = asyncio.create_task(self._load(name, "on_demand"))
+                task.add_done_callback(self._loaded)
+            limit = self.cold_start_limit_s
+            if deadline is not None:
+                limit = min(limit, deadline - started)
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout=max(0.0, limit))
+            except TimeoutError:
+                raise DeadlineExceededError(
+                    f"model {name!r} was still loading after {limit:.1f} s (its first request's load; "
+                    f"--cold-start-limit-s {self.cold_start_limit_s:g})"
+                ) from None
+        finally:
+            self._waiting[name] -= 1
+        waited = time.monotonic() - started
+        self.cold_starts.append((name, waited))
+        self.accounts.touch(name)
+        return waited
+
+    def _loaded(self, task: asyncio.Task[None]) -> None:
+        """A load ended: forget it; its error was each waiter's (read here too, so none goes unretrieved)."""
+        for name, loading in list(self._loading.items()):
+            if loading is task:
+                del self._loading[name]
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("an on-demand load failed: %s", task.exception())
+
+    def busy(self, name: str) -> bool:
+        """Work queued, in flight, or waiting for its load: such a model is never evicted."""
+        if self._waiting.get(name) or name in self._loading:
+            return True
+        engines = self.server.models.get(name, {}).values()
+        return any(e.batcher.queue_depth or e.batcher.inflight_batches for e in engines)
+
+    # ---- loading and evicting -------------------------------------------------------------------------------
+    def offer(self, entry: ModelEntry) -> None:
+        """An on-demand model: listed now, loaded by its first request."""
+        self.on_demand[entry.name] = entry
+        self.why_not.setdefault(entry.name, "on demand: not loaded yet (its first request loads it)")
+
+    async def load(self, entry: ModelEntry, reason: str) -> None:
+        """Load ``entry`` now (at start for a pinned model, or asked by the repository API), charged like any."""
+        await self._load(entry.name, reason, entry)
+
+    async def _load(self, name: str, reason: str, entry: ModelEntry | None = None) -> None:
+        entry = entry or self.on_demand[name]
+        pinned = entry.config.residency == "pinned"
+        async with self._slots:
+            device = self._device(entry)
+            drill = entry.config.faults.resident_bytes  # a model this big, by its config (tests, drills)
+            need = drill or self.accounts.sizes.get(name) or 2 * _files_bytes(entry)
+            await self._make_room(name, device, need)
+            self.accounts.charge(name, device, need, pinned=pinned)  # held while it loads: no other load takes it
+            self._active_loads += 1
+            overlapped = self._active_loads > 1
+            try:
+                before = await asyncio.to_thread(used_bytes, device)
+                await self.server._load(entry)
+                after = await asyncio.to_thread(used_bytes, device)
+                overlapped = overlapped or self._active_loads > 1
+            finally:
+                self._active_loads -= 1
+                if name not in self.server.models:
+                    self.accounts.release(name)
+        if name not in self.server.models:
+            reason_text = self.server.errors.get(name) or "; ".join(
+                e for k, e in self.server.errors.items() if k.startswith(f"{name}/")
+            )
+            self.why_not[name] = f"failed to load: {reason_text}"
+            raise VisionServeError(f"model {name!r} failed to load: {reason_text or 'see the log'}")
+        measured = drill or max(after - before, _files_bytes(entry))
+        overlapped = overlapped and not drill
+        size = need if overlapped else measured
+        (self.estimated.add if overlapped else self.estimated.discard)(name)
+        self.accounts.charge(name, device, size, pinned=pinned)
+        if not overlapped:
+            self.accounts.sizes[name] = measured
+        self.why_not.pop(name, None)
+        self._changed()
+        self.loads[(name, reason)] = self.loads.get((name, reason), 0) + 1
+        log.info("model %s resident on %s: %.1f MB%s", name, device, size / 1e6, " (estimated)" if overlapped else "")
+
+    async def _make_room(self, name: str, device: str, need: int) -> None:
+        """Evict what the accounts choose so that ``need`` bytes fit; wait for a young model to come of age (within
+        the cold-start limit); refuse with 503 when nothing may go."""
+        give_up = time.monotonic() + self.cold_start_limit_s
+        while True:
+            try:
+                victims = self.accounts.victims(device, need, self.busy)
+            except NoRoom as exc:
+                if exc.wait_s is not None and time.monotonic() + exc.wait_s < give_up:
+                    await asyncio.sleep(exc.wait_s)
+                    continue
+                self.why_not[name] = f"refused: {exc}"
+                self._changed()
+                raise OverloadedError(f"model {name!r} cannot be loaded: {exc}") from None
+            for victim in victims:
+                await self.evict(victim, f"evicted (least recently used) to make room for {name!r}")
+            return
+
+    async def evict(self, name: str, why: str, *, reason: str = "lru") -> None:
+        """Take ``name`` out of memory. The accounts never choose a busy model; an unload asked for by the
+        repository API may find one busy, and its queued work is finished first (``close`` drains it)."""
+        engines = self.server.models.pop(name, None)
+        self.accounts.release(name)
+        if engines is None:
+            return
+        self._changed()
+        for engine in engines.values():
+            await engine.close(self.server.settings.drain_timeout_s)
+        await asyncio.to_thread(give_back_memory)
+        if name in self.on_demand:
+            self.why_not[name] = why
+        self.count_eviction(name, reason)
+        log.info("model %s %s", name, why)
+
+    def _changed(self) -> None:
+        """The catalog changed (resident or not, and why): front ends re-read it now, not at the next beat."""
+        self.server._version += 1
+        self.server.endpoint.announce()
+
+    def count_eviction(self, name: str, reason: str) -> None:
+        self.evictions[(name, reason)] = self.evictions.get((name, reason), 0) + 1
+
+    def _device(self, entry: ModelEntry) -> str:
+        gpus = self.server.gpus if self.server.gpus is not None else cuda_devices()
+        try:
+            return plan_devices(entry.config, gpus)[0][0]
+        except VisionServeError:
+            return "cpu"
+
+    # ---- what it shows --------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The numbers ``/metrics`` shows (folded at scrape time)."""
+        cold, self.cold_starts = self.cold_starts, []
+        devices = sorted({c.device for c in self.accounts.charges.values()} | {"cpu"})
+        return {
+            "resident": [(c.model, c.device, c.bytes) for c in self.accounts.charges.values()],
+            "devices": [(d, self.accounts.used(d), self.accounts.budget(d)) for d in devices],
+            "hits": dict(self.hits), "misses": dict(self.misses), "loads": dict(self.loads),
+            "evictions": dict(self.evictions), "cold_starts": cold,
+        }  # fmt: skip
+
+    def describe(self, name: str) -> dict[str, Any]:
+        """What metadata and the index say of ``name``'s residency."""
+        charge = self.accounts.charges.get(name) if name in self.server.models else None
+        entry = self.on_demand.get(name) or self.server.configs.get(name)
+        resident = name in self.server.models
+        return {
+            "residency": entry.config.residency if entry is not None else "pinned",
+            "resident": resident,
+            "resident_bytes": charge.bytes if charge else 0,
+            "resident_bytes_estimated": name in self.estimated,
+            "why_not_resident": None if resident else self.why_not.get(name, "not loaded"),
+        }
+
+    def available(self) -> list[ModelInfo]:
+        """The catalog rows of on-demand models not resident now: listed, state AVAILABLE, so front ends route
+        their requests here (where the first one loads them)."""
+        rows = []
+        for name, entry in sorted(self.on_demand.items()):
+            if name in self.server.models:
+                continue
+            devices = (self._device(entry),)
+            for number, version in sorted(entry.versions.items()):
+                try:
+                    backend = choose_backend(version, entry.config)
+                except VisionServeError:
+                    backend = "unknown"
+                state = EngineState(state="AVAILABLE", backend=backend, devices=devices,
+                                    precision=entry.config.precision, note=self.why_not.get(name))  # fmt: skip
+                rows.append(ModelInfo(model=name, version=number, spec_json=encode_spec(version.spec),
+                                      config=msgspec.to_builtins(entry.config),
+                                      state={**msgspec.to_builtins(state), **self.describe(name)}))  # fmt: skip
+        return rows
+
+
+def _files_bytes(entry: ModelEntry) -> int:
+    """What the artifact files the model will load weigh, every version: the least its weights take in memory."""
+    total = 0
+    for version in entry.versions.values():
+        try:
+            path = version.files.get(choose_backend(version, entry.config))
+        except VisionServeError:
+            path = None
+        sizes = [p.stat().st_size for p in ([path] if path else version.files.values()) if p.is_file()]
+        total += max(sizes, default=0)
+    return total
