@@ -1,4 +1,5 @@
-"""``visionserve loadtest``: closed or open loop steps, the p99-target search, reports, plots and regressions.
+"""``visionserve loadtest``: closed or open loop steps, the p99-target search, reports, plots and regressions;
+over one model (``--model``) or several with a popularity (``--models``, :mod:`loadtest.mix`).
 
 Heavy imports (httpx, numpy, matplotlib) wait until the command runs.
 """
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from loadtest.inputs import Payload
+    from loadtest.mix import ModelMix
     from loadtest.slo import SloSearch
     from loadtest.step import StepBounds, StepResult
 
@@ -28,7 +30,27 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
         "from each scheduled send (no coordinated omission)."
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
-    p.add_argument("--model", required=True, help="model to classify with")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="model to classify with")
+    which.add_argument(
+        "--models",
+        help="several models, comma-separated (a,b,c), each request's drawn by --popularity and reported per model "
+        "with its cold starts and the hit rate; an item with * ? [ is a pattern matched against the server's "
+        "repository index (needs --admin-token) and expands to the matching names, sorted",
+    )
+    p.add_argument(
+        "--popularity",
+        default="uniform",
+        help="with --models: uniform, or zipf:S (P(rank k) ~ 1/k^S, ranked as listed, a pattern's names sorted)",
+    )
+    p.add_argument("--admin-token", default=None, help="the server's admin token, to read its repository index")
+    p.add_argument(
+        "--write-sequence",
+        default=None,
+        metavar="FILE",
+        help="with --models: write every request's model, one name per line in the order sent (the preflight "
+        "first, warm-up included, all steps), to replay a cache offline",
+    )
     p.add_argument("--mode", default="closed", choices=["closed", "open"], help="closed or open loop")
     p.add_argument("--concurrency", type=comma_ints, default=(1, 4, 16), help="closed loop: clients per step")
     p.add_argument(
@@ -85,7 +107,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
         help="with --compare: the throughput fall or p99 rise (a fraction) that counts as a regression",
     )
     p.add_argument("--out", default=None, help="folder for results.json, steps.csv and PNG plots")
-    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson schedules")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson schedules and of the --models draw")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
 
 
@@ -121,23 +143,31 @@ def run_loadtest(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     url = args.url.rstrip("/")
-    ready = _payloads(args, url, err)
+    try:
+        mix = _mix(args, url)
+    except ValueError as exc:
+        err.print(f"[red]not starting the load test:[/red] {exc}")
+        return 2
+    names = list(mix.names) if mix else [args.model]
+    ready = _payloads(args, url, names, err)
     if ready is None:
         return 2
     bodies, grpc_target = ready
     bounds = StepBounds(
         url=url, warmup_s=args.warmup, duration_s=args.duration, drain_s=args.drain, timeout_s=args.timeout,
         max_requests=args.max_requests, max_send_lag_ms=args.max_send_lag_ms, max_inflight=args.max_inflight,
-        seed=args.seed, grpc_target=grpc_target,
+        seed=args.seed, grpc_target=grpc_target, mix=mix, keep_sequence=bool(args.write_sequence),
     )  # fmt: skip
     mode = "open" if args.slo_p99_ms is not None else args.mode
     steps, slo = _run_steps(args, bodies, bounds, mode, err)
     report: dict[str, Any] = {
-        "url": url, "model": args.model, "mode": mode, "protocol": args.protocol,
+        "url": url, "model": ",".join(names), "mode": mode, "protocol": args.protocol,
         "images_per_request": args.images_per_request, "processes": args.processes,
         "warmup_s": args.warmup, "duration_s": args.duration, "steps": [s.summary() for s in steps],
         "slo": slo.summary() if slo else None,
     }  # fmt: skip
+    if mix:
+        report |= _mix_report(args, mix, steps, grpc_target)
     out = Console(width=None if sys.stdout.isatty() else 170)
     if args.json:
         print(json.dumps(report))
@@ -155,10 +185,44 @@ def run_loadtest(args: argparse.Namespace) -> int:
     return 0
 
 
-def _payloads(args: argparse.Namespace, url: str, err: Console) -> tuple[list[Payload], str] | None:
-    """The request bodies, and the gRPC target ("" over HTTP), once the first body has been answered; None (and
-    why, on ``err``) when the flags, the images or the server rule the load test out."""
-    from loadtest.inputs import payloads
+def _mix(args: argparse.Namespace, url: str) -> ModelMix | None:
+    """The models of ``--models`` (patterns expanded from the server's repository index) under ``--popularity``;
+    None for ``--model``. Raises ValueError (naming the flags and why) when the flags or the index rule it out."""
+    from loadtest.mix import expand, is_pattern, make_mix, repository_names, split_models
+
+    if args.models is None:
+        if args.popularity != "uniform" or args.write_sequence:
+            raise ValueError("--popularity and --write-sequence go with --models (one model: --models NAME)")
+        return None
+    items = split_models(args.models)
+    try:
+        if not items:
+            raise ValueError("give at least one model name or pattern")
+        available = repository_names(url, args.admin_token) if any(is_pattern(i) for i in items) else None
+        return make_mix(expand(items, available), args.popularity)
+    except ValueError as exc:
+        raise ValueError(f"--models {args.models!r} --popularity {args.popularity!r}: {exc}") from exc
+
+
+def _mix_report(args: argparse.Namespace, mix: ModelMix, steps: list[StepResult], grpc_target: str) -> dict[str, Any]:
+    """The report's fields of a ``--models`` run: the draw, the sequence file, and per model over all its steps."""
+    from loadtest.mix import merged, summary
+
+    totals = merged([s.models for s in steps], len(mix.names))
+    return {
+        "popularity": mix.popularity, "seed": args.seed, "preflight": mix.names[0],
+        "sent": sum(s.sent for s in steps), "sequence_file": args.write_sequence,
+        "sequence_requests": 1 + sum(s.sent for s in steps) if args.write_sequence else None,
+    } | summary(mix, totals, cold_observed=not grpc_target)  # fmt: skip
+
+
+def _payloads(
+    args: argparse.Namespace, url: str, names: list[str], err: Console
+) -> tuple[list[list[Payload]], str] | None:
+    """The request bodies of each of ``names``, and the gRPC target ("" over HTTP), once the first model's first
+    body has been answered (the others are not tried: with on-demand loading that would load them before the
+    load); None (and why, on ``err``) when the flags, the images or the server rule the load test out."""
+    from loadtest.inputs import model_payloads
     from service.core.samples import image_files, photo_like_jpegs
 
     if args.processes < 1 or args.images_per_request < 1 or min(args.duration, args.timeout) <= 0:
@@ -169,9 +233,10 @@ def _payloads(args: argparse.Namespace, url: str, err: Console) -> tuple[list[Pa
     except (OSError, ValueError) as exc:
         err.print(f"--images: {exc}")
         return None
-    bodies = payloads(args.model, images, protocol=args.protocol, per_request=args.images_per_request)
+    bodies = model_payloads(names, images, protocol=args.protocol, per_request=args.images_per_request)
     grpc_target = args.grpc_url if args.protocol == "grpc" else ""
-    problem = _preflight_grpc(grpc_target, bodies[0], 60) if grpc_target else _preflight(url, bodies[0])
+    first = bodies[0][0]
+    problem = _preflight_grpc(grpc_target, first, 60) if grpc_target else _preflight(url, first)
     if problem:
         err.print(f"[red]not starting the load test:[/red] {problem}")
         return None
@@ -179,9 +244,10 @@ def _payloads(args: argparse.Namespace, url: str, err: Console) -> tuple[list[Pa
 
 
 def _run_steps(
-    args: argparse.Namespace, bodies: list[Payload], bounds: StepBounds, mode: str, err: Console
+    args: argparse.Namespace, bodies: list[list[Payload]], bounds: StepBounds, mode: str, err: Console
 ) -> tuple[list[StepResult], SloSearch | None]:
-    """The steps the flags ask for (the p99-target search's, with ``--slo-p99-ms``), with progress bars."""
+    """The steps the flags ask for (the p99-target search's, with ``--slo-p99-ms``), with progress bars; with
+    ``--write-sequence``, each step's requests appended to the file as it ends (the preflight's first)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from loadtest.pool import WorkerPool
@@ -194,13 +260,22 @@ def _run_steps(
     )  # fmt: skip
     steps: list[StepResult] = []
     slo = None
+    names = bounds.mix.names if bounds.mix else (args.model,)
+    sequence = Path(args.write_sequence) if args.write_sequence else None
+    if sequence is not None:
+        sequence.parent.mkdir(parents=True, exist_ok=True)
+        sequence.write_text(names[0] + "\n")  # the preflight's request
     with WorkerPool(args.processes, bodies) as pool:
         if progress is not None:
             progress.start()
         try:
 
             def step(spec: StepSpec) -> StepResult:
-                result = run_step(pool, spec, bounds, args.model, progress)
+                result = run_step(pool, spec, bounds, names[0], progress)
+                if sequence is not None:
+                    with sequence.open("a") as f:
+                        f.writelines(names[m] + "\n" for m in result.sequence)
+                    result.sequence = []  # written: not kept for the whole run
                 steps.append(result)
                 return result
 
@@ -229,7 +304,7 @@ def _write_files(
 
     folder = Path(args.out)
     files = write_files(report, folder)
-    title = f"{args.model}: {mode} loop, {args.protocol} protocol"
+    title = f"{args.models or args.model}: {mode} loop, {args.protocol} protocol"
     files += draw_all(sorted(steps, key=lambda s: (s.spec.concurrency, s.spec.rate)), folder, title,
                       args.slo_p99_ms)  # fmt: skip
     err.print("wrote " + ", ".join(str(f) for f in files))

@@ -124,11 +124,13 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, dict[
     lines = head.decode("latin-1").split("\r\n")
     version, code, *_ = lines[0].split(" ", 2)
     status = int(code)
-    fields = {}
+    fields: dict[str, str] = {}
     for line in lines[1:]:
         if line:
             name, _, value = line.partition(":")
-            fields[name.strip().lower()] = value.strip()
+            name, value = name.strip().lower(), value.strip()
+            # A field sent on several lines is one list (RFC 9110 5.3): Server-Timing may come in pieces.
+            fields[name] = f"{fields[name]}, {value}" if name in fields else value
     keep_alive = fields.get("connection", "").lower() != "close" and version == "HTTP/1.1"
     if "content-length" in fields:
         await reader.readexactly(int(fields["content-length"]))

@@ -1,13 +1,15 @@
 """What the load tester sends: a corpus of images (the user's files or generated JPEGs) turned, before any clock
 starts, into ready request bodies for the image API, for v2 infer with the binary tensor extension, or for gRPC
-ModelInfer (a serialised request with ``raw_input_contents``)."""
+ModelInfer (a serialised request with ``raw_input_contents``). For several models, each gets the same bodies on its
+own path (the bytes shared, so a mix of many models costs the corpus once, not once per model)."""
 
 from __future__ import annotations
 
 import json
 import struct
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 MEDIA = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp"}
 PROTOCOLS = ("image", "v2", "grpc")
@@ -40,8 +42,17 @@ def _multipart(images: list[bytes]) -> tuple[str, bytes]:
     return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
 
 
+def model_path(protocol: str, model: str, top_k: int = 1) -> str:
+    """The HTTP path a request for ``model`` goes to (``image`` or ``v2``; gRPC names its model in the body)."""
+    if protocol == "image":
+        return f"/v1/models/{model}/classify?top_k={top_k}"
+    if protocol == "v2":
+        return f"/v2/models/{model}/infer"
+    raise ValueError(f"only the image and v2 protocols name the model in the path, not {protocol!r}")
+
+
 def image_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
-    path = f"/v1/models/{model}/classify?top_k={top_k}"
+    path = model_path("image", model, top_k)
     if len(images) == 1:
         return Payload(path, {"content-type": media_type(images[0])}, images[0], 1)
     ctype, body = _multipart(images)
@@ -57,7 +68,7 @@ def v2_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
         "outputs": [{"name": "LOGITS", "parameters": {"classification": top_k, "binary_data": False}}],
     }).encode()  # fmt: skip
     headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(len(header))}
-    return Payload(f"/v2/models/{model}/infer", headers, header + blob, len(images))
+    return Payload(model_path("v2", model), headers, header + blob, len(images))
 
 
 def grpc_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
@@ -83,3 +94,15 @@ def payloads(model: str, images: list[bytes], *, protocol: str = "image", per_re
     return [
         build(model, [images[(j * per_request + i) % len(images)] for i in range(per_request)]) for j in range(count)
     ]
+
+
+def model_payloads(
+    models: Sequence[str], images: list[bytes], *, protocol: str = "image", per_request: int = 1
+) -> list[list[Payload]]:
+    """:func:`payloads` for each of ``models``, in order; over HTTP the bodies are the first model's, shared."""
+    first = payloads(models[0], images, protocol=protocol, per_request=per_request)
+    if protocol == "grpc":
+        rest = [payloads(m, images, protocol=protocol, per_request=per_request) for m in models[1:]]
+    else:
+        rest = [[replace(p, path=model_path(protocol, m)) for p in first] for m in models[1:]]
+    return [first, *rest]

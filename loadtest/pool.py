@@ -1,8 +1,8 @@
 """Worker processes for the load generator: each has its own event loop and runs its share of every step.
 
 The processes start once per run (spawned, so nothing of the parent's state leaks in) and get the ready request
-bodies once; a step sends each its plan through a pipe and reads back its ``PartResult``. A shared counter per
-process feeds the parent's progress bar.
+bodies once (one model's, or one list per model of a mix); a step sends each its plan through a pipe and reads
+back its ``PartResult``. A shared counter per process feeds the parent's progress bar.
 """
 
 from __future__ import annotations
@@ -10,38 +10,49 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 from loadtest.inputs import Payload
 from loadtest.runner import PartPlan, PartResult, run_part
 
 
-def _worker(conn: Connection, payloads: list[Payload], tally: Any) -> None:
+def _worker(conn: Connection, corpus: list[list[Payload]], tally: Any) -> None:
     conn.send("ready")
     while True:
         plan = conn.recv()
         if plan is None:
             return
         try:
-            conn.send(run_part(plan, payloads, tally))
+            conn.send(run_part(plan, corpus, tally))
         except BaseException:  # the parent reports it; the worker must not die silently
             conn.send(RuntimeError(traceback.format_exc()))
 
 
-class WorkerPool:
-    """``processes`` load-generating processes; ``run(plans)`` gives one plan to each and returns their results."""
+def _corpus(payloads: Sequence[Payload] | Sequence[Sequence[Payload]]) -> list[list[Payload]]:
+    if not payloads:
+        raise ValueError("a load needs at least one request body")
+    if isinstance(payloads[0], Payload):
+        return [list(cast(Sequence[Payload], payloads))]
+    return [list(p) for p in cast(Sequence[Sequence[Payload]], payloads)]
 
-    def __init__(self, processes: int, payloads: list[Payload]) -> None:
+
+class WorkerPool:
+    """``processes`` load-generating processes; ``run(plans)`` gives one plan to each and returns their results.
+    ``payloads``: one model's request bodies, or one list per model of the plans' mix, in its order."""
+
+    def __init__(self, processes: int, payloads: Sequence[Payload] | Sequence[Sequence[Payload]]) -> None:
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
+        corpus = _corpus(payloads)
         ctx = mp.get_context("spawn")
         self.tallies = [ctx.Value("q", 0, lock=False) for _ in range(processes)]
         self.conns: list[Connection] = []
         self.procs = []
         for tally in self.tallies:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, payloads, tally), daemon=True)
+            proc = ctx.Process(target=_worker, args=(child, corpus, tally), daemon=True)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

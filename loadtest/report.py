@@ -65,12 +65,49 @@ def stage_table(steps: list[dict[str, Any]]) -> Table | None:
     return t
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def model_table(s: dict[str, Any], title: str) -> Table:
+    """One row per model of a ``--models`` step (or of the run's totals): its share of the requests, answers,
+    errors, latency, and cold starts with their durations; the hit rate in the title."""
+    cold = "not observed (gRPC sends no Server-Timing)" if s["cold_starts"] is None else (
+        f"hit rate {_share(s['hit_rate'])}: {s['cold_starts']} cold starts in {s['answered']} answers")  # fmt: skip
+    t = Table(title=f"{title}: {cold}")
+    for name in ("model", "weight", "share", "requests", "errors", "p50", "p99", "cold starts", "cold p50",
+                 "cold max", "hit rate"):  # fmt: skip
+        t.add_column(name, justify="left" if name in ("model", "errors") else "right")
+    for name, m in s["models"].items():
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(m["errors"].items())) or "0"
+        cold_ms = m["cold_start_ms"] or {}
+        t.add_row(
+            name, _share(m["weight"]), _share(m["share"]), str(m["requests"]), errors, _ms(m["latency_ms"]["p50"]),
+            _ms(m["latency_ms"]["p99"]), "-" if m["cold_starts"] is None else str(m["cold_starts"]),
+            _ms(cold_ms.get("p50")), _ms(cold_ms.get("max")), _share(m["hit_rate"]),
+        )  # fmt: skip
+    t.caption = ("share: of the measured requests; latencies in ms; cold: answers with Server-Timing cold_start "
+                 "(cold p50/max: its dur); hit rate: 1 - cold starts / answers")  # fmt: skip
+    return t
+
+
 def print_report(report: dict[str, Any], console: Console) -> None:
     title = f"{report['model']} at {report['url']} ({report['mode']} loop, {report['protocol']} protocol)"
+    if "models" in report:
+        title = f"{len(report['models'])} models, {report['popularity']} (seed {report['seed']}) at {report['url']} " \
+                f"({report['mode']} loop, {report['protocol']} protocol)"  # fmt: skip
     console.print(table(report["steps"], title))
     stages = stage_table(report["steps"])
     if stages is not None:
         console.print(stages)
+    if "models" in report:
+        for s in report["steps"]:
+            console.print(model_table(s, f"per model at {s['step']}"))
+        if len(report["steps"]) > 1:
+            console.print(model_table(report, "per model, all steps"))
+        if report.get("sequence_file"):
+            console.print(f"{report['sequence_requests']} requests' models written to {report['sequence_file']} "
+                          f"(the first: the preflight's, to {report['preflight']})")  # fmt: skip
     slo = report.get("slo")
     if slo:
         if slo["best_rate"] is None:
@@ -115,7 +152,28 @@ def csv_row(s: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+MODEL_CSV_COLUMNS = ("step", "model", "weight", "share", "measured", "requests", "answered", "errors", "p50_ms",
+                     "p99_ms", "cold_starts", "cold_start_p50_ms", "cold_start_max_ms", "hit_rate")  # fmt: skip
+
+
+def model_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """models.csv's rows of one ``--models`` step."""
+    rows = []
+    for name, m in s["models"].items():
+        cold_ms = m["cold_start_ms"] or {}
+        rows.append({
+            "step": s["step"], "model": name, "weight": m["weight"], "share": m["share"], "measured": m["measured"],
+            "requests": m["requests"], "answered": m["answered"], "errors": sum(m["errors"].values()),
+            "p50_ms": m["latency_ms"]["p50"], "p99_ms": m["latency_ms"]["p99"],
+            "cold_starts": "" if m["cold_starts"] is None else m["cold_starts"],
+            "cold_start_p50_ms": cold_ms.get("p50", ""), "cold_start_max_ms": cold_ms.get("max", ""),
+            "hit_rate": "" if m["hit_rate"] is None else m["hit_rate"],
+        })  # fmt: skip
+    return rows
+
+
 def write_files(report: dict[str, Any], out: Path) -> list[Path]:
+    """results.json and steps.csv into ``out``; with ``--models``, models.csv too (a row per step and model)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=1))
     with (out / "steps.csv").open("w", newline="") as f:
@@ -123,7 +181,15 @@ def write_files(report: dict[str, Any], out: Path) -> list[Path]:
         w.writeheader()
         for s in report["steps"]:
             w.writerow(csv_row(s))
-    return [out / "results.json", out / "steps.csv"]
+    files = [out / "results.json", out / "steps.csv"]
+    if "models" in report:
+        with (out / "models.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=MODEL_CSV_COLUMNS)
+            w.writeheader()
+            for s in report["steps"]:
+                w.writerows(model_rows(s))
+        files.append(out / "models.csv")
+    return files
 
 
 def compare(report: dict[str, Any], baseline: dict[str, Any], tolerance: float) -> tuple[list[dict[str, Any]], bool]:

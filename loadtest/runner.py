@@ -9,6 +9,10 @@ lag: when it grows, the client, not the server, set the pace.
 A step lasts ``warmup_s + duration_s``; only requests sent (closed) or scheduled (open) inside the measured window
 count. After the window, answers still owed get up to ``drain_s``; whatever is still open then is cancelled and
 counted as the error ``unfinished``: nothing sent is silently left out.
+
+With several models (``PartPlan.mix``: their cumulative weights), each request's model is drawn in send order
+(:mod:`loadtest.mix`), each model's measured requests are tallied apart, and with ``keep_sequence`` every request
+put on the wire is recorded (its send time and model), warm-up included, so the run's sequence can be replayed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,10 +29,11 @@ from typing import Any, Protocol
 from loadtest.histogram import LatencyHistogram
 from loadtest.http1 import ConnectionFailed, Http1Client
 from loadtest.inputs import Payload
+from loadtest.mix import ModelDraw, ModelTally, draw_seed
 
 
 class Client(Protocol):
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int | str: ...
+    async def exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int | str, dict[str, str]]: ...
 
     async def aclose(self) -> None: ...
 
@@ -56,6 +62,9 @@ class PartPlan:
     max_inflight: int = 1024
     timeline_cap: int = 200_000
     grpc_target: str = ""  # host:port: send over gRPC (the payloads are serialised ModelInferRequests)
+    process: int = 0  # this process's index: with ``seed``, the model draw's stream
+    mix: tuple[float, ...] = ()  # several models: their cumulative weights (one model when empty)
+    keep_sequence: bool = False  # record each request sent (time, model) for the run's sequence
 
 
 @dataclass
@@ -70,6 +79,10 @@ class PartResult:
     cpu_s: float = 0.0  # this process's CPU time during the step
     wall_s: float = 0.0  # how long the step ran in this process, drain included
     timeline: list[tuple[float, float, bool]] = field(default_factory=list)  # (sent at, latency, ok), seconds
+    sent: int = 0  # requests put on the wire, warm-up included
+    models: list[ModelTally] = field(default_factory=list)  # with a mix: per model, the measured requests
+    sent_at: array[float] = field(default_factory=lambda: array("d"))  # with keep_sequence: from the step's start
+    sent_model: array[int] = field(default_factory=lambda: array("I"))  # ... and each one's model index
 
 
 class Tally(Protocol):
@@ -93,20 +106,43 @@ def schedule(plan: PartPlan) -> Iterator[float]:
 
 
 class _Step:
-    def __init__(self, plan: PartPlan, payloads: list[Payload], client: Client, tally: Tally) -> None:
-        self.plan, self.payloads, self.client, self.tally = plan, payloads, client, tally
+    def __init__(self, plan: PartPlan, corpus: list[list[Payload]], client: Client, tally: Tally) -> None:
+        self.plan, self.corpus, self.client, self.tally = plan, corpus, client, tally
         self.result = PartResult()
         self.base = time.perf_counter() + (plan.start_wall - time.time())
         self.window = (self.base + plan.warmup_s, self.base + plan.warmup_s + plan.duration_s)
         self.sent = 0
+        self.draw = ModelDraw(plan.mix, draw_seed(plan.seed, plan.process)) if plan.mix else None
+        if plan.mix:
+            if len(corpus) != len(plan.mix):
+                raise ValueError(f"a mix of {len(plan.mix)} models needs as many payload lists, got {len(corpus)}")
+            self.result.models = [ModelTally() for _ in plan.mix]
+
+    def pick(self, i: int) -> tuple[int, Payload]:
+        """The next request's model (drawn, with a mix) and its payload, the ``i``-th of that model's corpus."""
+        model = self.draw.next() if self.draw is not None else 0
+        payloads = self.corpus[model]
+        return model, payloads[i % len(payloads)]
+
+    def count_measured(self, model: int, measured: bool) -> None:
+        self.result.measured += measured
+        if self.result.models:
+            self.result.models[model].measured += measured
 
     def in_window(self, at: float) -> bool:
         return self.window[0] <= at < self.window[1]
 
-    async def send(self, payload: Payload, origin: float) -> None:
+    async def send(self, payload: Payload, origin: float, model: int = 0) -> None:
         """Send one request; its latency counts from ``origin`` (the send, or the scheduled send)."""
+        r = self.result
+        r.sent += 1
+        if self.plan.keep_sequence:
+            r.sent_at.append(time.perf_counter() - self.base)
+            r.sent_model.append(model)
+        fields: dict[str, str] = {}
         try:
-            outcome = str(await self.client.post(payload.path, payload.body, payload.headers))
+            status, fields = await self.client.exchange(payload.path, payload.body, payload.headers)
+            outcome = str(status)
         except TimeoutError:
             outcome = "timeout"
         except ConnectionFailed:
@@ -115,6 +151,8 @@ class _Step:
         self.tally.value += 1
         if not self.in_window(origin):
             return
+        if r.models:
+            r.models[model].record(outcome, done - origin, fields.get("server-timing"))
         ok = outcome == "200"
         if ok:
             self.result.requests += 1
@@ -131,11 +169,11 @@ class _Step:
             i = k
             while time.perf_counter() < self.window[1] and self.sent < self.plan.max_requests:
                 self.sent += 1
-                payload = self.payloads[i % len(self.payloads)]
+                model, payload = self.pick(i)
                 i += self.plan.concurrency
                 sent_at = time.perf_counter()
-                self.result.measured += self.in_window(sent_at)
-                await self.send(payload, sent_at)
+                self.count_measured(model, self.in_window(sent_at))
+                await self.send(payload, sent_at, model)
 
         await self._wait_until(self.base)
         return [asyncio.create_task(client_loop(k)) for k in range(self.plan.concurrency)]
@@ -149,20 +187,23 @@ class _Step:
             due = self.base + at
             await self._wait_until(due)
             self.sent += 1
+            model, payload = self.pick(i)  # drawn even when it overflows: the draw stays the same stream
             measured = self.in_window(due)
-            self.result.measured += measured
+            self.count_measured(model, measured)
             if len(tasks) >= self.plan.max_inflight:  # the client's own bound: counted, never silently skipped
                 self.result.errors["client-overflow"] += measured
+                if self.result.models:
+                    self.result.models[model].errors["client-overflow"] += measured
                 continue
-            task = asyncio.create_task(self._scheduled(self.payloads[i % len(self.payloads)], due))
+            task = asyncio.create_task(self._scheduled(payload, due, model))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         return list(tasks)
 
-    async def _scheduled(self, payload: Payload, due: float) -> None:
+    async def _scheduled(self, payload: Payload, due: float, model: int) -> None:
         if self.in_window(due):
             self.result.send_lag.record(max(0.0, time.perf_counter() - due))
-        await self.send(payload, due)
+        await self.send(payload, due, model)
 
     @staticmethod
     async def _wait_until(at: float) -> None:
@@ -171,7 +212,8 @@ class _Step:
             await asyncio.sleep(delay)
 
 
-async def run_part_async(plan: PartPlan, payloads: list[Payload], tally: Tally) -> PartResult:
+async def run_part_async(plan: PartPlan, corpus: list[list[Payload]], tally: Tally) -> PartResult:
+    """Run one part; ``corpus``: the payloads of each model of the plan's mix (one list without a mix)."""
     client: Client
     if plan.grpc_target:
         from loadtest.grpc_client import GrpcClient
@@ -180,7 +222,7 @@ async def run_part_async(plan: PartPlan, payloads: list[Payload], tally: Tally) 
     else:
         client = Http1Client(plan.url, plan.timeout_s)
     try:
-        step = _Step(plan, payloads, client, tally)
+        step = _Step(plan, corpus, client, tally)
         cpu0 = time.process_time()
         tasks = await (step.closed() if plan.mode == "closed" else step.open())
         if tasks:
@@ -193,6 +235,9 @@ async def run_part_async(plan: PartPlan, payloads: list[Payload], tally: Tally) 
         answered = r.requests + sum(r.errors.values())
         if r.measured > answered:  # still owed an answer when the drain ran out
             r.errors["unfinished"] += r.measured - answered
+        for t in r.models:
+            if t.measured > t.requests + sum(t.errors.values()):
+                t.errors["unfinished"] += t.measured - t.requests - sum(t.errors.values())
         step.result.cpu_s = time.process_time() - cpu0
         step.result.wall_s = time.perf_counter() - step.base
         return step.result
@@ -200,7 +245,7 @@ async def run_part_async(plan: PartPlan, payloads: list[Payload], tally: Tally) 
         await client.aclose()
 
 
-def run_part(plan: PartPlan, payloads: list[Payload], tally: Tally) -> PartResult:
+def run_part(plan: PartPlan, corpus: list[list[Payload]], tally: Tally) -> PartResult:
     """Run one part to its end on a fresh event loop (uvloop where installed)."""
     try:
         import uvloop
@@ -208,5 +253,5 @@ def run_part(plan: PartPlan, payloads: list[Payload], tally: Tally) -> PartResul
         runner: Any = uvloop.run
     except ImportError:
         runner = asyncio.run
-    result: PartResult = runner(run_part_async(plan, payloads, tally))
+    result: PartResult = runner(run_part_async(plan, corpus, tally))
     return result

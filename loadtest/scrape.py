@@ -1,15 +1,16 @@
 """The server's own view of a step, read from its ``/metrics`` at the window's start and end.
 
-The difference of two scrapes gives, for one model, the requests the server counted, the mean time per stage
-(queue, preprocess, compute per batch, the whole request), the server-side request p99 from the histogram's buckets
-(as Prometheus's ``histogram_quantile`` reads it), and the mean batch size. A server without ``/metrics`` (another
-product, or ``--no-metrics``) gives no split, and the report says so.
+The difference of two scrapes gives, for one model (or summed over several), the requests the server counted, the
+mean time per stage (queue, preprocess, compute per batch, the whole request), the server-side request p99 from the
+histogram's buckets (as Prometheus's ``histogram_quantile`` reads it), and the mean batch size. A server without
+``/metrics`` (another product, or ``--no-metrics``) gives no split, and the report says so.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -20,7 +21,7 @@ STAGE_FAMILY = "visionserve_stage_duration_seconds"  # {stage=...}: where each a
 Sample = dict[str, float]  # "<sample name>|<le>" -> value, summed over the model's versions and devices
 
 
-def scrape(url: str, model: str, timeout_s: float = 5.0) -> Sample | None:
+def scrape(url: str, model: str | Sequence[str], timeout_s: float = 5.0) -> Sample | None:
     try:
         r = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
     except httpx.HTTPError:
@@ -30,13 +31,15 @@ def scrape(url: str, model: str, timeout_s: float = 5.0) -> Sample | None:
     return parse(r.text, model)
 
 
-def parse(text: str, model: str) -> Sample:
+def parse(text: str, model: str | Sequence[str]) -> Sample:
+    """``model``'s samples (summed over several models when given a sequence of names)."""
+    models = {model} if isinstance(model, str) else set(model)
     out: defaultdict[str, float] = defaultdict(float)
     for family in text_string_to_metric_families(text):
         if not family.name.startswith("visionserve_"):
             continue
         for s in family.samples:
-            if s.labels.get("model") != model:
+            if s.labels.get("model") not in models:
                 continue
             key = s.name
             if "stage" in s.labels:

@@ -2,7 +2,9 @@
 
 The step's clients (closed loop) or rate (open loop) are shared out over the processes; Poisson arrivals stay
 Poisson (a sum of independent Poisson streams is one at the summed rate) and constant arrivals interleave into one
-evenly spaced schedule. The parts' histograms are added bucket by bucket, never their percentiles averaged.
+evenly spaced schedule. The parts' histograms are added bucket by bucket, never their percentiles averaged. With
+several models (``StepBounds.mix``) each part's per-model tallies are added model by model, and the requests every
+part sent are merged into one sequence by send time (the processes share the step's wall-clock start).
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from loadtest import mix as mixes
 from loadtest.histogram import LatencyHistogram
+from loadtest.mix import ModelMix, ModelTally
 from loadtest.pool import WorkerPool
 from loadtest.runner import PartPlan, PartResult
 from loadtest.scrape import Sample, scrape, server_split
@@ -55,6 +61,8 @@ class StepBounds:
     # Read the server's /metrics at the window's edges for the server-side split (off: nothing but the load
     # touches the server while it is measured, as metrics on/off comparisons need).
     scrape: bool = True
+    mix: ModelMix | None = None  # several models, each request's drawn by popularity (None: the one model)
+    keep_sequence: bool = False  # with a mix: keep every request's model in send order (StepResult.sequence)
 
 
 @dataclass
@@ -72,6 +80,11 @@ class StepResult:
     client_limited: list[str] = field(default_factory=list)
     server: dict[str, Any] | None = None
     timeline: list[tuple[float, float, bool]] = field(default_factory=list)
+    mix: ModelMix | None = None
+    models: list[ModelTally] = field(default_factory=list)  # with a mix: per model, in its order
+    cold_observed: bool = True  # False over gRPC: no Server-Timing, so no cold start can be seen
+    sent: int = 0  # requests put on the wire, warm-up included
+    sequence: list[int] = field(default_factory=list)  # with keep_sequence: each sent request's model, in send order
 
     @property
     def error_count(self) -> int:
@@ -102,7 +115,13 @@ class StepResult:
                             "max": 1000 * self.send_lag.max_s} if self.send_lag.count else None,
             "client_cpu": self.client_cpu, "client_limited": self.client_limited, "server": self.server,
             "histogram": self.latency.to_dict(),
-        }  # fmt: skip
+        } | self.mix_summary()  # fmt: skip
+
+    def mix_summary(self) -> dict[str, Any]:
+        """With a mix: ``sent``, the ``models`` object, ``cold_starts``, ``answered`` and ``hit_rate``; else nothing."""
+        if self.mix is None:
+            return {}
+        return {"sent": self.sent} | mixes.summary(self.mix, self.models, cold_observed=self.cold_observed)
 
 
 def plans_for(spec: StepSpec, bounds: StepBounds, processes: int, start_wall: float) -> list[PartPlan]:
@@ -117,7 +136,8 @@ def plans_for(spec: StepSpec, bounds: StepBounds, processes: int, start_wall: fl
             duration_s=bounds.duration_s, drain_s=bounds.drain_s, timeout_s=bounds.timeout_s,
             max_requests=bounds.max_requests // processes + (k < bounds.max_requests % processes),
             arrival=spec.arrival, seed=bounds.seed * 1000 + k, max_inflight=bounds.max_inflight,
-            grpc_target=bounds.grpc_target, **share,
+            grpc_target=bounds.grpc_target, process=k, mix=bounds.mix.cumulative if bounds.mix else (),
+            keep_sequence=bounds.keep_sequence and bounds.mix is not None, **share,
         ))  # fmt: skip
     return plans
 
@@ -134,6 +154,14 @@ def merge(spec: StepSpec, bounds: StepBounds, parts: list[PartResult]) -> StepRe
         result.send_lag.merge(p.send_lag)
         result.timeline.extend(p.timeline)
     result.errors = dict(errors)
+    result.sent = sum(p.sent for p in parts)
+    if bounds.mix is not None:
+        result.mix, result.cold_observed = bounds.mix, not bounds.grpc_target
+        result.models = mixes.merged([p.models for p in parts], len(bounds.mix.names))
+        if bounds.keep_sequence:
+            at = np.concatenate([np.frombuffer(p.sent_at, dtype=np.float64) for p in parts])
+            models = np.concatenate([np.frombuffer(p.sent_model, dtype=np.uint32) for p in parts])
+            result.sequence = models[np.argsort(at, kind="stable")].tolist()
     # Answers still arriving after the window (an overloaded server in open loop) stretch the span they took.
     result.duration_s = max([bounds.duration_s, *(p.last_done_s for p in parts)])
     result.client_cpu = max((p.cpu_s / p.wall_s for p in parts if p.wall_s > 0), default=0.0)
@@ -147,14 +175,15 @@ def merge(spec: StepSpec, bounds: StepBounds, parts: list[PartResult]) -> StepRe
 
 
 def run_step(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, progress: Any = None) -> StepResult:
-    """Run one step on every process of ``pool``; ``progress`` (a rich Progress, optional) shows it live."""
+    """Run one step on every process of ``pool``; ``progress`` (a rich Progress, optional) shows it live. ``model``
+    names what the server's split is read for (with a mix, every model of it)."""
     start_wall = time.time() + START_DELAY_S
     scrapes: dict[str, Sample | None] = {}
 
     def read_server() -> None:
         for name, at in (("before", bounds.warmup_s), ("after", bounds.warmup_s + bounds.duration_s)):
             time.sleep(max(0.0, start_wall + at - time.time()))
-            scrapes[name] = scrape(bounds.url, model)
+            scrapes[name] = scrape(bounds.url, bounds.mix.names if bounds.mix else model)
 
     reader = threading.Thread(target=read_server, daemon=True)
     if bounds.scrape:
