@@ -52,6 +52,7 @@ class Residency:
         self._waiting: dict[str, int] = {}  # requests waiting for a model's load (it is busy meanwhile)
         self._slots = asyncio.Semaphore(max_parallel_loads)
         self._active_loads = 0
+        self._starts = 0  # loads started, ever: a load during which it moved overlapped another
         # Counted here and read at scrape time (a Prometheus call per request costs throughput: docs/performance.md).
         self.hits: dict[str, int] = {}
         self.misses: dict[str, int] = {}
@@ -129,12 +130,13 @@ class Residency:
             await self._make_room(name, device, need)
             self.accounts.charge(name, device, need, pinned=pinned)  # held while it loads: no other load takes it
             self._active_loads += 1
-            overlapped = self._active_loads > 1
+            self._starts += 1
+            starts, overlapped = self._starts, self._active_loads > 1
             try:
                 before = await asyncio.to_thread(used_bytes, device)
                 await self.server._load(entry)
                 after = await asyncio.to_thread(used_bytes, device)
-                overlapped = overlapped or self._active_loads > 1
+                overlapped = overlapped or self._active_loads > 1 or self._starts != starts  # another ran meanwhile
             finally:
                 self._active_loads -= 1
                 if name not in self.server.models:
