@@ -1,12 +1,14 @@
 """The demo page in real headless Chromium: pick, paste or drop several images, read each one's classes, error and
 timings, change the model and top-k, and use it from the keyboard. Its server serves ``digits`` and ``tricky`` (the
-same model, its labels HTML that must show as text)."""
+same model, its labels HTML that must show as text), and ``lazy`` (the same model again, on demand: loaded by its
+first request, which the model list shows)."""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +36,8 @@ def page_server(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         assert len(spec["labels"]) == len(TRICKY_LABELS)
         spec["labels"] = TRICKY_LABELS
         spec_path.write_text(json.dumps(spec))
+    shutil.copytree(served_repo / "digits", root / "lazy")
+    (root / "lazy" / "config.toml").write_text('residency = "on_demand"\n')
     running = start_server(root, tmp_path_factory.mktemp("logs") / "page-server.log", real_models=("digits", "tricky"))
     yield running
     stop_server(running)
@@ -152,6 +156,36 @@ def test_two_images_chosen_at_once_rerun_when_top_k_and_model_change(
     assert all(c["markup"] == 0 for c in cards), "a label was inserted as HTML"
     assert browser.execute_script("return window.pwned === undefined")
     assert browser.find_element(By.ID, "error").text == ""
+
+
+def test_the_model_list_shows_residency_and_a_first_request_makes_an_on_demand_model_resident(
+    page_server: RunningServer, browser, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    script = """return Object.fromEntries([...document.querySelectorAll('#models tr.model')].map(tr =>
+        [tr.cells[0].textContent.split(' ')[0], [tr.querySelector('.residency').textContent,
+                                                 tr.querySelector('.resident').textContent]]))"""
+
+    def rows(ok: Any) -> dict[str, list[str]]:
+        seen: list[dict[str, list[str]]] = []
+        try:
+            WebDriverWait(browser, WAIT_S).until(lambda d: ok(seen.append(d.execute_script(script)) or seen[-1]))
+        except Exception as exc:
+            raise AssertionError(f"the model list shows {seen[-1] if seen else None}") from exc
+        return seen[-1]
+
+    _open(browser, page_server, "lazy")
+    shown = rows(lambda r: {"digits", "lazy"} <= r.keys())
+    assert shown["digits"][0] == "pinned" and re.fullmatch(r"yes, [\d.]+ [MG]B", shown["digits"][1]), shown
+    assert shown["lazy"] == ["on demand", "no"], shown
+    png = tmp_path / "digit.png"
+    png.write_bytes(digit_png(3)[0])
+    browser.find_element(By.ID, "file").send_keys(str(png))
+    _cards(browser, 1, rows=5)  # its first request loaded it; the list is read again after the answer
+    shown = rows(lambda r: r.get("lazy", [""])[1] != "no")
+    assert shown["lazy"][0] == "on demand" and re.fullmatch(r"yes, [\d.]+ [MG]B", shown["lazy"][1]), shown
 
 
 def test_a_corrupt_file_shows_its_error_beside_it(page_server: RunningServer, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -1,5 +1,6 @@
 """Metrics: after a known mix of good, bad, rejected and timed-out requests against a real server, every counter
-and histogram count equals what was sent; the dashboard queries only metrics the server exports."""
+and histogram count equals what was sent; the dashboard queries only metrics the server exports, and has a panel
+for each metric of many models on one device."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ from tests.http.conftest import RunningServer, busy_model, slow_config, start_se
 from tests.http.test_image_api import digit_png
 
 ROOT = Path(__file__).resolve().parents[2]
+# service/core/memory_metrics.py: exported by every server (no on-demand model needed), each queried by a panel.
+RESIDENCY_METRICS = {
+    "visionserve_model_resident_bytes", "visionserve_device_resident_bytes", "visionserve_memory_budget_bytes",
+    "visionserve_model_loads_total", "visionserve_model_evictions_total", "visionserve_model_residency_hits_total",
+    "visionserve_model_residency_misses_total", "visionserve_cold_start_duration_seconds",
+}  # fmt: skip
 
 
 def scrape(server: InProcessServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -131,6 +138,8 @@ def test_the_dashboard_queries_only_exported_metrics(fresh: RunningServer) -> No
     missing = {q for q in queried if q not in exported and q not in GPU_METRIC_NAMES}
     assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
     assert len(queried) >= 12
+    assert not RESIDENCY_METRICS - exported, f"not exported: {RESIDENCY_METRICS - exported}"
+    assert not RESIDENCY_METRICS - queried, f"no dashboard panel queries {RESIDENCY_METRICS - queried}"
 
 
 def test_every_response_has_a_request_id_and_the_json_access_log_has_the_split(

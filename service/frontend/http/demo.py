@@ -5,7 +5,9 @@ What it does: pick, drop or paste several images; each is classified in a reques
 server's own ``Server-Timing`` for it) and shown as a thumbnail with its top-k, or with its own error. Changing the
 model or top-k re-runs the images on screen. Labels, file names and error messages are inserted as text, never as
 HTML: a model's labels come from its ``spec.json``, which the page does not trust. A small SVG chart draws the
-server's ``total`` duration of recent requests.
+server's ``total`` duration of recent requests. A table lists the served models: state, device, residency (pinned
+or on demand), whether each is in memory and what it is charged there; read again after each answer, since a
+request may load an on-demand model and evict another.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ PAGE = """<!doctype html>
  table { border-collapse: collapse; width: 100%; }
  td { padding: .1rem .3rem; border-bottom: 1px solid #eee; font-size: .9rem; }
  td.score { text-align: right; white-space: nowrap; }
+ th { text-align: left; padding: .1rem .3rem; border-bottom: 1px solid #ccc; font-size: .9rem; }
  .bar { background: #4a7; height: .5rem; display: block; }
  .error, #error { color: #b00; }
  .timing, #latency { font-size: .8rem; color: #555; }
@@ -52,6 +55,10 @@ PAGE = """<!doctype html>
 <svg id="chart" viewBox="0 0 300 60" preserveAspectRatio="none" role="img" aria-labelledby="latency">
  <polyline points=""></polyline></svg>
 <p id="latency">No requests yet.</p>
+<h2 id="models-title">Models</h2>
+<table id="models" aria-labelledby="models-title"><thead><tr><th scope="col">Model</th><th scope="col">State</th>
+ <th scope="col">Device</th><th scope="col">Residency</th><th scope="col">Resident</th></tr></thead>
+ <tbody></tbody></table>
 <script>
 'use strict';
 const $ = (id) => document.getElementById(id);
@@ -64,18 +71,32 @@ let images = [];          // [{file, card, run}]: what is on screen, re-run when
 const recent = [];        // the server's total duration (ms) of the last requests, for the chart
 const CHART_POINTS = 50;
 
-async function loadModels() {
+const megabytes = (bytes) => bytes >= 1e9 ? `${(bytes / 1e9).toFixed(2)} GB` : `${(bytes / 1e6).toFixed(1)} MB`;
+
+// first: also fill the model picker (later calls only refresh the table, keeping the picked model)
+async function loadModels(first = false) {
   try {
     const r = await fetch('/v1/models');
     const models = await r.json();
     if (!r.ok) throw new Error(models.error || r.statusText);
-    $('model').replaceChildren(...models.map(m =>
-      new Option(`${m.name} (v${m.version}, ${m.device}, ${m.precision})`, m.name)));
-    if (!models.length) $('error').textContent = 'No model is served.';
+    if (first) {
+      $('model').replaceChildren(...models.map(m =>
+        new Option(`${m.name} (v${m.version}, ${m.device}, ${m.precision})`, m.name)));
+      if (!models.length) $('error').textContent = 'No model is served.';
+    }
+    $('models').querySelector('tbody').replaceChildren(...models.map(m => el('tr', {className: 'model'},
+      el('td', {}, `${m.name} v${m.version}`), el('td', {}, String(m.state)),
+      el('td', {}, String(m.device)),
+      el('td', {className: 'residency'}, m.residency === 'on_demand' ? 'on demand' : 'pinned'),
+      el('td', {className: 'resident'},
+        !m.resident ? 'no' : m.resident_bytes ? `yes, ${megabytes(m.resident_bytes)}` : 'yes'))));
   } catch (e) {
-    $('error').textContent = `Could not list the models: ${e.message}`;
+    if (first) $('error').textContent = `Could not list the models: ${e.message}`;
   }
 }
+
+let modelsTimer = 0;  // one refresh after a burst of answers, not one per image
+const refreshModels = () => { clearTimeout(modelsTimer); modelsTimer = setTimeout(loadModels, 300); };
 
 function serverTiming(header) {
   const out = {};
@@ -147,6 +168,7 @@ async function classify(item) {
   card.querySelector('.error').textContent = error;
   card.querySelector('.timing').textContent = timing ? `server: ${timing}` : '';
   card.setAttribute('aria-busy', 'false');
+  refreshModels();
 }
 
 function show(files) {
@@ -176,6 +198,6 @@ document.addEventListener('paste', (e) => {
   const files = [...(e.clipboardData ? e.clipboardData.files : [])];
   if (files.length) { e.preventDefault(); show(files); }
 });
-loadModels();
+loadModels(true);
 </script></body></html>
 """
