@@ -8,7 +8,8 @@ least recently used evicted for a load (the accounts and the choice are :mod:`se
 - A load that needs room evicts first; what may be evicted, and the 503 when nothing may, are the accounts'.
 - A pinned model (the default) loads at start as before, and is charged too, so the budget sees it.
 - What a model costs is measured at each load (all its versions, instances and warm-up): the growth of
-  :func:`~service.engine.residency.used_bytes` while it loaded, at least its files' size. A load that overlapped
+  :func:`~service.engine.residency.settled_used_bytes` across the load (freed heap handed back to the OS before
+  each reading, so a load's transient peak is not charged), at least its files' size. A load that overlapped
   another cannot be told apart from it, so it is charged its last exclusive measurement (or twice its files'
   size, before there is one) and says so (``resident_bytes_estimated``).
 """
@@ -27,7 +28,7 @@ from service.core.repository import ModelEntry
 from service.core.spec import encode_spec
 from service.core.status import EngineState
 from service.engine.model import cuda_devices, plan_devices
-from service.engine.residency import Accounts, NoRoom, give_back_memory, used_bytes
+from service.engine.residency import Accounts, NoRoom, give_back_memory, settled_used_bytes
 from service.runtime import choose_backend
 from service.transport.messages import ModelInfo
 
@@ -133,9 +134,9 @@ class Residency:
             self._starts += 1
             starts, overlapped = self._starts, self._active_loads > 1
             try:
-                before = await asyncio.to_thread(used_bytes, device)
+                before = await asyncio.to_thread(settled_used_bytes, device)
                 await self.server._load(entry)
-                after = await asyncio.to_thread(used_bytes, device)
+                after = await asyncio.to_thread(settled_used_bytes, device)
                 overlapped = overlapped or self._active_loads > 1 or self._starts != starts  # another ran meanwhile
             finally:
                 self._active_loads -= 1
