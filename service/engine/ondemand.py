@@ -212,13 +212,16 @@ class Residency:
     # ---- what it shows --------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """The numbers ``/metrics`` shows (folded at scrape time)."""
-        cold, self.cold_starts = self.cold_starts, []
-        devices = sorted({c.device for c in self.accounts.charges.values()} | {"cpu"})
+        cold = self.cold_starts[:]  # read on a scrape's thread while the loop appends: take what is there
+        del self.cold_starts[: len(cold)]
+        charges = list(self.accounts.charges.values())
+        devices = sorted({c.device for c in charges} | {"cpu"})
+        used = {d: sum(c.bytes for c in charges if c.device == d) for d in devices}
         return {
-            "resident": [(c.model, c.device, c.bytes) for c in self.accounts.charges.values()],
-            "devices": [(d, self.accounts.used(d), self.accounts.budget(d)) for d in devices],
-            "hits": dict(self.hits), "misses": dict(self.misses), "loads": dict(self.loads),
-            "evictions": dict(self.evictions), "cold_starts": cold,
+            "resident": [(c.model, c.device, c.bytes) for c in charges],
+            "devices": [(d, used[d], self.accounts.budget(d)) for d in devices],
+            "hits": self.hits.copy(), "misses": self.misses.copy(), "loads": self.loads.copy(),
+            "evictions": self.evictions.copy(), "cold_starts": cold,
         }  # fmt: skip
 
     def describe(self, name: str) -> dict[str, Any]:
