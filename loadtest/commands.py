@@ -30,27 +30,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
         "from each scheduled send (no coordinated omission)."
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="model to classify with")
-    which.add_argument(
-        "--models",
-        help="several models, comma-separated (a,b,c), each request's drawn by --popularity and reported per model "
-        "with its cold starts and the hit rate; an item with * ? [ is a pattern matched against the server's "
-        "repository index (needs --admin-token) and expands to the matching names, sorted",
-    )
-    p.add_argument(
-        "--popularity",
-        default="uniform",
-        help="with --models: uniform, or zipf:S (P(rank k) ~ 1/k^S, ranked as listed, a pattern's names sorted)",
-    )
-    p.add_argument("--admin-token", default=None, help="the server's admin token, to read its repository index")
-    p.add_argument(
-        "--write-sequence",
-        default=None,
-        metavar="FILE",
-        help="with --models: write every request's model, one name per line in the order sent (the preflight "
-        "first, warm-up included, all steps), to replay a cache offline",
-    )
+    _add_model_arguments(p)
     p.add_argument("--mode", default="closed", choices=["closed", "open"], help="closed or open loop")
     p.add_argument("--concurrency", type=comma_ints, default=(1, 4, 16), help="closed loop: clients per step")
     p.add_argument(
@@ -109,6 +89,31 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for results.json, steps.csv and PNG plots")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson schedules and of the --models draw")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
+
+
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Which model or models each request is for (and, for several, how they are drawn)."""
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="model to classify with")
+    which.add_argument(
+        "--models",
+        help="several models, comma-separated (a,b,c), each request's drawn by --popularity and reported per model "
+        "with its cold starts and the hit rate; an item with * ? [ is a pattern matched against the server's "
+        "repository index (needs --admin-token) and expands to the matching names, sorted",
+    )
+    p.add_argument(
+        "--popularity",
+        default="uniform",
+        help="with --models: uniform, or zipf:S (P(rank k) ~ 1/k^S, ranked as listed, a pattern's names sorted)",
+    )
+    p.add_argument("--admin-token", default=None, help="the server's admin token, to read its repository index")
+    p.add_argument(
+        "--write-sequence",
+        default=None,
+        metavar="FILE",
+        help="with --models: write every request's model, one name per line in the order sent (the preflight "
+        "first, warm-up included, all steps), to replay a cache offline",
+    )
 
 
 def _preflight_grpc(target: str, payload: Any, timeout_s: float) -> str | None:
