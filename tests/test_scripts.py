@@ -35,6 +35,7 @@ SMOKE_TESTED = {
     "gpu_check.py": "tests/test_gpu_check.py",
     "install-browser.sh": "test_install_browser_is_quiet_when_both_are_there",
     "make_folder_dataset.py": "test_make_folder_dataset_writes_its_classes",
+    "many_models_bench.py": "test_many_models_bench_writes_every_target",
     "soak.py": "test_soak_writes_every_figure_and_judges_them",
     "train_bench.py": "test_train_bench_measures_peak_memory",
     "transport_bench.py": "test_transport_bench_prints_round_trips",
@@ -162,6 +163,35 @@ def test_frontends_bench_holds_served_against_the_pipeline(repo: Path, tmp_path:
     for key in ("images_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request", "mean_batch_size"):
         assert positive(row[key]), key
     assert re.search(r"digits c=2: [\d.]+ images/s = [\d.]+ of the pipeline; [\d.]+ server CPU ms/request", done.stdout)
+
+
+@pytest.mark.slow
+def test_many_models_bench_writes_every_target(tmp_path: Path) -> None:
+    """--quick: six smallcnn copies on demand, a budget of two and a half, one round against the top two pinned."""
+    out = tmp_path / "many.json"
+    done = run("scripts/many_models_bench.py", "--quick", "--work", str(tmp_path / "work"), "--out", str(out))
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: a target missed
+    results = json.loads(out.read_text())
+    correct = results["correct"]
+    assert correct["answers"] == results["requests"] > 0 and correct["wrong_model"] == 0
+    assert correct["server_deaths"] == 0 and correct["ok"] + correct["5xx"] + correct["other_failures"] == correct[
+        "answers"]  # fmt: skip
+    assert (tmp_path / "work" / "sequence.txt").read_text().count("\n") == results["requests"]
+    hits = results["hit_rate"]
+    assert 0 <= hits["server"] <= 1 and 0 <= hits["ideal_lru"] <= 1
+    assert hits["points"] == pytest.approx(100 * (hits["server"] - hits["ideal_lru"]))
+    p99 = results["p99_hits"]
+    assert all(positive(p99[k]) for k in ("a_hits_p99_ms", "b_p99_ms", "ratio", "a_misses_p99_ms"))
+    assert len(p99["rounds"]) == 1 and positive(p99["rounds"][0]["ratio"])
+    memory = results["memory"]
+    assert memory["scrapes"] > 0 and positive(memory["max_charged_bytes"]) and positive(memory["rss_ratio_worst"])
+    assert positive(results["model_bytes"]) and results["budget_bytes"] == int(2.5 * results["model_bytes"])
+    cold = results["cold_start"]
+    assert all(positive(cold["in_process"]["first"][k]) for k in ("read_ms", "build_ms", "warmup_ms", "total_ms"))
+    assert positive(cold["served"]["first_cold_start_ms"]) and cold["served"]["second_cold_start_ms"] is None
+    assert cold["triton"] == {"ran": False, "why": "not asked (--triton)"}
+    for target in ("answers from the right model", "hit rate", "p99 of hits", "charged bytes", "RSS growth"):
+        assert re.search(rf"^(PASS|MISS) [^\n]*{target}", done.stdout, re.MULTILINE), target
 
 
 @pytest.mark.slow
