@@ -57,8 +57,11 @@ def test_open_loop_latency_runs_from_the_schedule_through_a_stall(
 ) -> None:
     timed_server.timing.delay_s = DELAY_S
     timed_server.timing.stall_start_s, timed_server.timing.stall_end_s = STALL
+    # Flagged client-limited only past the lag these latencies tolerate anyway: a full suite on 2 cores once
+    # lagged 12.3 ms at p99 against the default 10 ms, every latency still within tolerance.
+    limits = bounds(timed_server.url, max_send_lag_ms=TOLERANCE_MS)
     with WorkerPool(processes, bodies) as pool:
-        step = run_step(pool, StepSpec("open", rate=RATE, arrival="constant"), bounds(timed_server.url), "m")
+        step = run_step(pool, StepSpec("open", rate=RATE, arrival="constant"), limits, "m")
     expected = implied_latencies_ms()
     assert step.measured == len(expected) and step.requests == len(expected), step.errors
     assert step.errors == {}
