@@ -118,6 +118,12 @@ class OverloadedError(VisionServeError):
             raise ValueError(f"an overload is answered 503 or 429, got {http_status}")
 
 
+class MemoryBudgetError(OverloadedError):
+    """A model cannot be loaded now: its device's memory budget is full and nothing may be evicted (always 503,
+    whatever the model's ``queue_full_status``: it is not the model's queue that is full), or the model is larger
+    than the whole budget."""
+
+
 class DeadlineExceededError(VisionServeError):
     """The deadline passed before the item was computed."""
 

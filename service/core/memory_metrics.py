@@ -5,6 +5,7 @@ plain counts the engine keeps (a Prometheus call per request costs throughput: d
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,12 +23,15 @@ class ResidencyCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.snapshot = snapshot
         self._cold: dict[str, list[float]] = {}  # model -> [bucket counts..., sum]
+        self._lock = threading.Lock()  # two scrapes at once (each on a thread of its own) take turns
 
     def describe(self) -> Iterable[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        snap = self.snapshot()
+        with self._lock:
+            snap = self.snapshot()
+            cold = self._cold_starts(snap["cold_starts"])
         per_model = GaugeMetricFamily("visionserve_model_resident_bytes", "Memory charged to a resident model on "
                                       "its device (measured at load)", labels=("model", "device"))  # fmt: skip
         for model, device, size in snap["resident"]:
@@ -50,7 +54,7 @@ class ResidencyCollector(Collector):
                        {(k,): v for k, v in snap["hits"].items()})  # fmt: skip
         yield _counter("visionserve_model_residency_misses", "Requests that waited for their model's load",
                        ("model",), {(k,): v for k, v in snap["misses"].items()})  # fmt: skip
-        yield self._cold_starts(snap["cold_starts"])
+        yield cold
 
     def _cold_starts(self, samples: list[tuple[str, float]]) -> Metric:
         for model, seconds in samples:

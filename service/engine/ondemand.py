@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from service.core.errors import DeadlineExceededError, OverloadedError, VisionServeError
+from service.core.errors import DeadlineExceededError, MemoryBudgetError, VisionServeError
 from service.core.repository import ModelEntry
 from service.core.spec import encode_spec
 from service.core.status import EngineState
@@ -121,8 +121,22 @@ class Residency:
         self.why_not.setdefault(entry.name, "on demand: not loaded yet (its first request loads it)")
 
     async def load(self, entry: ModelEntry, reason: str) -> None:
-        """Load ``entry`` now (at start for a pinned model, or asked by the repository API), charged like any."""
-        await self._load(entry.name, reason, entry)
+        """Load ``entry`` now (at start for a pinned model, or asked by the repository API), charged like any. It is
+        the model's one load while it runs: requests arriving meanwhile wait for it, as for an on-demand load."""
+        await self.settle(entry.name)
+        task = self._loading[entry.name] = asyncio.create_task(self._load(entry.name, reason, entry))
+        task.add_done_callback(self._loaded)
+        await task
+
+    def loading(self) -> list[asyncio.Task[None]]:
+        """The loads in progress."""
+        return list(self._loading.values())
+
+    async def settle(self, name: str) -> None:
+        """Wait for a load of ``name`` in progress, whatever its outcome (an explicit load or unload goes after)."""
+        task = self._loading.get(name)
+        if task is not None:
+            await asyncio.wait([task])
 
     async def _load(self, name: str, reason: str, entry: ModelEntry | None = None) -> None:
         entry = entry or self.on_demand[name]
@@ -176,26 +190,34 @@ class Residency:
                     continue
                 self.why_not[name] = f"refused: {exc}"
                 self._changed()
-                raise OverloadedError(f"model {name!r} cannot be loaded: {exc}") from None
+                raise MemoryBudgetError(f"model {name!r} cannot be loaded: {exc}") from None
             if not victims:
                 return  # it fits, and the caller reserves it before anything else runs (no await in between)
-            for victim in victims:
-                await self.evict(victim, f"evicted (least recently used) to make room for {name!r}")
-            # Evicting awaited: another load may have taken the room meanwhile, so look again before reserving.
+            # One at a time, looking again after each: evicting awaits, and meanwhile another load may take the room
+            # or the next victim may get work (it is then busy, and must not go).
+            await self.evict(victims[0], f"evicted (least recently used) to make room for {name!r}")
 
     async def evict(self, name: str, why: str, *, reason: str = "lru") -> None:
         """Take ``name`` out of memory. The accounts never choose a busy model; an unload asked for by the
-        repository API may find one busy, and its queued work is finished first (``close`` drains it)."""
+        repository API may find one busy, and its queued work is finished first (``close`` drains it). Its memory
+        stays counted until it is closed (a draining model still holds it)."""
         engines = self.server.models.pop(name, None)
-        self.accounts.release(name)
         if engines is None:
-            return
-        self._changed()
-        for engine in engines.values():
-            await engine.close(self.server.settings.drain_timeout_s)
-        await asyncio.to_thread(give_back_memory)
+            return  # not resident: a reservation of a load in progress is that load's to keep or release
+        charge = self.accounts.release(name)
+        if charge is not None:
+            self.accounts.leaving.append(charge)
+        self._starts += 1  # memory falls meanwhile: a load measured across this is no exclusive measurement
         if name in self.on_demand:
             self.why_not[name] = why
+        self._changed()
+        try:
+            for engine in engines.values():
+                await engine.close(self.server.settings.drain_timeout_s)
+            await asyncio.to_thread(give_back_memory)
+        finally:
+            if charge is not None:
+                self.accounts.leaving.remove(charge)
         self.count_eviction(name, reason)
         log.info("model %s %s", name, why)
 
@@ -219,11 +241,13 @@ class Residency:
         """The numbers ``/metrics`` shows (folded at scrape time)."""
         cold = self.cold_starts[:]  # read on a scrape's thread while the loop appends: take what is there
         del self.cold_starts[: len(cold)]
-        charges = list(self.accounts.charges.values())
-        devices = sorted({c.device for c in charges} | {"cpu"})
+        charges = [*self.accounts.charges.values(), *self.accounts.leaving]
+        # One engine per GPU: the CPU's row comes from the primary alone (unless another holds a model there).
+        devices = sorted({c.device for c in charges} | ({"cpu"} if self.server.primary else set()))
         used = {d: sum(c.bytes for c in charges if c.device == d) for d in devices}
+        resident = [c for c in list(self.accounts.charges.values()) if c.model in self.server.models]
         return {
-            "resident": [(c.model, c.device, c.bytes) for c in charges],
+            "resident": [(c.model, c.device, c.bytes) for c in resident],
             "devices": [(d, used[d], self.accounts.budget(d)) for d in devices],
             "hits": self.hits.copy(), "misses": self.misses.copy(), "loads": self.loads.copy(),
             "evictions": self.evictions.copy(), "cold_starts": cold,

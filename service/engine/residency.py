@@ -110,13 +110,15 @@ class Accounts:
         self.budgets = budgets
         self.min_residency_s = min_residency_s
         self.charges: dict[str, Charge] = {}
+        self.leaving: list[Charge] = []  # evicted or replaced, still closing: their memory is not free yet
         self.sizes: dict[str, int] = {}  # the last measured size of each model, resident or not (for estimates)
 
     def budget(self, device: str) -> int:
         return budget_for(self.budgets, device)
 
     def used(self, device: str) -> int:
-        return sum(c.bytes for c in self.charges.values() if c.device == device)
+        held = [*self.charges.values(), *self.leaving]
+        return sum(c.bytes for c in held if c.device == device)
 
     def charge(self, model: str, device: str, size: int, *, pinned: bool) -> None:
         now = time.monotonic()

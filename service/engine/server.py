@@ -21,8 +21,10 @@ import numpy as np
 from service.core.config import ModelConfig, parse_config
 from service.core.errors import (
     BadInputError,
+    CancelledError,
     ConfigError,
     DeadlineExceededError,
+    MemoryBudgetError,
     NotFoundError,
     OverloadedError,
     VisionServeError,
@@ -219,10 +221,20 @@ class EngineServer:
         async def cold() -> InferResult:
             started = time.monotonic()
             deadline = started + message.timeout_ms / 1000.0 if message.timeout_ms else None
-            waited = await self.residency.wait_for(message.model, deadline)
+            try:
+                # Again if it went before this request got to it (an unload or reload by the repository API).
+                while message.model not in self.models:
+                    await self.residency.wait_for(message.model, deadline)
+                    if self.draining:
+                        raise OverloadedError("the server is shutting down")
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise DeadlineExceededError(f"the deadline passed while model {message.model!r} loaded")
+            except asyncio.CancelledError:
+                # Its images were never queued: the front end may free them now (it waits for an answer to).
+                self.endpoint.send(peer, Failed(message.id, WireError.of(CancelledError("cancelled while loading"))))
+                raise
+            waited = time.monotonic() - started
             left_ms = message.timeout_ms - waited * 1000.0 if message.timeout_ms else None
-            if left_ms is not None and left_ms <= 0:
-                raise DeadlineExceededError(f"the deadline passed while model {message.model!r} loaded")
             request = InferRequest(
                 request_id=message.request_id, model=message.model, version=message.version, images=images,
                 priority=message.priority, timeout_ms=left_ms,
@@ -266,7 +278,7 @@ class EngineServer:
     def _wire(self, exc: BaseException, model: str) -> WireError:
         wire = WireError.of(exc)
         entry = self.configs.get(model)
-        if isinstance(exc, OverloadedError) and entry is not None and not wire.status:
+        if isinstance(exc, OverloadedError) and not isinstance(exc, MemoryBudgetError) and entry and not wire.status:
             wire = WireError(wire.kind, wire.message, entry.config.queue_full_status)
         return wire
 
@@ -373,14 +385,25 @@ class EngineServer:
             override = args.get("config")
             if override is not None:
                 entry = _with_config(entry, override)
+            await self.residency.settle(name)  # an on-demand load of it in progress goes first
             old = self.models.pop(name, None)
-            self.residency.accounts.release(name)
+            charge = self.residency.accounts.release(name)
+            if charge is not None:  # the old copy holds its memory until it is closed, below
+                self.residency.accounts.leaving.append(charge)
             for key in [k for k in self.errors if k == name or k.startswith(f"{name}/")]:
                 del self.errors[key]
-            await self._load_charged(entry, "explicit")
-            if old:
-                for engine in old.values():
-                    await engine.close(self.settings.drain_timeout_s)
+            try:
+                await self._load_charged(entry, "explicit")
+                if old:
+                    for engine in old.values():
+                        await engine.close(self.settings.drain_timeout_s)
+            finally:
+                if charge is not None:
+                    self.residency.accounts.leaving.remove(charge)
+            if entry.config.residency == "on_demand":  # as its config now says (a config sent may change it)
+                self.residency.offer(entry)
+            else:
+                self.residency.on_demand.pop(name, None)
             if name not in self.models:
                 reasons = [e for key, e in self.errors.items() if key.startswith(f"{name}/")]
                 raise ConfigError(f"model {name!r} failed to load: {'; '.join(reasons) or 'see the log'}")
@@ -390,6 +413,7 @@ class EngineServer:
         name = str(args.get("name", ""))
         async with self._lock:
             if name in self.residency.on_demand:  # out of memory, still available: its next request loads it
+                await self.residency.settle(name)  # a load of it in progress first, or it would stay resident
                 await self.residency.evict(name, "unloaded by request", reason="unload")
                 return {"name": name, "state": "AVAILABLE"}
             old = self.models.pop(name, None)
@@ -425,6 +449,9 @@ class EngineServer:
         """Refuse new work, finish what is queued (within the drain timeout), close every model."""
         self.draining = True
         deadline = time.monotonic() + self.settings.drain_timeout_s
+        loads = list(self.residency.loading())
+        if loads:  # a model loading now is closed with the others once loaded (its waiters are then refused)
+            await asyncio.wait(loads, timeout=max(0.1, deadline - time.monotonic()))
         for versions in list(self.models.values()):
             for engine in versions.values():
                 await engine.close(max(0.1, deadline - time.monotonic()))

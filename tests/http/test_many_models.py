@@ -80,7 +80,8 @@ def lru(digits_export: Path, tmp_path_factory: pytest.TempPathFactory) -> Runnin
     root = tmp_path_factory.mktemp("many")
     repository(root, digits_export, {
         "pinned": config(on_demand=False, size_mb=40),
-        "a": config(), "b": config(faults="load_delay_ms = 300\n"), "c": config(),
+        "a": config(extra="queue_full_status = 429\n"),  # its queue's status, never a budget refusal's
+        "b": config(faults="load_delay_ms = 1000\n"), "c": config(),
         "slow": config(faults="delay_ms = 300\n"), "slow2": config(faults="delay_ms = 300\n"),
         "huge": config(size_mb=1000),
     })  # fmt: skip
@@ -113,12 +114,12 @@ def test_on_demand_models_are_listed_but_not_resident_until_their_first_request(
 
 
 def test_concurrent_first_requests_share_one_load(lru: RunningServer) -> None:
-    with ThreadPoolExecutor(6) as pool:  # b loads in 300 ms (its config): all six arrive during the one load
+    with ThreadPoolExecutor(6) as pool:  # b loads in 1 s (its config): the six arrive during the one load
         answers = list(pool.map(lambda _: classify(lru.url, "b"), range(6)))
     assert [r.status_code for r in answers] == [200] * 6
-    assert sum(cold(r) for r in answers) == 6
+    waited = sum(cold(r) for r in answers)  # on a machine slow to start six threads, a last one may find it loaded
+    assert waited >= 2 and metric_value(lru.url, "visionserve_model_residency_misses_total", model="b") == waited
     assert metric_value(lru.url, "visionserve_model_loads_total", model="b") == 1
-    assert metric_value(lru.url, "visionserve_model_residency_misses_total", model="b") == 6
 
 
 def test_the_least_recently_used_goes_never_a_busy_or_pinned_one(lru: RunningServer) -> None:
