@@ -15,7 +15,8 @@
     ├── ForbiddenError                403  PERMISSION_DENIED   bad_input   repository control without the admin token
     ├── NotFoundError                 404  NOT_FOUND           error       an unknown model or version
     ├── OverloadedError               503  UNAVAILABLE         rejected    the queue is full; try again later
-    │                                (429  RESOURCE_EXHAUSTED  rejected    where the model's queue_full_status = 429)
+    │   │                            (429  RESOURCE_EXHAUSTED  rejected    where the model's queue_full_status = 429)
+    │   └── MemoryBudgetError         503  UNAVAILABLE         rejected    no room in the memory budget for the model
     ├── DeadlineExceededError         504  DEADLINE_EXCEEDED   timeout     the deadline passed before compute
     ├── CancelledError                499  CANCELLED           cancelled   the caller went away before compute
     └── RuntimeFailure                500  INTERNAL            error       a failure of ours (runtime, device)
