@@ -14,9 +14,10 @@ import torch
 
 from models.checkpoint import Extension, load_checkpoint, load_resume_state
 from models.resume import fast_forward
-from models.train import BatchProgress, TrainConfig, train
+from models.train import TrainConfig, train
 from service.core.errors import ConfigError
 from tests.conftest import encode_image
+from tests.models.test_folder_training import _Crash, _CrashAfter
 
 STEPS = 4  # --limit-batches: optimiser steps per epoch, to keep the runs short
 
@@ -32,19 +33,6 @@ def _config(out: Path, **overrides: object) -> TrainConfig:
         "out": str(out),
     }
     return TrainConfig(**{**fields, **overrides})  # type: ignore[arg-type]
-
-
-class _Crash(Exception):
-    pass
-
-
-class _CrashAfter(BatchProgress):
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def end_epoch(self, record: object) -> None:
-        if getattr(record, "epoch", 0) == self.epoch:
-            raise _Crash
 
 
 def _one_cycle(total_steps: int) -> tuple[torch.optim.SGD, torch.optim.lr_scheduler.OneCycleLR]:
