@@ -16,11 +16,22 @@ import torch._inductor
 from service.core.config import ModelConfig
 from service.core.errors import ConfigError, DeviceFailure, OutOfMemoryError, RuntimeFailure
 from service.core.repository import ModelVersion
+from service.core.spec import InputSpec, ModelSpec
 from service.engine import Batcher, BatcherConfig, InferRequest
 from service.engine.model import ModelEngine
 from service.runtime import AotiRuntime, FakeRuntime, OnnxRuntime, TorchScriptRuntime
-from tests.service.test_batcher import SPEC
 
+# test_batcher.py's spec, written again: this file runs on the GPU machine (it holds a GPU test), and
+# test_batcher.py imports trio, which that machine lacks (tests/test_gpu_check.py imports it with only its packages).
+SPEC = ModelSpec(
+    name="fake",
+    architecture="fake",
+    input=InputSpec(height=4, width=4),
+    resize_size=4,
+    mean=(0.0, 0.0, 0.0),
+    std=(1.0, 1.0, 1.0),
+    labels=tuple("abcdefghij"),
+)
 # What torch 2.14's AOTInductor runner raises when the compiled model returned an error code.
 UNTYPED = (
     "run_func_( container_handle_, input_handles.data(), input_handles.size(), output_handles.data(), "
