@@ -73,7 +73,10 @@ def test_a_hung_forward_times_out_is_replaced_and_readiness_tells_the_truth(repo
                 state = state_of(client, "wedged")
                 seen.append((time.monotonic() - started, ready, state["state"]))
                 other_statuses.append(classify(client, "digits").status_code)
-                if state.get("replaced") == 1 and ready == 200:
+                # Done once the replacement serves: replaced, READY in metadata and ready, in that order of polls
+                # (a ready poll just before the hang was declared, then REPLACING in metadata, is not done; the break
+                # on "replaced" alone once ended the loop there, with no not-ready poll seen).
+                if state.get("replaced") == 1 and state["state"] == "READY" and ready == 200:
                     break
                 time.sleep(0.02)
             sender.join(30)
