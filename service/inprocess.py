@@ -119,6 +119,7 @@ class InProcessLink:
         priority: int,
         request_id: str,
         guard_s: float,
+        route: str | None = None,
     ) -> Answer:
         if not self.up:
             raise OverloadedError(UNAVAILABLE)
@@ -129,7 +130,7 @@ class InProcessLink:
         number = next(self._ids)
         future: asyncio.Future[Result | Failed] = self._loop.create_future()
         self._waiting[number] = future
-        message = Submit(number, model, version, 0, (n, c, h, w), timeout_ms or 0.0, priority, request_id)
+        message = Submit(number, model, version, 0, (n, c, h, w), timeout_ms or 0.0, priority, request_id, route)
         self.engine.submit(PEER, message, batch)
         guard = self._loop.call_later(guard_s, _expire, future, guard_s)
         try:

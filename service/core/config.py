@@ -29,6 +29,24 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     load_delay_ms: float = 0.0  # added to loading each instance (a slow load, or a slow replacement)
     load_error: str = ""  # loading each instance raises a RuntimeError with this message (a runtime's own exception)
     resident_bytes: int = 0  # charged to the memory budget in place of the measured size (a model this big); 0: off
+    versions: tuple[int, ...] = ()  # the versions faulted (a failing candidate beside a sound one); (): all
+
+
+class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A candidate version on trial beside the serving one (``[rollout]``, docs/rollouts.md)."""
+
+    candidate: int = 0
+    mode: Literal["shadow", "canary"] = "shadow"
+    fraction: float = 0.1  # of the requests that do not name a version
+    sticky_header: str = ""  # canary: route by a hash of this request header's value ("": at random)
+    auto: bool = True  # promote and abort on the evidence; false: only report what the evidence says
+    min_samples: int = 1000  # compared images before a promotion
+    min_agreement: float = 0.99  # promote when the interval's lower bound reaches it; abort when its upper one is below
+    confidence: float = 0.95  # of the top-1 agreement interval (Wilson)
+    abort_min_samples: int = 50  # compared (or attempted) images before an abort
+    max_latency_ratio: float = 1.5  # candidate / primary compute per image, at most, to promote
+    max_error_rate: float = 0.01  # candidate errors per attempted image, at most
+    shadow_timeout_ms: float = 1000.0  # a shadow computation still queued this long is shed
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,6 +72,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     unhealthy_after_failed_batches: int = 3
     residency: Literal["pinned", "on_demand"] = "pinned"
     faults: Faults = msgspec.field(default_factory=Faults)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
 
 
 # field -> (check, what is allowed); checked after msgspec has checked the types.
@@ -75,6 +94,18 @@ _FAULT_RULES: dict[str, tuple[Any, str]] = {
     "load_delay_ms": (lambda v: v >= 0, "a number >= 0"),
     "load_error": (lambda v: isinstance(v, str), "a message (empty: none)"),
     "resident_bytes": (lambda v: v >= 0, "an integer >= 0 (0: the measured size)"),
+    "versions": (lambda v: all(x >= 1 for x in v), "a list of version numbers >= 1 (empty: every version)"),
+}
+ROLLOUT_RULES: dict[str, tuple[Any, str]] = {
+    "candidate": (lambda v: v >= 0, "a version number >= 1 (0: no rollout)"),
+    "fraction": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
+    "min_samples": (lambda v: v >= 1, "an integer >= 1"),
+    "min_agreement": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
+    "confidence": (lambda v: 0.5 <= v < 1, "a number in [0.5, 1)"),
+    "abort_min_samples": (lambda v: v >= 1, "an integer >= 1"),
+    "max_latency_ratio": (lambda v: v > 0, "a number > 0"),
+    "max_error_rate": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
+    "shadow_timeout_ms": (lambda v: v > 0, "a number > 0"),
 }
 
 _ALLOWED_TEXT = {
@@ -88,7 +119,10 @@ _ALLOWED_TEXT = {
     "residency": "pinned or on_demand",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
-    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error, resident_bytes",
+    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error, resident_bytes, "
+    "versions",
+    "rollout": "a table with candidate, mode, fraction, sticky_header, auto, min_samples, min_agreement, confidence, "
+    "abort_min_samples, max_latency_ratio, max_error_rate, shadow_timeout_ms",
     **{k: v[1] for k, v in _RULES.items()},
 }
 
@@ -121,6 +155,7 @@ def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
         raise _fail(field, raw.get(field), source) from exc
     _check_rules(config, _RULES, source)
     _check_rules(config.faults, _FAULT_RULES, source, prefix="faults.")
+    _check_rules(config.rollout, ROLLOUT_RULES, source, prefix="rollout.")
     for size in config.preferred_batch_sizes:
         if not 1 <= size <= config.max_batch_size:
             raise ConfigError(
@@ -184,7 +219,10 @@ residency = "pinned"          # pinned: loaded at start and kept | on_demand: lo
                               # (least recently used, never while it has work) when a load needs room within
                               # serve's --memory-budget
 # [faults]                    # fault drills only (README, "Reliability"): delay_ms, hang_at_batch,
-                              # fail_after_batches, load_delay_ms, load_error, resident_bytes
+                              # fail_after_batches, load_delay_ms, load_error, resident_bytes, versions
+# [rollout]                   # a candidate version beside the serving one (docs/rollouts.md): candidate = N,
+                              # mode = "shadow" | "canary", fraction = 0.1, sticky_header, auto, min_samples,
+                              # min_agreement, confidence, abort_min_samples, max_latency_ratio, max_error_rate
 """
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from service.core.config import ModelConfig
 from service.core.devices import may_have_gpu
-from service.core.errors import DeviceFailure
+from service.core.errors import DeviceFailure, VisionServeError
 from service.core.metrics import BatchRecord
 from service.core.repository import ModelVersion
 from service.core.spec import ModelSpec
@@ -63,6 +63,25 @@ def plan_devices(config: ModelConfig, available: list[str]) -> tuple[list[str], 
     if config.fallback == "none":
         raise DeviceFailure(f"{reason}; fallback = 'none', so the model is not served")
     return ["cpu"], True, f"{reason}: serving on CPU (fallback)"
+
+
+def engine_share(config: ModelConfig, mine: list[str], machine: list[str], *, primary: bool) -> list[str] | None:
+    """The GPUs this engine offers ``config``'s model, or None when another engine serves it.
+
+    One plan for the machine, taken apart by engine: the model's devices are planned over every usable GPU, and a
+    GPU engine takes the planned GPUs that are its own. A model planned on the CPU (by choice, for lack of a GPU,
+    or as a fallback) lives in the primary engine alone. So a model pinned to ``cuda:1`` is served by ``cuda:1``'s
+    engine only, never on the CPU by engine 0 beside it: the front ends route by catalog, and a CPU copy would
+    take part of its traffic. A plan that cannot be made (``fallback = "none"``) is the primary's to report.
+    """
+    try:
+        planned = plan_devices(config, machine)[0]
+    except VisionServeError:
+        return mine if primary else None
+    if planned == ["cpu"]:
+        return mine if primary else None
+    own = [g for g in mine if g in planned]
+    return own or None
 
 
 def serving_precision(
@@ -117,7 +136,9 @@ class ModelEngine:
         self._fallbacks = 0
         self._on_fallback = on_fallback
         self._devices = tuple(sorted(set(devices)))
-        self._faults = FaultPlan(config.faults) if FaultPlan.wanted(config.faults) else None
+        faults = config.faults
+        wanted = FaultPlan.wanted(faults) and (not faults.versions or version.version in faults.versions)
+        self._faults = FaultPlan(faults) if wanted else None
         if degraded and on_fallback is not None:
             on_fallback("device_unavailable")
         instances = self._start_all(devices)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -127,6 +128,30 @@ class Residency:
         task = self._loading[entry.name] = asyncio.create_task(self._load(entry.name, reason, entry))
         task.add_done_callback(self._loaded)
         await task
+
+    async def load_extra(self, key: str, entry: ModelEntry, load: Callable[[], Awaitable[None]]) -> None:
+        """Another version of a resident model (a rollout's candidate), charged under ``key`` as a pinned model:
+        room is made as for any load, and what the load measurably took stays charged until
+        :meth:`release_extra`."""
+        async with self._slots:
+            device = self._device(entry)
+            need = int(ESTIMATE_OVER_FILE * _files_bytes(entry) / max(1, len(entry.versions)))
+            await self._make_room(key, device, need)
+            self.accounts.charge(key, device, need, pinned=True)
+            try:
+                before = await asyncio.to_thread(settled_used_bytes, device)
+                await load()
+                after = await asyncio.to_thread(settled_used_bytes, device)
+            except BaseException:
+                self.accounts.release(key)
+                raise
+            self.accounts.charge(key, device, max(after - before, need), pinned=True)
+        self._changed()
+
+    def release_extra(self, key: str) -> None:
+        """The version charged under ``key`` left (a rollout decided)."""
+        if self.accounts.release(key) is not None:
+            self._changed()
 
     def loading(self) -> list[asyncio.Task[None]]:
         """The loads in progress."""

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from service.core.config import ModelConfig, parse_config
+from service.core.config import parse_config
 from service.core.errors import (
     BadInputError,
     CancelledError,
@@ -36,30 +36,12 @@ from service.core.settings import ServerSettings, parse_budget
 from service.core.spec import encode_spec
 from service.core.status import SERVING_STATES
 from service.engine.batcher import InferRequest, InferResult
-from service.engine.model import ModelEngine, cuda_devices, plan_devices
+from service.engine.model import ModelEngine, cuda_devices, engine_share
 from service.engine.ondemand import Residency
+from service.engine.rollout import Rollouts
 from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Snapshot, Stamps, Submit, WireError
 
 log = logging.getLogger("visionserve.engine")
-
-
-def engine_share(config: ModelConfig, mine: list[str], machine: list[str], *, primary: bool) -> list[str] | None:
-    """The GPUs this engine offers ``config``'s model, or None when another engine serves it.
-
-    One plan for the machine, taken apart by engine: the model's devices are planned over every usable GPU, and a
-    GPU engine takes the planned GPUs that are its own. A model planned on the CPU (by choice, for lack of a GPU,
-    or as a fallback) lives in the primary engine alone. So a model pinned to ``cuda:1`` is served by ``cuda:1``'s
-    engine only, never on the CPU by engine 0 beside it: the front ends route by catalog, and a CPU copy would
-    take part of its traffic. A plan that cannot be made (``fallback = "none"``) is the primary's to report.
-    """
-    try:
-        planned = plan_devices(config, machine)[0]
-    except VisionServeError:
-        return mine if primary else None
-    if planned == ["cpu"]:
-        return mine if primary else None
-    own = [g for g in mine if g in planned]
-    return own or None
 
 
 class Endpoint(Protocol):
@@ -103,6 +85,7 @@ class EngineServer:
             self, parse_budget(settings.memory_budget), min_residency_s=settings.min_residency_s,
             max_parallel_loads=settings.max_parallel_loads, cold_start_limit_s=settings.cold_start_limit_s,
         )  # fmt: skip
+        self.rollouts = Rollouts(self)
         if self.metrics is not None:
             self.metrics.watch(self._live)
             self.metrics.registry.register(ResidencyCollector(self.residency.snapshot))
@@ -134,17 +117,14 @@ class EngineServer:
                 return  # another engine serves it
             gpus = share
         loaded: dict[int, ModelEngine] = {}
-        for number, version in sorted(entry.versions.items()):
-            observer = on_fallback = None
-            if self.metrics is not None:
-                observer = self.metrics.batch_observer(entry.name, number)
-                hook = self.metrics.fallback_hook(entry.name, number, lambda: "cpu")
-                on_fallback = self._on_fallback(hook)
+        retired = self.rollouts.retired(entry)
+        for number in sorted(entry.versions):
+            if number in retired and len(entry.versions) > 1:
+                log.info("model %s v%s not loaded: a rollout took it out of service (%s)", entry.name, number,
+                         "rollout.json")  # fmt: skip
+                continue
             try:
-                engine = await asyncio.to_thread(
-                    ModelEngine, version, entry.config, available_gpus=gpus, observer=observer,
-                    on_fallback=on_fallback, on_state_change=self._state_changed,
-                )  # fmt: skip
+                engine = await self.make_engine(entry, number, gpus)
             except VisionServeError as exc:
                 log.error("model %s version %s failed to load: %s", entry.name, number, exc)
                 self._load_failed(entry.name, number, str(exc))
@@ -162,7 +142,23 @@ class EngineServer:
             self.configs[entry.name] = entry
             self.errors.pop(entry.name, None)
             self.unloaded.pop(entry.name, None)
+            try:
+                self.rollouts.loaded(entry)
+            except VisionServeError as exc:
+                log.error("model %s: its rollout was not started: %s", entry.name, exc)
         self._version += 1
+
+    async def make_engine(self, entry: ModelEntry, number: int, gpus: list[str] | None) -> ModelEngine:
+        """Load and warm up one version (off the event loop), observed by the metrics."""
+        observer = on_fallback = None
+        if self.metrics is not None:
+            observer = self.metrics.batch_observer(entry.name, number)
+            hook = self.metrics.fallback_hook(entry.name, number, lambda: "cpu")
+            on_fallback = self._on_fallback(hook)
+        return await asyncio.to_thread(
+            ModelEngine, entry.versions[number], entry.config, available_gpus=gpus, observer=observer,
+            on_fallback=on_fallback, on_state_change=self._state_changed,
+        )  # fmt: skip
 
     async def _load_charged(self, entry: ModelEntry, reason: str) -> None:
         """Load ``entry`` and charge it to its device's memory budget (evicting on-demand models for room)."""
@@ -201,13 +197,17 @@ class EngineServer:
             if message.model not in self.models and message.model in self.residency.on_demand:
                 self._submit_cold(peer, message, images)
                 return
-            engine = self._engine(message.model, message.version)
             self.residency.hit(message.model)
-            request = InferRequest(
-                request_id=message.request_id, model=message.model, version=message.version, images=images,
-                priority=message.priority, timeout_ms=message.timeout_ms or None,
-            )  # fmt: skip
-            future = engine.batcher.enqueue(request)
+            future = self.rollouts.submit(message, images) if message.route is not None else None
+            if future is None:
+                version = message.version
+                if message.route is not None:  # named no version: the one serving (a rollout may have chosen it)
+                    version = self.rollouts.version_for(message.model, version)
+                request = InferRequest(
+                    request_id=message.request_id, model=message.model, version=version, images=images,
+                    priority=message.priority, timeout_ms=message.timeout_ms or None,
+                )  # fmt: skip
+                future = self._engine(message.model, version).batcher.enqueue(request)
         except VisionServeError as exc:
             self.endpoint.send(peer, Failed(message.id, self._wire(exc, message.model)))
             return
@@ -316,8 +316,11 @@ class EngineServer:
             for number, engine in sorted(versions.items())
         ]
         models += self.residency.available()
+        routes = {name: v for name in self.models if (v := self.rollouts.version_for(name, 0))}
+        sticky = {name: r.config.sticky_header for name, r in self.rollouts.by_model.items()
+                  if r.running and r.config.mode == "canary" and r.config.sticky_header}  # fmt: skip
         return Catalog(sorted(models, key=lambda m: (m.model, m.version)), dict(self.errors), dict(self.unloaded),
-                       self._version)  # fmt: skip
+                       self._version, routes, sticky)  # fmt: skip
 
     async def _metrics(self, args: dict[str, Any]) -> Any:
         if self.metrics is None:
@@ -422,12 +425,18 @@ class EngineServer:
                     raise NotFoundError(f"no model {name!r} in the repository")
                 return {"name": name, "state": "UNAVAILABLE"}  # unloading an unloaded model is not an error
             self.residency.accounts.release(name)
+            for key in [k for k in self.residency.accounts.charges if k.startswith(f"{name}@")]:
+                self.residency.release_extra(key)
+            self.rollouts.by_model.pop(name, None)
             self.residency.count_eviction(name, "unload")
             self.unloaded[name] = "unloaded by request"
             self._version += 1
             for engine in old.values():
                 await engine.close(self.settings.drain_timeout_s)
         return {"name": name, "state": "UNAVAILABLE"}
+
+    async def _rollout(self, args: dict[str, Any]) -> Any:
+        return await self.rollouts.query(args, self._lock)
 
     # ---- metrics --------------------------------------------------------------------------------------------
     def _request_states(self) -> Any:
@@ -484,4 +493,5 @@ _QUERIES = {
     "index": EngineServer._index,
     "load": EngineServer._load_model,
     "unload": EngineServer._unload_model,
+    "rollout": EngineServer._rollout,
 }

@@ -44,6 +44,7 @@ class EngineLink(Protocol):
         priority: int,
         request_id: str,
         guard_s: float,
+        route: str | None = None,
     ) -> Answer: ...
 
     async def query(self, what: str, timeout_s: float = 30.0, **args: Any) -> Any: ...

@@ -26,6 +26,7 @@ API splits large requests across batches.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
@@ -331,6 +332,7 @@ async def infer(
     *,
     priority: int = 0,
     timeout_ms: float | None = None,
+    route: str | None = None,
 ) -> np.ndarray:
     """Logits (float32 ``[N, classes]``) for exactly one input, IMAGE or INPUT; any image's error fails the request
     with that image's message."""
@@ -355,7 +357,7 @@ async def infer(
         _check_batch(slot, batch.shape[0])
     else:
         raise BadInputError(f"unknown input {tensor.name!r}: this model takes IMAGE (BYTES) or INPUT (UINT8/FP32)")
-    result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms)
+    result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms, route=route)
     for i, error in enumerate(result.errors):
         if error is not None:
             raise type(error)(f"image {i}: {error}")
@@ -458,3 +460,16 @@ def require_admin(server: ServerState, authorization: str) -> None:
         raise ForbiddenError("repository control is off: start the server with --admin-token to enable it")
     if authorization != f"Bearer {token}":
         raise ForbiddenError("repository control needs 'Authorization: Bearer <admin token>'")
+
+
+async def rollout(server: ServerState, name: str, *, action: str | None = None, **args: Any) -> dict[str, Any]:
+    """A model's rollout document (docs/rollouts.md), after ``action`` (start, promote, abort) where one is given.
+    Every engine serving the model is asked; this front end sees a change before it answers."""
+    if name not in server.slots:
+        server.slot(name)  # a 404 (or 503) worded as for any request
+    docs = [doc for doc in await server.query_all("rollout", name=name, action=action, **args) if doc is not None]
+    if action is not None:
+        await asyncio.gather(*(link.refresh() for link in server.links))
+    if not docs:
+        raise NotFoundError(f"unknown model {name!r}")
+    return dict(docs[0])

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -145,11 +145,13 @@ class ModelSlot:
         *,
         priority: int = 0,
         timeout_ms: float | None = None,
+        route: str | None = None,
     ) -> InferResult:
         """Compute a uint8 batch [N, C, H, W] (or a list of [C, H, W] images, stacked straight into shared memory)
-        in the engine's batcher; the model's queue_full_status rides on an overload error."""
+        in the engine's batcher; the model's queue_full_status rides on an overload error. ``route``: None when the
+        request named its version, else the engine picks the version (:meth:`ServerState.route`)."""
         try:
-            result = await self._infer(images, timing, priority, timeout_ms)
+            result = await self._infer(images, timing, priority, timeout_ms, route)
         except VisionServeError:
             self.stats.failure += 1
             raise
@@ -163,13 +165,19 @@ class ModelSlot:
         return result
 
     async def _infer(
-        self, images: np.ndarray | list[np.ndarray], timing: Timing, priority: int, timeout_ms: float | None
+        self,
+        images: np.ndarray | list[np.ndarray],
+        timing: Timing,
+        priority: int,
+        timeout_ms: float | None,
+        route: str | None,
     ) -> InferResult:
         n = len(images)
         timing.mark_read()  # a tensor body: read and parsed by now
         answer = await self._server.link_for(self.name).submit(
             self.name, self.version.version, images, timeout_ms=timeout_ms, priority=priority,
             request_id=uuid.uuid4().hex, guard_s=self._guard_s if not timeout_ms else timeout_ms / 1000.0 + 1.0,
+            route=route,
         )  # fmt: skip
         result = answer.result
         timing.sent, timing.answered = answer.sent, answer.answered
@@ -208,6 +216,8 @@ class ServerState:
         self._pools: dict[tuple[str, int], Preprocessor] = {}
         self._stats: dict[tuple[str, int], ModelCounts] = {}
         self.links: list[EngineLink] = []
+        self.routes: dict[str, int] = {}  # model -> the version serving requests that name none (a rollout's)
+        self.sticky_headers: dict[str, str] = {}  # model -> the header a sticky canary routes by
         self._ready_event: asyncio.Event | None = None
         self.requests_inflight = 0  # inference requests past ``slot()`` and not yet answered
         self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight
@@ -274,10 +284,14 @@ class ServerState:
         slots: dict[str, dict[int, ModelSlot]] = {}
         errors: dict[str, str] = {}
         load_errors: dict[str, str] = {}
+        routes: dict[str, int] = {}
+        sticky: dict[str, str] = {}
         for link in self.links:
             catalog: Catalog | None = link.catalog
             if catalog is None:
                 continue
+            routes.update(catalog.routes)
+            sticky.update(catalog.sticky_headers)
             load_errors.update(catalog.errors)
             errors.update(catalog.errors)
             errors.update(catalog.unloaded)
@@ -294,6 +308,7 @@ class ServerState:
                 slot = ModelSlot(self, info, spec, pool) if old is None or _changed(old, info) else old
                 slots.setdefault(info.model, {})[info.version] = slot
         self.slots = slots
+        self.routes, self.sticky_headers = routes, sticky
         self.errors = errors
         self.load_errors = load_errors
         if self.linked and self._ready_event is not None:
@@ -332,7 +347,8 @@ class ServerState:
             )
             raise NotFoundError(f"unknown model {name!r}" + (f" (refused at load: {reason})" if reason else ""))
         if version in (None, ""):
-            return versions[max(versions)]
+            serving = versions.get(self.routes.get(name, 0))
+            return serving if serving is not None else versions[max(versions)]
         try:
             number = int(version)
         except (TypeError, ValueError):
@@ -340,6 +356,14 @@ class ServerState:
         if number not in versions:
             raise NotFoundError(f"model {name!r} has no version {number} (versions: {sorted(versions)})")
         return versions[number]
+
+    def route(self, name: str, version: int | str | None, headers: Mapping[str, str]) -> str | None:
+        """What a request's Submit says of its version: None when it named one; else the value of the header a
+        sticky canary of ``name`` routes by ("" without one), and the engine picks the version."""
+        if version not in (None, "", 0):
+            return None
+        header = self.sticky_headers.get(name)
+        return (headers.get(header) or "") if header else ""
 
     # ---- what the engine gathers ------------------------------------------------------------------------------
     def snapshot(self, token: int) -> Snapshot:

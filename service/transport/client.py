@@ -141,6 +141,7 @@ class EngineClient:
         priority: int,
         request_id: str,
         guard_s: float,
+        route: str | None = None,
     ) -> Answer:
         """Compute a uint8 batch [N, C, H, W] (or a list of [C, H, W] images, stacked straight into the arena).
         Raises the engine's error, 503 when it is down, 504 when it has said nothing within ``guard_s`` (a wedged
@@ -161,7 +162,7 @@ class EngineClient:
         del view
         sent = time.perf_counter()
         number = next(self._ids)
-        message = Submit(number, model, version, offset, shape, timeout_ms or 0.0, priority, request_id)
+        message = Submit(number, model, version, offset, shape, timeout_ms or 0.0, priority, request_id, route)
         future: asyncio.Future[Result | Failed] = self._loop.create_future()
         if not self._send(ENCODER.encode(message)):
             self.arena.free(offset)

@@ -65,6 +65,9 @@ class Submit(msgspec.Struct, tag="submit", array_like=True, frozen=True):
     timeout_ms: float
     priority: int
     request_id: str
+    # None: the request named its version. Otherwise it named none and the engine picks (a rollout's primary or
+    # canary, the promoted version); the value is its sticky header's ("" when absent), for a sticky canary.
+    route: str | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
@@ -189,3 +192,5 @@ class Catalog(msgspec.Struct, frozen=True):
     errors: dict[str, str]
     unloaded: dict[str, str] = {}
     version: int = 0
+    routes: dict[str, int] = {}  # model -> the version requests naming none are served by, where a rollout chose
+    sticky_headers: dict[str, str] = {}  # model -> the request header a sticky canary routes by

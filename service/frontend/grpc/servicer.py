@@ -184,8 +184,10 @@ class InferenceServicer:
             remaining_s = context.time_remaining()
             if remaining_s is not None:  # the client's own gRPC deadline bounds the wait in the queue too
                 timeout_ms = min(timeout_ms or float("inf"), max(remaining_s, 0.0) * 1000)
+            metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+            route = server.route(slot.name, request.model_version, metadata)
             logits = await protocol.infer(
-                server, slot, _tensors(request), timing, priority=priority, timeout_ms=timeout_ms
+                server, slot, _tensors(request), timing, priority=priority, timeout_ms=timeout_ms, route=route
             )
             started = time.perf_counter()
             response = _infer_response(request, slot, wanted, logits)

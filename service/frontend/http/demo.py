@@ -7,7 +7,9 @@ model or top-k re-runs the images on screen. Labels, file names and error messag
 HTML: a model's labels come from its ``spec.json``, which the page does not trust. A small SVG chart draws the
 server's ``total`` duration of recent requests. A table lists the served models: state, device, residency (pinned
 or on demand), whether each is in memory and what it is charged there; read again after each answer, since a
-request may load an on-demand model and evict another.
+request may load an on-demand model and evict another. Below it, each model with a rollout (docs/rollouts.md): mode,
+primary -> candidate, samples compared, agreement with its interval, latency ratio, shed and the verdict, read from
+``GET /v2/models/{m}/rollout`` with the table (a 404, from a server without rollouts, counts as no rollout).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ PAGE = """<!doctype html>
  .timing, #latency { font-size: .8rem; color: #555; }
  #chart { width: 100%; max-width: 30rem; height: 4.5rem; background: #fafafa; border: 1px solid #ddd; }
  #chart polyline { fill: none; stroke: #36c; stroke-width: 1.5; }
+ #rollouts td { white-space: nowrap; }
+ #rollouts td.verdict { white-space: normal; }
 </style></head>
 <body>
 <h1>visionserve</h1>
@@ -59,6 +63,13 @@ PAGE = """<!doctype html>
 <table id="models" aria-labelledby="models-title"><thead><tr><th scope="col">Model</th><th scope="col">State</th>
  <th scope="col">Device</th><th scope="col">Residency</th><th scope="col">Resident</th></tr></thead>
  <tbody></tbody></table>
+<section id="rollouts-section" hidden>
+<h2 id="rollouts-title">Rollouts</h2>
+<table id="rollouts" aria-labelledby="rollouts-title"><thead><tr><th scope="col">Model</th><th scope="col">Mode</th>
+ <th scope="col">Primary -&gt; candidate</th><th scope="col">Samples</th><th scope="col">Agreement [low, high]</th>
+ <th scope="col">Latency ratio</th><th scope="col">Shed</th><th scope="col">Verdict</th></tr></thead>
+ <tbody></tbody></table>
+</section>
 <script>
 'use strict';
 const $ = (id) => document.getElementById(id);
@@ -90,9 +101,54 @@ async function loadModels(first = false) {
       el('td', {className: 'residency'}, m.residency === 'on_demand' ? 'on demand' : 'pinned'),
       el('td', {className: 'resident'},
         !m.resident ? 'no' : m.resident_bytes ? `yes, ${megabytes(m.resident_bytes)}` : 'yes'))));
+    loadRollouts(models.map(m => m.name));
   } catch (e) {
     if (first) $('error').textContent = `Could not list the models: ${e.message}`;
   }
+}
+
+const percent = (v) => `${(100 * v).toFixed(2)}%`;
+
+// A model's rollout document, or null where it has none: {"state": "none"}, or a 404 (a server without rollouts).
+async function rolloutOf(name) {
+  try {
+    const r = await fetch(`/v2/models/${encodeURIComponent(name)}/rollout`);
+    if (r.status === 404) return null;
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) return {model: name, error: body.error || `${r.status} ${r.statusText}`};
+    return body.state && body.state !== 'none' ? body : null;
+  } catch (e) {
+    return {model: name, error: e.message};
+  }
+}
+
+function rolloutRow(d) {
+  const cell = (className, text) => el('td', {className}, text);
+  if (d.error) {
+    return el('tr', {className: 'rollout'}, cell('model', String(d.model)),
+      el('td', {className: 'error', colSpan: 7}, `Could not read its rollout: ${d.error}`));
+  }
+  const c = d.comparison || {};
+  const agreement = c.agreement == null ? 'none yet'
+    : `${percent(c.agreement)} [${percent(c.agreement_low)}, ${percent(c.agreement_high)}]`;
+  // running: what the evidence says now (acted on when auto); decided: what was done and why
+  const verdict = d.state === 'running'
+    ? `${d.verdict}${d.verdict_reason ? `: ${d.verdict_reason}` : ''}${d.auto ? '' : ' (auto off)'}`
+    : `${d.state}${d.reason ? `: ${d.reason}` : ''}`;
+  return el('tr', {className: 'rollout'}, cell('model', String(d.model)), cell('mode', String(d.mode)),
+    cell('versions', `v${d.primary} -> v${d.candidate}`), cell('samples', String(c.samples ?? 0)),
+    cell('agreement', agreement),
+    cell('latency-ratio', c.latency_ratio == null ? 'none yet' : `${c.latency_ratio.toFixed(2)}x`),
+    cell('shed', String(c.shed ?? 0)), cell('verdict', verdict));
+}
+
+let rolloutsRun = 0;  // an answer to an older read (the table was read again meanwhile) is dropped
+async function loadRollouts(names) {
+  const run = ++rolloutsRun;
+  const found = (await Promise.all(names.map(rolloutOf))).filter(Boolean);
+  if (run !== rolloutsRun) return;
+  $('rollouts').querySelector('tbody').replaceChildren(...found.map(rolloutRow));
+  $('rollouts-section').hidden = !found.length;
 }
 
 let modelsTimer = 0;  // one refresh after a burst of answers, not one per image

@@ -140,7 +140,8 @@ async def classify(
     slot = server.slot(model, version_number(version))
     timing = timing_of(request)
     with slot.observe(timing):
-        return await _classify(request, server, slot, timing, top_k, priority, timeout_ms)
+        route = server.route(model, version, request.headers)
+        return await _classify(request, server, slot, timing, top_k, priority, timeout_ms, route)
 
 
 async def _classify(
@@ -151,6 +152,7 @@ async def _classify(
     top_k: int,
     priority: int,
     timeout_ms: float | None,
+    route: str | None,
 ) -> ClassifyResponse:
     images, names, single = await read_images(request, server.settings.max_images_per_request)
     decoded = await slot.decode(images, timing)
@@ -163,7 +165,7 @@ async def _classify(
             results[i].error = str(d)
     if good:
         batch = [decoded[i] for i in good]  # stacked straight into shared memory: one copy
-        result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms)  # type: ignore[arg-type]
+        result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms, route=route)  # type: ignore[arg-type]
         started = time.perf_counter()
         preds = predictions(softmax(result.logits), slot.spec.labels, top_k)
         for row, i in enumerate(good):

@@ -241,12 +241,13 @@ async def _infer(request: Request[Any, Any, Any], model: str, version: str | Non
     server = server_of(request)
     named = protocol.resolve(server, model, version)
     timing = timing_of(request)
+    route = server.route(named.slot.name, version, request.headers)
     with named.slot.observe(timing):
-        return await _infer_on(request, server, named, timing)
+        return await _infer_on(request, server, named, timing, route)
 
 
 async def _infer_on(
-    request: Request[Any, Any, Any], server: ServerState, named: protocol.Named, timing: Timing
+    request: Request[Any, Any, Any], server: ServerState, named: protocol.Named, timing: Timing, route: str | None
 ) -> Response[Any]:
     slot = named.slot
     body = await read_body(request, server.settings.max_body_bytes)
@@ -255,7 +256,8 @@ async def _infer_on(
     priority, timeout_ms = request_options(params)
     binary = flag("parameters.binary_data_output", params.get("binary_data_output"))
     wanted = protocol.wanted_outputs([(o.name, o.parameters or {}) for o in req.outputs or []], slot, binary)
-    logits = await protocol.infer(server, slot, inputs, timing, priority=priority, timeout_ms=timeout_ms)
+    logits = await protocol.infer(server, slot, inputs, timing, priority=priority, timeout_ms=timeout_ms,
+                                  route=route)  # fmt: skip
     started = time.perf_counter()
     response = _encode_outputs(req, slot, wanted, logits, accepted_encoding(request))
     timing.postprocess_s += time.perf_counter() - started
@@ -375,7 +377,52 @@ async def repository_unload(request: Request[Any, Any, Any], model: Model) -> di
     return {"name": model, "state": "UNAVAILABLE"}
 
 
+# ---- rollouts (docs/rollouts.md) -------------------------------------------------------------------------------
+
+
+async def _json_object(request: Request[Any, Any, Any], what: str) -> dict[str, Any]:
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        doc = msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise BadInputError(f"a {what} request's body must be a JSON object (docs/rollouts.md)")
+    return doc
+
+
+@get(MODEL + "/rollout", summary="The model's rollout: candidate, comparison, verdict", tags=["v2 rollout"],
+     responses=ERROR_RESPONSES)  # fmt: skip
+async def rollout_status(request: Request[Any, Any, Any], model: Model) -> dict[str, Any]:
+    """The rollout of ``model`` (``{"state": "none"}`` without one): the live comparison of its candidate with the
+    version serving, and what the evidence says (docs/rollouts.md)."""
+    return await protocol.rollout(server_of(request), model)
+
+
+@post(MODEL + "/rollout", summary="Start a rollout (admin)", status_code=200, tags=["v2 rollout"],
+      responses=ERROR_RESPONSES)  # fmt: skip
+async def rollout_start(request: Request[Any, Any, Any], model: Model) -> dict[str, Any]:
+    """Start a shadow or canary of ``{"candidate": N, "mode": "shadow", "fraction": 0.1, ...}`` beside the version
+    serving (any ``[rollout]`` field of config.toml)."""
+    server = _require_admin(request)
+    settings = await _json_object(request, "rollout")
+    return await protocol.rollout(server, model, action="start", settings=settings)
+
+
+@post([MODEL + "/rollout/promote", MODEL + "/rollout/abort"], summary="Promote or abort the rollout (admin)",
+      status_code=200, tags=["v2 rollout"], responses=ERROR_RESPONSES)  # fmt: skip
+async def rollout_decide(request: Request[Any, Any, Any], model: Model) -> dict[str, Any]:
+    """Promote the candidate (it serves every request naming no version; the old version is unloaded once drained)
+    or abort it (the primary keeps serving; the candidate is unloaded). ``{"reason": "..."}`` is recorded."""
+    server = _require_admin(request)
+    doc = await _json_object(request, "rollout decision")
+    action = request.url.path.rstrip("/").rsplit("/", 1)[1]
+    return await protocol.rollout(server, model, action=action, reason=str(doc.get("reason") or ""))
+
+
 ROUTES = [
     live, ready, server_metadata, model_metadata, model_ready, model_config, model_stats, infer,
-    repository_index, repository_load, repository_unload,
+    repository_index, repository_load, repository_unload, rollout_status, rollout_start, rollout_decide,
 ]  # fmt: skip

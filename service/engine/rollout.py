@@ -1,0 +1,452 @@
+"""Rollouts: a candidate version beside the serving one, compared on live requests, promoted or aborted on the
+evidence (docs/rollouts.md).
+
+Only requests that do not name a version take part (a :class:`~service.transport.messages.Submit` whose ``route``
+is not None). For those the engine, not the front end, chooses the version: the primary while a rollout runs (the
+candidate for a canary's share), the promoted version after a promotion. So a front end that has not yet heard of
+a promotion still lands its requests on the version that serves, and nothing is sent to a version being unloaded.
+
+- ``shadow``: a sampled request is answered by the primary; a copy of its uint8 tensor (the decoded input, never
+  decoded again) is queued on the candidate at the lowest priority with a short deadline. It is shed, not queued,
+  when either version's queue holds a full batch already: shadow work never waits in front of live work.
+- ``canary``: a share of requests is answered by the candidate (by a hash of ``sticky_header``'s value when set),
+  and the primary computes the same input as a shadow would, so a canary is compared too. An image the candidate
+  fails is answered by the primary: a failing candidate costs its users nothing while the evidence gathers.
+
+Decisions (and the rollout itself) are written to ``<model>/rollout.json``; after a restart a running rollout starts
+over with its comparison reset (a log line says so), a decided one stays decided.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import random
+import time
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from service.core.config import RolloutConfig, parse_config
+from service.core.errors import BadInputError, ConfigError, NotFoundError, VisionServeError
+from service.core.repository import ModelEntry
+from service.engine.batcher import InferRequest, InferResult
+from service.engine.comparison import Comparison, verdict
+
+if TYPE_CHECKING:
+    from service.engine.model import ModelEngine
+    from service.engine.server import EngineServer
+    from service.transport.messages import Submit
+
+log = logging.getLogger("visionserve.rollout")
+
+STATE_FILE = "rollout.json"
+SHADOW_PRIORITY = 1 << 30  # after every live request of any priority
+_EFFECTIVE_SMOOTHING = 0.05  # weight of the newest sample in the effective fraction's moving average
+
+
+class Rollout:
+    """One model's rollout: its versions, settings, comparison and decision."""
+
+    def __init__(self, model: str, primary: int, candidate: int, config: RolloutConfig, labels: list[str]) -> None:
+        self.model = model
+        self.primary = primary
+        self.candidate = candidate
+        self.config = config
+        self.comparison = Comparison(labels, confidence=config.confidence)
+        self.state = "running"
+        self.reason = ""
+        self.started_unix = time.time()
+        self.decided_unix: float | None = None
+        self.verdict, self.verdict_reason = "wait", "no samples yet"
+        self.done_share = 1.0  # moving average of sampled requests whose comparison was not shed
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def arms(self, route: str) -> tuple[int, int | None]:
+        """(the version that answers, the version computed beside it for the comparison, or None)."""
+        cfg = self.config
+        if cfg.mode == "canary":
+            draw = zlib.crc32(route.encode()) / 2**32 if route and cfg.sticky_header else random.random()
+            return (self.candidate, self.primary) if draw < cfg.fraction else (self.primary, None)
+        return (self.primary, self.candidate) if random.random() < cfg.fraction else (self.primary, None)
+
+    def sampled(self, done: bool) -> None:
+        self.done_share += _EFFECTIVE_SMOOTHING * ((1.0 if done else 0.0) - self.done_share)
+
+    def document(self) -> dict[str, Any]:
+        """What ``GET /v2/models/{m}/rollout`` answers (docs/rollouts.md)."""
+        cfg = self.config
+        policy = {k: getattr(cfg, k) for k in ("min_samples", "min_agreement", "confidence", "abort_min_samples",
+                                               "max_latency_ratio", "max_error_rate", "shadow_timeout_ms")}  # fmt: skip
+        return {
+            "model": self.model, "state": self.state, "mode": cfg.mode, "primary": self.primary,
+            "candidate": self.candidate, "fraction": cfg.fraction,
+            "effective_fraction": cfg.fraction * self.done_share if self.running else 0.0,
+            "sticky_header": cfg.sticky_header, "auto": cfg.auto, "reason": self.reason,
+            "started_unix": self.started_unix, "decided_unix": self.decided_unix,
+            "verdict": self.verdict, "verdict_reason": self.verdict_reason, "policy": policy,
+            "comparison": self.comparison.summary(),
+        }  # fmt: skip
+
+
+def none_document(model: str, serving: int | None) -> dict[str, Any]:
+    return {"model": model, "state": "none", "serving": serving}
+
+
+class Rollouts:
+    """Every model's rollout on one engine, and the version that serves requests naming none."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+        self.by_model: dict[str, Rollout] = {}
+        self.serving: dict[str, int] = {}  # model -> the version requests without one get (where not the highest)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- loading ----------------------------------------------------------------------------------------------
+    def retired(self, entry: ModelEntry) -> set[int]:
+        """Versions a decided rollout took out of service (a promoted candidate's old primary, an aborted
+        candidate): not loaded again after a restart or a reload."""
+        record = _read_state(entry.path)
+        if record is None or record.get("state") not in ("promoted", "aborted"):
+            return set()
+        if record["state"] == "promoted":
+            return {int(record["primary"])}
+        return {int(record["candidate"])}
+
+    def loaded(self, entry: ModelEntry) -> None:
+        """``entry`` was (re)loaded: take up its rollout from ``rollout.json`` or its config's ``[rollout]``."""
+        name = entry.name
+        versions = self.server.models.get(name, {})
+        self.by_model.pop(name, None)
+        self.serving.pop(name, None)
+        record = _read_state(entry.path)
+        configured = entry.config.rollout
+        if record is not None and (not configured.candidate or configured.candidate == record.get("candidate")):
+            state, candidate, primary = record.get("state"), int(record["candidate"]), int(record["primary"])
+            if state == "promoted" and candidate in versions:
+                self.serving[name] = candidate
+                log.info("model %s: serving v%s, promoted over v%s (%s)", name, candidate, primary, STATE_FILE)
+                return
+            if state == "aborted" and primary in versions:
+                self.serving[name] = primary
+                log.info("model %s: serving v%s; candidate v%s was aborted (%s)", name, primary, candidate, STATE_FILE)
+                return
+            if state == "running" and candidate in versions and primary in versions:
+                config = _rollout_config(record.get("config", {}), f"{entry.path / STATE_FILE}")
+                self._begin(name, primary, candidate, config)
+                log.warning("model %s: the rollout of v%s beside v%s goes on after a restart or reload, its "
+                            "comparison reset to zero samples (%s)", name, candidate, primary, STATE_FILE)  # fmt: skip
+                return
+        if configured.candidate:
+            if configured.candidate not in versions:
+                log.error("model %s: [rollout] candidate %s is not a loaded version (%s); no rollout", name,
+                          configured.candidate, sorted(versions))  # fmt: skip
+                return
+            others = [v for v in versions if v != configured.candidate]
+            if not others:
+                log.error("model %s: [rollout] candidate %s has no version beside it to compare with", name,
+                          configured.candidate)  # fmt: skip
+                return
+            primary = max(others)
+            self._begin(name, primary, configured.candidate, configured)
+            log.info("model %s: %s of v%s beside v%s started from config.toml", name, configured.mode,
+                     configured.candidate, primary)  # fmt: skip
+
+    def _begin(self, name: str, primary: int, candidate: int, config: RolloutConfig) -> Rollout:
+        engines = self.server.models[name]
+        _check_same_input(engines[primary], engines[candidate])
+        rollout = Rollout(name, primary, candidate, config, list(engines[primary].spec.labels))
+        self.by_model[name] = rollout
+        self.serving[name] = primary
+        self._save(rollout)
+        self.server._version += 1
+        return rollout
+
+    # ---- the admin calls --------------------------------------------------------------------------------------
+    async def start(self, name: str, raw: dict[str, Any]) -> dict[str, Any]:
+        """Start a rollout of ``raw["candidate"]`` (loaded from the repository if it is not yet) beside the version
+        serving now; ``raw`` holds any ``[rollout]`` fields."""
+        server = self.server
+        if name not in server.models:
+            raise NotFoundError(f"model {name!r} is not loaded here")
+        current = self.by_model.get(name)
+        if current is not None and current.running:
+            raise BadInputError(f"model {name!r} already has a rollout running (v{current.candidate}); abort it first")
+        config = _rollout_config(raw, "the rollout request")
+        if not config.candidate:
+            raise BadInputError('a rollout needs a candidate version: {"candidate": N}')
+        versions = server.models[name]
+        primary = self.serving.get(name) or max(v for v in versions if v != config.candidate)
+        if config.candidate == primary:
+            raise BadInputError(f"version {primary} is the one serving; the candidate must be another")
+        if config.candidate not in versions:
+            await self._load_candidate(name, config.candidate)
+        rollout = self._begin(name, primary, config.candidate, config)
+        server.endpoint.announce()
+        log.info("model %s: %s of v%s beside v%s started by request", name, config.mode, config.candidate, primary)
+        return rollout.document()
+
+    async def _load_candidate(self, name: str, number: int) -> None:
+        server = self.server
+        entry = await asyncio.to_thread(server.repository.model, name)
+        version = entry.versions.get(number)
+        if version is None:
+            why = entry.version_errors.get(number)
+            raise NotFoundError(f"model {name!r} has no usable version {number} in the repository"
+                                + (f": {why}" if why else ""))  # fmt: skip
+        entry = ModelEntry(entry.name, entry.path, server.configs[name].config, entry.versions, entry.version_errors)
+
+        async def load() -> None:
+            engine = await server.make_engine(entry, number, server.gpus)
+            server.models.setdefault(name, {})[number] = engine
+
+        await server.residency.load_extra(f"{name}@{number}", entry, load)
+
+    async def decide(self, name: str, decision: str, reason: str) -> dict[str, Any]:
+        """Promote or abort ``name``'s running rollout; the version leaving is unloaded once drained."""
+        rollout = self.by_model.get(name)
+        if rollout is None or not rollout.running:
+            raise BadInputError(f"model {name!r} has no rollout running")
+        await self._close(self._decide(rollout, decision, reason))
+        return rollout.document()
+
+    def _decide(self, rollout: Rollout, decision: str, reason: str) -> ModelEngine | None:
+        """The decision, at once (no await: no request can slip between the decision and the new route); the
+        version leaving is returned for the caller to drain and close."""
+        name = rollout.model
+        promote = decision == "promote"
+        keep, leave = (rollout.candidate, rollout.primary) if promote else (rollout.primary, rollout.candidate)
+        rollout.state = "promoted" if decision == "promote" else "aborted"
+        rollout.reason = reason
+        rollout.decided_unix = time.time()
+        self.serving[name] = keep  # from here every request naming no version goes to ``keep``
+        self._save(rollout)
+        log.warning("model %s: v%s %s beside v%s: %s", name, rollout.candidate, rollout.state, rollout.primary, reason)
+        server = self.server
+        leaving = server.models.get(name, {}).pop(leave, None)
+        server.residency.release_extra(f"{name}@{leave}")
+        server._version += 1
+        server.endpoint.announce()
+        return leaving
+
+    async def _close(self, leaving: ModelEngine | None) -> None:
+        if leaving is not None:
+            await leaving.close(self.server.settings.drain_timeout_s)  # its queued work is answered first
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def version_for(self, name: str, asked: int) -> int:
+        """The version a request naming none goes to (``asked``: what its front end chose)."""
+        serving = self.serving.get(name)
+        return serving if serving is not None and serving in self.server.models.get(name, {}) else asked
+
+    def submit(self, message: Submit, images: np.ndarray) -> asyncio.Future[InferResult] | None:
+        """The answer's future for a request naming no version of a model with a running rollout; None when the
+        model has none running (the caller queues it as usual)."""
+        rollout = self.by_model.get(message.model)
+        if rollout is None or not rollout.running:
+            return None
+        engines = self.server.models[message.model]
+        answer_v, other_v = rollout.arms(message.route or "")
+        answer, other = engines[answer_v], engines.get(other_v) if other_v is not None else None
+        shadow_shed = other is not None and _busy(answer, other)
+        request = _request(message, images, message.priority, message.timeout_ms or None)
+        live = answer.batcher.enqueue(request)
+        if other is None:
+            return live
+        rollout.sampled(not shadow_shed)
+        if shadow_shed:
+            rollout.comparison.record_shed(len(images))
+            return live
+        copy = _request(message, np.array(images, copy=True), SHADOW_PRIORITY, rollout.config.shadow_timeout_ms)
+        try:
+            beside = other.batcher.enqueue(copy)
+        except VisionServeError:
+            rollout.comparison.record_shed(len(images))
+            return live
+        result: asyncio.Future[InferResult] = live
+        if answer_v == rollout.candidate:  # canary: the candidate answers, the primary rescues what it fails
+            result = asyncio.get_running_loop().create_task(self._canary(rollout, live, beside))
+        self._spawn(self._compare(rollout, live, beside, len(images), candidate_answers=answer_v == rollout.candidate))
+        return result
+
+    async def _canary(
+        self, rollout: Rollout, live: asyncio.Future[InferResult], beside: asyncio.Future[InferResult]
+    ) -> InferResult:
+        try:
+            result = await asyncio.shield(live)
+        except asyncio.CancelledError:
+            live.cancel()
+            beside.cancel()
+            raise
+        except VisionServeError as exc:
+            if isinstance(exc, BadInputError):
+                raise
+            return await asyncio.shield(beside)  # the whole request failed on the candidate: the primary answers
+        failed = [i for i, e in enumerate(result.errors) if e is not None and not isinstance(e, BadInputError)]
+        if not failed:
+            return result
+        try:
+            primary = await asyncio.shield(beside)
+        except VisionServeError:
+            return result
+        logits, errors = result.logits.copy(), list(result.errors)  # the comparison reads the candidate's own
+        for i in failed:
+            if primary.errors[i] is None:
+                logits[i], errors[i] = primary.logits[i], None
+        return dataclasses.replace(result, logits=logits, errors=errors)
+
+    async def _compare(
+        self,
+        rollout: Rollout,
+        live: asyncio.Future[InferResult],
+        beside: asyncio.Future[InferResult],
+        images: int,
+        *,
+        candidate_answers: bool,
+    ) -> None:
+        live_out, beside_out = await asyncio.gather(live, beside, return_exceptions=True)
+        if isinstance(live_out, asyncio.CancelledError) or isinstance(beside_out, asyncio.CancelledError):
+            return  # the caller went away
+        if not rollout.running:
+            return
+        comparison = rollout.comparison
+        if isinstance(beside_out, BaseException) and _shed(beside_out):
+            comparison.record_shed(images)  # its deadline passed in the queue, or the queue was full
+            return
+        candidate, primary = (live_out, beside_out) if candidate_answers else (beside_out, live_out)
+        if isinstance(primary, BaseException):
+            return  # nothing to hold the candidate against
+        comparison.attempts += images
+        if isinstance(candidate, BaseException):
+            comparison.record_error(str(candidate), images)
+        else:
+            ok = [i for i in range(images) if primary.errors[i] is None and candidate.errors[i] is None]
+            bad = [e for i, e in enumerate(candidate.errors) if e is not None and primary.errors[i] is None]
+            if bad:
+                comparison.record_error(str(bad[-1]), len(bad))
+            if ok:
+                comparison.record(primary.logits[ok], candidate.logits[ok], _per_image(primary),
+                                  _per_image(candidate))  # fmt: skip
+        self._judge(rollout)
+
+    def _judge(self, rollout: Rollout) -> None:
+        rollout.verdict, rollout.verdict_reason = verdict(rollout.comparison, rollout.config)
+        if rollout.config.auto and rollout.verdict != "wait" and rollout.running:
+            self._spawn(self._close(self._decide(rollout, rollout.verdict, f"automatic: {rollout.verdict_reason}")))
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout task failed", exc_info=task.exception())
+
+    async def query(self, args: dict[str, Any], lock: asyncio.Lock) -> Any:
+        """The engine's ``rollout`` query: the document (None where the model is not here); with ``action``:
+        start, promote or abort first (under the engine's model lock, as loads and unloads)."""
+        name = str(args.get("name", ""))
+        action = args.get("action")
+        if action is None:
+            return self.document(name) if name in self.server.models or name in self.by_model else None
+        async with lock:
+            if action == "start":
+                return await self.start(name, args.get("settings") or {})
+            if action in ("promote", "abort"):
+                return await self.decide(name, action, str(args.get("reason") or f"{action} asked by request"))
+        raise BadInputError(f"unknown rollout action {action!r}: start, promote or abort")
+
+    # ---- what it shows --------------------------------------------------------------------------------------
+    def document(self, name: str) -> dict[str, Any]:
+        rollout = self.by_model.get(name)
+        if rollout is None:
+            if name not in self.server.models:
+                raise NotFoundError(f"unknown model {name!r}")
+            return none_document(name, self.version_for(name, max(self.server.models[name])))
+        return rollout.document()
+
+    def documents(self) -> list[dict[str, Any]]:
+        return [r.document() for r in list(self.by_model.values())]
+
+    def _save(self, rollout: Rollout) -> None:
+        entry = self.server.configs.get(rollout.model)
+        if entry is None:
+            return
+        record = {
+            "model": rollout.model, "state": rollout.state, "primary": rollout.primary,
+            "candidate": rollout.candidate, "config": msgspec.to_builtins(rollout.config),
+            "reason": rollout.reason, "started_unix": rollout.started_unix, "decided_unix": rollout.decided_unix,
+            "comparison": rollout.comparison.summary() if not rollout.running else None,
+        }  # fmt: skip
+        path = entry.path / STATE_FILE
+        try:
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only repository still rolls out; the decision lasts until a restart
+            log.error("model %s: could not write %s (%s): the rollout will not survive a restart", rollout.model,
+                      path, exc)  # fmt: skip
+
+
+def _read_state(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        int(record["candidate"]), int(record["primary"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.error("ignoring %s: %s", path, exc)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _rollout_config(raw: Any, source: str) -> RolloutConfig:
+    if not isinstance(raw, dict):
+        raise BadInputError(f"a rollout's settings must be a JSON object of [rollout] fields, got {raw!r}")
+    try:
+        return parse_config({"rollout": raw}, source=source).rollout
+    except ConfigError as exc:
+        raise BadInputError(str(exc)) from None
+
+
+def _check_same_input(primary: ModelEngine, candidate: ModelEngine) -> None:
+    a, b = primary.spec, candidate.spec
+    if a.input != b.input or (a.resize_size, a.interpolation) != (b.resize_size, b.interpolation):
+        raise BadInputError(
+            f"v{candidate.version.version} takes other input than v{primary.version.version} "
+            f"({b.input} vs {a.input}): a rollout compares both on the same decoded image"
+        )
+
+
+def _busy(answer: ModelEngine, other: ModelEngine) -> bool:
+    """Whether shadow work now would wait in front of, or beside, live work that is piling up."""
+    return (answer.batcher.queue_depth >= answer.config.max_batch_size
+            or other.batcher.queue_depth >= other.config.max_batch_size)  # fmt: skip
+
+
+def _request(message: Submit, images: np.ndarray, priority: int, timeout_ms: float | None) -> InferRequest:
+    return InferRequest(request_id=message.request_id, model=message.model, version=message.version, images=images,
+                        priority=priority, timeout_ms=timeout_ms)  # fmt: skip
+
+
+def _per_image(result: InferResult) -> float:
+    size = result.batch_sizes[-1] if result.batch_sizes else max(1, len(result.errors))
+    return result.compute_s / max(1, size)
+
+
+def _shed(exc: BaseException) -> bool:
+    from service.core.errors import DeadlineExceededError, OverloadedError
+
+    return isinstance(exc, DeadlineExceededError | OverloadedError)
