@@ -41,9 +41,17 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def _quantiles(values: deque[float]) -> dict[str, float | None]:
-    if not values:
+    for _ in range(10):  # a scrape reads on its own thread while the loop appends
+        try:
+            copied = list(values)
+            break
+        except RuntimeError:
+            continue
+    else:
+        copied = []
+    if not copied:
         return {"mean": None, "p50": None, "p99": None}
-    a = np.fromiter(values, dtype=np.float64) * 1000.0
+    a = np.asarray(copied, dtype=np.float64) * 1000.0
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
 
@@ -131,8 +139,9 @@ class Comparison:
         """The comparison as docs/rollouts.md shows it."""
         low, high = self.interval()
         classes: list[dict[str, Any]] = []
-        for index, (n, agreed) in self.per_class.items():
-            moved = {self._label(c): k for (p, c), k in sorted(self.moved.items(), key=lambda x: -x[1]) if p == index}
+        moved_all = sorted(list(self.moved.items()), key=lambda x: -x[1])  # list(): one step under the GIL
+        for index, (n, agreed) in list(self.per_class.items()):
+            moved = {self._label(c): k for (p, c), k in moved_all if p == index}
             classes.append({"index": index, "label": self._label(index), "samples": n, "agreed": agreed,
                             "agreement": agreed / n, "moved_to": moved})  # fmt: skip
         classes.sort(key=lambda c: (c["agreement"], -c["samples"]))

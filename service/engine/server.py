@@ -32,6 +32,7 @@ from service.core.errors import (
 from service.core.memory_metrics import ResidencyCollector
 from service.core.metrics import LiveState, Metrics, ModelCounts, merge_request_states
 from service.core.repository import ModelEntry, ModelRepository
+from service.core.rollout_metrics import RolloutCollector
 from service.core.settings import ServerSettings, parse_budget
 from service.core.spec import encode_spec
 from service.core.status import SERVING_STATES
@@ -89,6 +90,7 @@ class EngineServer:
         if self.metrics is not None:
             self.metrics.watch(self._live)
             self.metrics.registry.register(ResidencyCollector(self.residency.snapshot))
+            self.metrics.registry.register(RolloutCollector(self.rollouts.documents))
 
     # ---- loading --------------------------------------------------------------------------------------------
     async def load_all(self) -> None:
