@@ -224,3 +224,33 @@ def test_a_restart_resumes_a_running_rollout_reset_and_keeps_a_decision(tmp_path
         stop_server(server)
     assert kept["state"] == "none" and kept["serving"] == 2
     assert versions == ["2"] and status == 200  # the old primary is not loaded again
+
+
+def _resident_bytes(client: httpx.Client) -> float:
+    lines = client.get("/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("visionserve_device_resident_bytes{"))
+
+
+def test_a_candidate_written_after_start_is_loaded_alone_and_charged_to_the_budget(tmp_path: Path) -> None:
+    repo = _repo(tmp_path / "repo")
+    later = tmp_path / "v2"
+    shutil.move(repo / "digits" / "2", later)  # as `train --export` writes it: after the server started
+    server = launcher.start(repo, "--admin-token", ADMIN_TOKEN, "--memory-budget", "cpu=4GB", log=tmp_path / "log")
+    try:
+        with server.client() as client:
+            before = _resident_bytes(client)
+            refused = client.post("/v2/models/digits/rollout", json={"candidate": 2}, headers=ADMIN)
+            shutil.move(later, repo / "digits" / "2")
+            started = rollout(client, candidate=2, mode="shadow", fraction=1.0, auto=False)
+            during = _resident_bytes(client)
+            status, _ = top1(client, 0)
+            rollout(client, "abort", reason="done")
+            after = _resident_bytes(client)
+            versions = client.get("/v2/models/digits").json()["versions"]
+    finally:
+        stop_server(server)
+    print(f"\ncandidate loaded alone: charged {before / 1e6:.1f} -> {during / 1e6:.1f} -> {after / 1e6:.1f} MB")
+    assert refused.status_code == 404 and "no usable version 2" in refused.json()["error"]
+    assert started["state"] == "running" and status == 200
+    assert during > before and after == before
+    assert versions == ["1"]
