@@ -8,7 +8,7 @@ a promotion still lands its requests on the version that serves, and nothing is 
 
 - ``shadow``: a sampled request is answered by the primary; a copy of its uint8 tensor (the decoded input, never
   decoded again) is queued on the candidate at the lowest priority with a short deadline. It is shed, not queued,
-  when either version's queue holds a full batch already: shadow work never waits in front of live work.
+  while live images wait or the shadow's version is still busy: shadow work never waits in front of live work.
 - ``canary``: a share of requests is answered by the candidate (by a hash of ``sticky_header``'s value when set),
   and the primary computes the same input as a shadow would, so a canary is compared too. An image the candidate
   fails is answered by the primary: a failing candidate costs its users nothing while the evidence gathers.
@@ -27,6 +27,7 @@ import os
 import random
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -257,45 +258,55 @@ class Rollouts:
         engines = self.server.models[message.model]
         answer_v, other_v = rollout.arms(message.route or "")
         answer, other = engines[answer_v], engines.get(other_v) if other_v is not None else None
-        shadow_shed = other is not None and _busy(answer, other)
-        request = _request(message, images, message.priority, message.timeout_ms or None)
-        live = answer.batcher.enqueue(request)
-        if other is None:
+        shed = other is not None and _busy(answer, other)  # judged before the live images join the queue
+        live = answer.batcher.enqueue(_request(message, images, message.priority, message.timeout_ms or None))
+        beside: asyncio.Future[InferResult] | None = None
+        if other is not None and not shed:
+            copy = _request(message, np.array(images, copy=True), SHADOW_PRIORITY, rollout.config.shadow_timeout_ms)
+            try:
+                beside = other.batcher.enqueue(copy)
+            except VisionServeError:
+                shed = True
+        if other is not None:
+            rollout.sampled(not shed)
+            if shed:
+                rollout.comparison.record_shed(len(images))
+        canary = answer_v == rollout.candidate
+        if beside is not None:
+            self._spawn(self._compare(rollout, live, beside, len(images), candidate_answers=canary))
+        if not canary:
             return live
-        rollout.sampled(not shadow_shed)
-        if shadow_shed:
-            rollout.comparison.record_shed(len(images))
-            return live
-        copy = _request(message, np.array(images, copy=True), SHADOW_PRIORITY, rollout.config.shadow_timeout_ms)
-        try:
-            beside = other.batcher.enqueue(copy)
-        except VisionServeError:
-            rollout.comparison.record_shed(len(images))
-            return live
-        result: asyncio.Future[InferResult] = live
-        if answer_v == rollout.candidate:  # canary: the candidate answers, the primary rescues what it fails
-            result = asyncio.get_running_loop().create_task(self._canary(rollout, live, beside))
-        self._spawn(self._compare(rollout, live, beside, len(images), candidate_answers=answer_v == rollout.candidate))
-        return result
+        primary = engines[rollout.primary]
+
+        def rescue() -> asyncio.Future[InferResult]:  # the front end's images are still there: not yet answered
+            return primary.batcher.enqueue(_request(message, images, message.priority, message.timeout_ms or None))
+
+        return asyncio.get_running_loop().create_task(self._canary(live, beside, rescue))
 
     async def _canary(
-        self, rollout: Rollout, live: asyncio.Future[InferResult], beside: asyncio.Future[InferResult]
+        self,
+        live: asyncio.Future[InferResult],
+        beside: asyncio.Future[InferResult] | None,
+        rescue: Callable[[], asyncio.Future[InferResult]],
     ) -> InferResult:
+        """A canary's answer: the candidate's, with what it failed answered by the primary (computed beside it for
+        the comparison, or queued now)."""
         try:
             result = await asyncio.shield(live)
         except asyncio.CancelledError:
             live.cancel()
-            beside.cancel()
+            if beside is not None:
+                beside.cancel()
             raise
         except VisionServeError as exc:
             if isinstance(exc, BadInputError):
                 raise
-            return await asyncio.shield(beside)  # the whole request failed on the candidate: the primary answers
+            return await asyncio.shield(beside if beside is not None else rescue())  # the whole request failed
         failed = [i for i, e in enumerate(result.errors) if e is not None and not isinstance(e, BadInputError)]
         if not failed:
             return result
         try:
-            primary = await asyncio.shield(beside)
+            primary = await asyncio.shield(beside if beside is not None else rescue())
         except VisionServeError:
             return result
         logits, errors = result.logits.copy(), list(result.errors)  # the comparison reads the candidate's own
@@ -431,9 +442,11 @@ def _check_same_input(primary: ModelEngine, candidate: ModelEngine) -> None:
 
 
 def _busy(answer: ModelEngine, other: ModelEngine) -> bool:
-    """Whether shadow work now would wait in front of, or beside, live work that is piling up."""
-    return (answer.batcher.queue_depth >= answer.config.max_batch_size
-            or other.batcher.queue_depth >= other.config.max_batch_size)  # fmt: skip
+    """Whether shadow work now would compete with live work: live images are waiting for the answering version
+    (its queue is not empty), or the shadow's version is still busy with earlier work. Both versions share the
+    device's cores (or SMs): a shadow batch computing beside a live one slows it, so at most one runs at a time,
+    and none while live work queues. Under load this sheds most samples: the sampling backs off by itself."""
+    return answer.batcher.queue_depth > 0 or other.batcher.queue_depth > 0 or other.batcher.inflight_batches > 0
 
 
 def _request(message: Submit, images: np.ndarray, priority: int, timeout_ms: float | None) -> InferRequest:
