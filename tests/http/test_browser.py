@@ -1,7 +1,9 @@
 """The demo page in real headless Chromium: pick, paste or drop several images, read each one's classes, error and
 timings, change the model and top-k, and use it from the keyboard. Its server serves ``digits`` and ``tricky`` (the
 same model, its labels HTML that must show as text), and ``lazy`` (the same model again, on demand: loaded by its
-first request, which the model list shows)."""
+first request, which the model list shows). The rollout table is checked twice: against answers the browser's
+``fetch`` is handed (a 404, from a server without rollouts, stands for no rollout), and against a real shadow
+rollout from a model's config.toml."""
 
 from __future__ import annotations
 
@@ -10,20 +12,43 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.http.conftest import RunningServer, start_server, stop_server
 from tests.http.test_image_api import digit_png
+from tests.service.test_rollout_metrics import contract_document
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
 # The labels of ``tricky``: markup and a script that would run if a label were ever inserted as HTML.
 TRICKY_LABELS = [f"<b>{i}</b>" if i % 2 else f'<img src=x onerror="window.pwned={i}">{i}' for i in range(10)]
 WAIT_S = 30  # bounded waits on what the page shows; a real model answers in milliseconds
+# Run before the page's own script: ``fetch`` of /v2/models/{m}/rollout answers from window.rolloutStub where it
+# names the model (a document, or a status number such as 404), else reaches the server; each model asked is noted.
+ROLLOUT_STUB = """window.rolloutStub = %s; window.rolloutAsked = [];
+const serverFetch = window.fetch;
+window.fetch = (url, init) => {
+  const match = /^\\/v2\\/models\\/([^/]+)\\/rollout$/.exec(String(url));
+  if (!match) return serverFetch(url, init);
+  const model = decodeURIComponent(match[1]);
+  window.rolloutAsked.push(model);
+  const stub = window.rolloutStub[model];
+  if (stub === undefined) return serverFetch(url, init);
+  const [status, body] = typeof stub === 'number' ? [stub, {error: `stubbed ${stub}`}] : [200, stub];
+  return Promise.resolve(new Response(JSON.stringify(body), {status, headers: {'content-type': 'application/json'}}));
+};"""
+# What the rollout table shows: each row's cells by class name, how many elements its cells hold, and whether the
+# section is hidden.
+ROLLOUT_ROWS = """return {hidden: document.getElementById('rollouts-section').hidden,
+    markup: document.querySelectorAll('#rollouts tbody td *').length,
+    rows: [...document.querySelectorAll('#rollouts tr.rollout')].map(tr =>
+        Object.fromEntries([...tr.cells].map(td => [td.className, td.textContent])))}"""
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +288,96 @@ def test_the_openapi_ui_renders_from_this_server_alone(page_server: RunningServe
     assert browser.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock"), "no operation was rendered"
     loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert loaded and all(url.startswith(page_server.url) or url.startswith("data:") for url in loaded), loaded
+
+
+def _rollouts(browser: Any, ok: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """Wait until the rollout table satisfies ``ok``; what it shows."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    seen: list[dict[str, Any]] = []
+
+    def shown(driver: Any) -> bool:
+        seen.append(driver.execute_script(ROLLOUT_ROWS))
+        return ok(seen[-1])
+
+    try:
+        WebDriverWait(browser, WAIT_S).until(shown)
+    except Exception as exc:
+        raise AssertionError(f"the rollout table shows {seen[-1] if seen else None}") from exc
+    return seen[-1]
+
+
+def test_the_rollout_table_shows_each_rollout_and_a_404_as_none(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
+    running = contract_document() | {"model": "tricky"}
+    running["verdict_reason"] = '<img src=x onerror="window.pwned=1">412 of 1000 samples'  # text, never markup
+    browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument",
+                            {"source": ROLLOUT_STUB % json.dumps({"tricky": running, "lazy": 404})})  # fmt: skip
+    _open(browser, page_server)
+    shown = _rollouts(browser, lambda t: bool(t["rows"]))
+    assert shown["rows"] == [{
+        "model": "tricky", "mode": "shadow", "versions": "v1 -> v2", "samples": "412",
+        "agreement": "99.51% [98.26%, 99.87%]", "latency-ratio": "1.09x", "shed": "37",
+        "verdict": 'wait: <img src=x onerror="window.pwned=1">412 of 1000 samples',
+    }]  # fmt: skip
+    assert not shown["hidden"] and shown["markup"] == 0 and browser.execute_script("return window.pwned === undefined")
+    # digits' rollout came from the server: a 404 without the route, {"state": "none"} with it; no row either way.
+    assert sorted(browser.execute_script("return window.rolloutAsked"))[:3] == ["digits", "lazy", "tricky"]
+    answer = httpx.get(page_server.url + "/v2/models/digits/rollout")
+    assert answer.status_code == 404 or answer.json()["state"] == "none", answer.text
+
+    # Decided: what was done and why; then nothing beside any model, and the section goes away.
+    aborted = running | {"state": "aborted", "reason": "agreement 0.9 is below 0.99", "verdict": "abort"}
+    browser.execute_script("window.rolloutStub.tricky = arguments[0]; loadModels();", aborted)
+    shown = _rollouts(browser, lambda t: bool(t["rows"]) and t["rows"][0]["verdict"].startswith("aborted"))
+    assert shown["rows"][0]["verdict"] == "aborted: agreement 0.9 is below 0.99"
+    none = {"model": "tricky", "state": "none"}
+    browser.execute_script("window.rolloutStub.tricky = arguments[0]; loadModels();", none)
+    assert _rollouts(browser, lambda t: t["hidden"])["rows"] == []
+
+    # Nothing yet compared: no agreement or ratio to show. A failure other than a 404 shows beside its model.
+    empty = running | {"verdict_reason": "0 of 1000 samples", "auto": False}
+    nothing = dict.fromkeys(("agreement", "agreement_low", "agreement_high", "latency_ratio"))
+    empty["comparison"] = running["comparison"] | nothing | {"samples": 0, "shed": 0}
+    browser.execute_script("window.rolloutStub.tricky = arguments[0]; window.rolloutStub.lazy = 500; loadModels();",
+                           empty)  # fmt: skip
+    shown = _rollouts(browser, lambda t: len(t["rows"]) == 2)
+    rows = {row["model"]: row for row in shown["rows"]}
+    assert rows["lazy"] == {"model": "lazy", "error": "Could not read its rollout: stubbed 500"}
+    assert rows["tricky"]["agreement"] == "none yet" and rows["tricky"]["latency-ratio"] == "none yet"
+    assert rows["tricky"]["samples"] == "0" and rows["tricky"]["verdict"] == "wait: 0 of 1000 samples (auto off)"
+
+
+def test_a_shadow_rollout_shows_what_its_route_answers(served_repo: Path, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    root = tmp_path / "repo"
+    shutil.copytree(served_repo / "digits", root / "ab")
+    shutil.copytree(root / "ab" / "1", root / "ab" / "2")  # the same weights: the candidate agrees on everything
+    config = root / "ab" / "config.toml"
+    rollout = '\n[rollout]\ncandidate = 2\nmode = "shadow"\nfraction = 1.0\nauto = false\n'
+    config.write_text(config.read_text() + rollout)
+    server = start_server(root, tmp_path / "server.log", real_models=("ab",))
+    try:
+        _open(browser, server, "ab")
+        png = tmp_path / "digit.png"
+        png.write_bytes(digit_png(3)[0])
+        browser.find_element(By.ID, "file").send_keys(str(png))
+        _cards(browser, 1, rows=5)
+        deadline = time.monotonic() + WAIT_S
+        while True:  # the shadow's work is done (or shed) after the answer
+            document = httpx.get(server.url + "/v2/models/ab/rollout").json()
+            comparison = document["comparison"]
+            if comparison["samples"] + comparison["shed"] + comparison["errors"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert document["state"] == "running" and comparison["samples"] == 1, document
+        browser.execute_script("loadModels();")
+        shown = _rollouts(browser, lambda t: bool(t["rows"]) and t["rows"][0]["samples"] == "1")
+        assert shown["rows"] == [{
+            "model": "ab", "mode": "shadow", "versions": "v1 -> v2", "samples": "1",
+            "agreement": "100.00% [{:.2%}, 100.00%]".format(comparison["agreement_low"]),
+            "latency-ratio": "{:.2f}x".format(comparison["latency_ratio"]), "shed": "0",
+            "verdict": f"wait: {document['verdict_reason']} (auto off)",
+        }]  # fmt: skip
+    finally:
+        stop_server(server)

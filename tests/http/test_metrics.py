@@ -1,6 +1,6 @@
 """Metrics: after a known mix of good, bad, rejected and timed-out requests against a real server, every counter
 and histogram count equals what was sent; the dashboard queries only metrics the server exports, and has a panel
-for each metric of many models on one device."""
+for each metric of many models on one device and of rollouts."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ RESIDENCY_METRICS = {
     "visionserve_model_resident_bytes", "visionserve_device_resident_bytes", "visionserve_memory_budget_bytes",
     "visionserve_model_loads_total", "visionserve_model_evictions_total", "visionserve_model_residency_hits_total",
     "visionserve_model_residency_misses_total", "visionserve_cold_start_duration_seconds",
+}  # fmt: skip
+# service/core/rollout_metrics.py: exported by every server (families without samples when no rollout runs).
+ROLLOUT_METRICS = {
+    "visionserve_rollout_info", "visionserve_rollout_agreement", "visionserve_rollout_topk_overlap",
+    "visionserve_rollout_latency_ratio", "visionserve_rollout_fraction", "visionserve_rollout_samples_total",
+    "visionserve_rollout_score_shift",
 }  # fmt: skip
 
 
@@ -129,7 +135,7 @@ def test_counters_and_histograms_equal_what_was_sent(fresh: RunningServer) -> No
 
 def test_the_dashboard_queries_only_exported_metrics(fresh: RunningServer) -> None:
     dashboard = json.loads((ROOT / "docs" / "grafana" / "visionserve.json").read_text())
-    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]  # a row has none
     queries += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     queried = {re.sub(r"_(bucket|count|sum)$", "", name) for q in queries for name in re.findall(r"visionserve_\w+", q)}
     httpx.post(fresh.url + "/v1/models/digits/classify", content=digit_png(0)[0], headers={"content-type": "image/png"})
@@ -140,6 +146,8 @@ def test_the_dashboard_queries_only_exported_metrics(fresh: RunningServer) -> No
     assert len(queried) >= 12
     assert not RESIDENCY_METRICS - exported, f"not exported: {RESIDENCY_METRICS - exported}"
     assert not RESIDENCY_METRICS - queried, f"no dashboard panel queries {RESIDENCY_METRICS - queried}"
+    assert not ROLLOUT_METRICS - exported, f"not exported: {ROLLOUT_METRICS - exported}"
+    assert not ROLLOUT_METRICS - queried, f"no dashboard panel queries {ROLLOUT_METRICS - queried}"
 
 
 def test_every_response_has_a_request_id_and_the_json_access_log_has_the_split(
