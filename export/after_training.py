@@ -2,9 +2,10 @@
 
 The checkpoint becomes the model's next version, parity-gated exactly as ``visionserve export`` does (nothing
 reaches the repository unless it matches eager PyTorch). With ``--reload URL`` a running server is then asked to
-load the new version through its repository API (``POST /v2/repository/models/{name}/load``). The ``train``
-command is ``models/commands.py``'s; ``service/cli.py`` hands it :func:`prepare_export`, since models/ stands below
-export/ and may not import it.
+load the new version through its repository API (``POST /v2/repository/models/{name}/load``), or, with
+``--rollout shadow|canary``, to put it on trial beside the version it serves (``POST /v2/models/{name}/rollout``,
+docs/rollouts.md). The ``train`` command is ``models/commands.py``'s; ``service/cli.py`` hands it
+:func:`prepare_export`, since models/ stands below export/ and may not import it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from service.core.errors import ConfigError
 
@@ -52,7 +54,11 @@ def prepare_export(args: argparse.Namespace) -> Callable[[str], int]:
         print_report(report)
         if not report.ok:
             return 1
-        if args.reload:
+        if args.reload and args.rollout and report.version > 1:
+            start_rollout(args.reload, request.name, str(token), report.version, args.rollout, args.rollout_fraction)
+        elif args.reload:
+            if args.rollout:  # a first version has nothing to be compared with: it is simply served
+                print(f"version 1 is {request.name}'s first: nothing to compare it with, so it is loaded instead")
             reload_model(args.reload, request.name, str(token))
         return 0
 
@@ -61,13 +67,35 @@ def prepare_export(args: argparse.Namespace) -> Callable[[str], int]:
 
 def reload_model(url: str, name: str, token: str) -> None:
     """Ask the server at ``url`` to (re)load ``name``, which serves its highest version."""
+    _post_admin(url, f"/v2/repository/models/{name}/load", token, "--reload")
+    print(f"{url} loaded {name}")
+
+
+def start_rollout(url: str, name: str, token: str, candidate: int, mode: str, fraction: float) -> None:
+    """Ask the server at ``url`` to put ``name`` version ``candidate`` on trial beside the version it serves."""
+    body = {"candidate": candidate, "mode": mode, "fraction": fraction}
+    answer = _post_admin(url, f"/v2/models/{name}/rollout", token, "--rollout", body)
+    primary = answer.get("primary") if isinstance(answer, dict) else None
+    against = f"against version {primary}" if primary is not None else "against the version it serves"
+    print(
+        f"{url} started a {mode} rollout of {name} version {candidate} {against} on {fraction:.0%} of the requests "
+        f"that name no version; follow it with: visionserve rollout status --url {url} --model {name}"
+    )
+
+
+def _post_admin(url: str, path: str, token: str, flag: str, body: dict[str, Any] | None = None) -> Any:
+    """POST ``body`` to an admin route of the server at ``url``; its JSON answer (None when it is not JSON)."""
     import httpx
 
-    target = f"{url.rstrip('/')}/v2/repository/models/{name}/load"
     try:
-        response = httpx.post(target, headers={"Authorization": f"Bearer {token}"}, timeout=120.0)
+        response = httpx.post(
+            url.rstrip("/") + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=120.0
+        )
     except httpx.HTTPError as exc:
-        raise ConfigError(f"--reload {url}: the server could not be reached ({exc})") from exc
+        raise ConfigError(f"{flag} {url}: the server could not be reached ({exc})") from exc
     if response.status_code != 200:
-        raise ConfigError(f"--reload {url}: the server answered {response.status_code}: {response.text[:300]}")
-    print(f"{url} loaded {name}")
+        raise ConfigError(f"{flag} {url}: the server answered {response.status_code}: {response.text[:300]}")
+    try:
+        return response.json()
+    except ValueError:
+        return None

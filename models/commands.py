@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from service.core.arguments import number_in
 from service.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -111,9 +112,25 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="with --export: a running server (http://HOST:PORT) to load the new version through its repository "
-        "API; needs its admin token in --admin-token or VISIONSERVE_ADMIN_TOKEN",
+        "API (or, with --rollout, to put it on trial); needs its admin token in --admin-token or "
+        "VISIONSERVE_ADMIN_TOKEN",
     )
     g.add_argument("--admin-token", default=None, help="with --reload: the server's admin token")
+    g.add_argument(
+        "--rollout",
+        default=None,
+        choices=["shadow", "canary"],
+        help="with --reload: instead of loading the new version, start a rollout of it beside the version the "
+        "server serves (docs/rollouts.md): shadow (compared, never returned) or canary (answers a fraction); "
+        "default: none (load it)",
+    )
+    g.add_argument(
+        "--rollout-fraction",
+        type=number_in(0, 1),
+        default=0.1,
+        metavar="F",
+        help="with --rollout: the fraction of the requests that name no version which the new version computes",
+    )
 
 
 class _RichProgress:
@@ -222,6 +239,8 @@ PrepareExport = Callable[[argparse.Namespace], ExportStep]
 def run_train(args: argparse.Namespace, *, export: PrepareExport | None = None) -> int:
     """``visionserve train``; with ``--export``, ``export`` (handed in by the command line) runs after training on
     rank 0, on the checkpoint written."""
+    if args.rollout and not args.reload:
+        raise ConfigError("--rollout starts a rollout on the server that --reload names: add --reload URL")
     step: ExportStep | None = None
     if args.export:
         if export is None:
