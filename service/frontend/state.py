@@ -11,11 +11,12 @@ front end (the whole server can serve), and the server is not draining.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -42,6 +43,9 @@ from service.transport.client import UNAVAILABLE
 from service.transport.messages import Catalog, ModelInfo, Snapshot
 
 __all__ = ["ModelSlot", "ServerState", "VersionRef"]
+
+# Answered stream frames' age, seconds: 1 ms to about 33 s.
+STREAM_AGE_BUCKETS = tuple(round(0.001 * 1.5**k, 6) for k in range(26))
 
 log = logging.getLogger("visionserve.server")
 
@@ -220,6 +224,9 @@ class ServerState:
         self.sticky_headers: dict[str, str] = {}  # model -> the header a sticky canary routes by
         self._ready_event: asyncio.Event | None = None
         self.requests_inflight = 0  # inference requests past ``slot()`` and not yet answered
+        self.streams: set[Any] = set()  # open streams (each has ``drain()``): told to end when the server drains
+        self.stream_frames: dict[tuple[str, str], int] = {}  # (model, outcome) -> frames, this front end's
+        self.stream_ages: dict[str, list[float]] = {}  # model -> answered frames' age histogram (STREAM_AGE_BUCKETS)
         self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight
 
     async def drain(self, timeout_s: float) -> bool:
@@ -227,11 +234,19 @@ class ServerState:
         ``timeout_s`` has passed; True when nothing is left in flight. The front end keeps accepting
         connections meanwhile, so that a request that arrives during the drain gets its 503 at once."""
         self.draining = True
-        if self.requests_inflight == 0:
-            return True
-        self.idle = asyncio.Event()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.idle.wait(), timeout_s)
+        deadline = time.monotonic() + timeout_s
+        streams = list(self.streams)
+        for stream in streams:  # each answers the frames it holds, then closes
+            stream.drain()
+        if self.requests_inflight > 0:
+            self.idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.idle.wait(), timeout_s)
+        if streams:
+            ends = [asyncio.ensure_future(s.done.wait()) for s in streams]
+            _, pending = await asyncio.wait(ends, timeout=max(0.0, deadline - time.monotonic()))
+            for end in pending:
+                end.cancel()
         return self.requests_inflight == 0
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
@@ -356,6 +371,20 @@ class ServerState:
         if number not in versions:
             raise NotFoundError(f"model {name!r} has no version {number} (versions: {sorted(versions)})")
         return versions[number]
+
+    def stream_outcome(self, model: str) -> Callable[[str, float], None]:
+        """The hook a stream of ``model`` calls with each frame's outcome (answered, superseded, expired, error) and
+        age in seconds: counted here, reported to the engine with the other counts."""
+        ages = self.stream_ages.setdefault(model, [0.0] * (len(STREAM_AGE_BUCKETS) + 2))  # buckets, +Inf, sum
+
+        def record(outcome: str, age_s: float) -> None:
+            key = (model, outcome)
+            self.stream_frames[key] = self.stream_frames.get(key, 0) + 1
+            if outcome == "answered":
+                ages[bisect.bisect_left(STREAM_AGE_BUCKETS, age_s)] += 1
+                ages[-1] += age_s
+
+        return record
 
     def route(self, name: str, version: int | str | None, headers: Mapping[str, str]) -> str | None:
         """What a request's Submit says of its version: None when it named one; else the value of the header a

@@ -21,6 +21,7 @@ from service.frontend.http.errors import handle_http, handle_ours, handle_unexpe
 from service.frontend.http.image_api import classify
 from service.frontend.http.openapi_ui import swagger_asset, swagger_plugin
 from service.frontend.http.page import docs, index, list_models
+from service.frontend.http.stream_ws import stream
 from service.frontend.http.timing import ServerTimingMiddleware
 from service.frontend.http.v2 import ROUTES, SERVER_VERSION
 from service.frontend.link import Linker
@@ -74,6 +75,7 @@ def create_app(
     app = Litestar(
         route_handlers=[
             classify,
+            stream,
             index,
             docs,
             swagger_asset,

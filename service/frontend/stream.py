@@ -1,0 +1,218 @@
+"""A stream of frames to one model, with latest-frame semantics (docs/streams.md); the protocol-free part that the
+WebSocket route and gRPC's ``ModelStreamInfer`` share.
+
+At most one frame waits per stream: :meth:`FrameStream.offer` replaces a waiting frame (answered ``superseded``),
+and the stream's one worker takes the newest frame, drops it when it is older than ``max_age_ms`` (before decode,
+before compute, or by the engine at its deadline: ``expired``), else decodes and computes it like any request. Each
+stream has at most one frame computing, so a fast stream cannot crowd slow ones out of the engine's queue.
+
+Every frame gets exactly one answer through ``emit``, a plain callback (the transport's outbox), in the order its
+fate is decided: ``result``, ``superseded``, ``expired`` or ``error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError
+from service.core.scores import predictions, softmax
+from service.frontend.state import ModelSlot
+from service.frontend.timing import Timing
+
+log = logging.getLogger("visionserve.stream")
+
+DEFAULT_MAX_AGE_MS = 500.0
+MAX_AGE_LIMIT_MS = 60_000.0
+OUTCOMES = ("answered", "superseded", "expired", "error")
+
+
+@dataclass
+class Frame:
+    """One frame as the server read it: its id and the client's timestamp (echoed), the encoded image, and when it
+    was read off the connection (``time.perf_counter()``, the age's origin)."""
+
+    id: Any
+    client_ts: Any
+    data: bytes
+    received: float = field(default_factory=time.perf_counter)
+
+    def age_ms(self, now: float | None = None) -> float:
+        return ((time.perf_counter() if now is None else now) - self.received) * 1000.0
+
+
+@dataclass
+class StreamCounts:
+    """One stream's frames by fate (``sent`` = the sum of the others once the stream has ended)."""
+
+    sent: int = 0
+    answered: int = 0
+    superseded: int = 0
+    expired: int = 0
+    error: int = 0
+    ages_ms: list[float] = field(default_factory=list)  # answered frames' ages (the stream's own report)
+
+
+Emit = Callable[[dict[str, Any]], None]
+Compute = Callable[[np.ndarray, Timing, float], Any]  # (decoded [C,H,W], timing, timeout_ms) -> awaitable InferResult
+
+
+class FrameStream:
+    """One client's stream to ``slot``'s model. ``emit`` receives every answer (a dict, docs/streams.md);
+    ``compute`` queues a decoded frame on the engine (by default ``slot.infer`` with the request's route);
+    ``on_outcome(outcome, age_s)`` hears of each frame's fate (the metrics)."""
+
+    def __init__(
+        self,
+        slot: ModelSlot,
+        emit: Emit,
+        *,
+        max_age_ms: float = DEFAULT_MAX_AGE_MS,
+        top_k: int = 5,
+        route: str | None = None,
+        on_outcome: Callable[[str, float], None] | None = None,
+        protocol: str = "stream",
+    ) -> None:
+        self.slot = slot
+        self.emit = emit
+        self.max_age_ms = max_age_ms
+        self.top_k = top_k
+        self.route = route
+        self.on_outcome = on_outcome
+        self.protocol = protocol
+        self.counts = StreamCounts()
+        self._waiting: Frame | None = None
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._worker: asyncio.Task[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        """The worker has stopped: every frame offered has been answered."""
+        return self._worker is None or self._worker.done()
+
+    # ---- intake ---------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._worker = asyncio.get_running_loop().create_task(self._run(), name=f"stream-{self.slot.name}")
+
+    def offer(self, frame: Frame) -> None:
+        """A frame read off the connection: it waits, replacing (superseding) the frame waiting before it."""
+        self.counts.sent += 1
+        if self._closing:
+            self._answer(frame, "expired", stage="wait", reason="the stream is closing")
+            return
+        older, self._waiting = self._waiting, frame
+        if older is not None:
+            self._answer(older, "superseded", by=frame.id)
+        self._wake.set()
+
+    def reject(self, frame_id: Any, client_ts: Any, message: str) -> None:
+        """A message that is not a usable frame (a bad header): answered as an error, counted as sent."""
+        self.counts.sent += 1
+        self._answer(Frame(frame_id, client_ts, b""), "error", error=message)
+
+    async def close(self, reason: str = "the stream ended", timeout_s: float = 30.0) -> None:
+        """No more frames: the waiting one is answered ``expired``; the one computing is answered (within
+        ``timeout_s``), then the worker stops."""
+        self._closing = True
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            self._answer(waiting, "expired", stage="wait", reason=reason)
+        self._wake.set()
+        if self._worker is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._worker), timeout_s)
+            except TimeoutError:
+                self._worker.cancel()
+
+    # ---- the worker -------------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            frame, self._waiting = self._waiting, None
+            if frame is None:
+                if self._closing:
+                    return
+                continue
+            try:
+                await self._process(frame)
+            except asyncio.CancelledError:
+                self._answer(frame, "expired", stage="queue", reason="the stream was cut off")
+                raise
+            except Exception as exc:  # never lose a frame, whatever went wrong
+                log.exception("stream frame %r failed", frame.id)
+                self._answer(frame, "error", error=f"{type(exc).__name__}: {exc}")
+            if self._waiting is not None:
+                self._wake.set()
+
+    async def _process(self, frame: Frame) -> None:
+        waited_ms = frame.age_ms()
+        if waited_ms > self.max_age_ms:
+            self._answer(frame, "expired", stage="wait")
+            return
+        timing = Timing(arrived=frame.received)
+        decoded = (await self.slot.decode([frame.data], timing))[0]
+        if isinstance(decoded, VisionServeError):
+            self._answer(frame, "error", error=str(decoded))
+            return
+        age_ms = frame.age_ms()
+        if age_ms >= self.max_age_ms:
+            self._answer(frame, "expired", stage="decode")
+            return
+        try:
+            with self.slot.observe(timing, protocol=self.protocol):
+                result = await self.slot.infer([decoded], timing, timeout_ms=self.max_age_ms - age_ms, route=self.route)
+        except DeadlineExceededError:
+            self._answer(frame, "expired", stage="queue")
+            return
+        except VisionServeError as exc:
+            self._answer(frame, "error", error=str(exc))
+            return
+        error = result.errors[0]
+        if error is not None:
+            self._answer(frame, "error", error=str(error))
+            return
+        best = predictions(softmax(result.logits), self.slot.spec.labels, self.top_k)[0]
+        timings = {
+            "wait": round(waited_ms, 3),
+            "decode": round(timing.preprocess_s * 1000.0, 3),
+            "queue": round(timing.queue_s * 1000.0, 3),
+            "compute": round(timing.compute_s * 1000.0, 3),
+        }
+        self._answer(frame, "result", predictions=best, timings_ms=timings)
+
+    # ---- answers ----------------------------------------------------------------------------------------------
+    def _answer(self, frame: Frame, status: str, **fields: Any) -> None:
+        age_ms = frame.age_ms()
+        outcome = "answered" if status == "result" else status
+        counts = self.counts
+        setattr(counts, outcome, getattr(counts, outcome) + 1)
+        if outcome == "answered":
+            counts.ages_ms.append(age_ms)
+        if self.on_outcome is not None:
+            self.on_outcome(outcome, age_ms / 1000.0)
+        self.emit({"id": frame.id, "ts": frame.client_ts, "status": status, "age_ms": round(age_ms, 3), **fields})
+
+
+def stream_options(max_age_ms: Any, top_k: Any) -> tuple[float, int]:
+    """``max_age_ms`` and ``top_k`` of a stream, checked (BadInputError names the bad one)."""
+    try:
+        age = DEFAULT_MAX_AGE_MS if max_age_ms in (None, "") else float(max_age_ms)
+    except (TypeError, ValueError):
+        age = float("nan")
+    if not 0 < age <= MAX_AGE_LIMIT_MS:
+        raise BadInputError(f"max_age_ms must be a number in (0, {MAX_AGE_LIMIT_MS:g}], got {max_age_ms!r}")
+    try:
+        k = 5 if top_k in (None, "") else int(top_k)
+    except (TypeError, ValueError):
+        k = 0
+    if k < 1:
+        raise BadInputError(f"top_k must be an integer >= 1, got {top_k!r}")
+    return age, k
