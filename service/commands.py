@@ -185,6 +185,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="a request head must arrive within this of the connection opening or the request starting; else 408",
     )
     p.add_argument(
+        "--stream-send-timeout-s",
+        type=float,
+        default=10.0,
+        help="a stream's answer its client has not taken within this: the client is cut off (close 1008)",
+    )
+    p.add_argument(
         "--body-timeout-s",
         type=float,
         default=10.0,
@@ -242,6 +248,7 @@ def run_serve(args: argparse.Namespace) -> int:
         large_image_pixels=args.large_image_pixels,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        stream_send_timeout_s=args.stream_send_timeout_s,
         min_body_bytes_per_s=args.min_body_bytes_per_s,
         strict_readiness=args.strict_readiness,
         memory_budget=args.memory_budget,

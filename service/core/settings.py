@@ -33,6 +33,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
     min_body_bytes_per_s: int = 1024
+    stream_send_timeout_s: float = 10.0  # a stream's answer not taken by its client this long: the client is cut off
     # Many models per device (service/engine/ondemand.py): the memory budget per device ("" = 70% of the machine's
     # memory, 90% of each GPU's; "2GB" for every device; "cpu=8GB,cuda:0=60GB"), the youngest a model may be
     # evicted at (the guard against churn), how many loads run at once, and how long a request waits for a load.
@@ -58,7 +59,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
 
         if self.max_pixels > pil_max_pixels():
             raise ConfigError(f"max_pixels must be at most {pil_max_pixels()} (PIL's own limit), got {self.max_pixels}")
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "stream_send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.min_body_bytes_per_s < 0:

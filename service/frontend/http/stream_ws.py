@@ -26,7 +26,6 @@ from service.frontend.stream import Frame, FrameStream, stream_options
 log = logging.getLogger("visionserve.stream")
 
 OUTBOX_LIMIT = 64  # answers not yet taken by the client before it is cut off
-SEND_TIMEOUT_S = 10.0  # one answer not taken within this: the client is cut off
 CLOSE_TIMEOUT_S = 2.0
 NOT_READING, GOING_AWAY, POLICY, INTERNAL, UNKNOWN_MODEL = 1008, 1001, 1008, 1011, 4404
 
@@ -73,8 +72,10 @@ class Session:
             self.ready.set()
             self.stop.set()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(sender, SEND_TIMEOUT_S)
-        code, why = (NOT_READING, self.cut_off) if self.cut_off else (GOING_AWAY, "the server is draining")
+                await asyncio.wait_for(sender, self.server.settings.stream_send_timeout_s)
+        # The close says how many frames the server read: the client knows the ones sent after them were not.
+        read = f"{self.stream.counts.sent} frames read"
+        code, why = (NOT_READING, f"{read}; {self.cut_off}") if self.cut_off else (GOING_AWAY, f"{read}; draining")
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.socket.close(code=code, reason=why[:120]), CLOSE_TIMEOUT_S)
 
@@ -123,10 +124,11 @@ class Session:
             self.ready.clear()
             while self.outbox and self.cut_off is None:
                 text = self.outbox.popleft()
+                limit_s = self.server.settings.stream_send_timeout_s
                 try:
-                    await asyncio.wait_for(self.socket.send_text(text), SEND_TIMEOUT_S)
+                    await asyncio.wait_for(self.socket.send_text(text), limit_s)
                 except TimeoutError:
-                    self._cut(f"an answer waited {SEND_TIMEOUT_S:g} s for the client to read it")
+                    self._cut(f"an answer waited {limit_s:g} s for the client to read it")
                     return
                 except Exception:  # the connection went away: nothing more to tell it
                     self.stop.set()
@@ -152,9 +154,8 @@ async def stream(socket: WebSocket[Any, Any, Any], model: str, version: str | No
     route = server.route(slot.name, version, dict(socket.headers))
     session = Session(socket, server, {"slot": slot, "max_age_ms": max_age_ms, "top_k": top_k, "route": route,
                                        "on_outcome": server.stream_outcome(slot.name)})  # fmt: skip
-    server.streams.add(session)
     try:
-        await session.run()
+        with server.stream_open(slot.name, session):
+            await session.run()
     finally:
-        server.streams.discard(session)
         session.done.set()
