@@ -30,12 +30,13 @@ from service.core.errors import (
     VisionServeError,
 )
 from service.core.memory_metrics import ResidencyCollector
-from service.core.metrics import LiveState, Metrics, ModelCounts, merge_request_states
+from service.core.metrics import LiveState, Metrics, ModelCounts
 from service.core.repository import ModelEntry, ModelRepository
 from service.core.rollout_metrics import RolloutCollector
 from service.core.settings import ServerSettings, parse_budget
 from service.core.spec import encode_spec
 from service.core.status import SERVING_STATES
+from service.core.stream_metrics import StreamCollector
 from service.engine.batcher import InferRequest, InferResult
 from service.engine.model import ModelEngine, cuda_devices, engine_share
 from service.engine.ondemand import Residency
@@ -80,8 +81,8 @@ class EngineServer:
         self._lock = asyncio.Lock()
         self.draining = False
         # Every engine hears every front end's report; only the primary renders them, so nothing counts twice.
-        states = self._request_states if primary else list
-        self.metrics = Metrics(request_states=states) if settings.metrics else None
+        reported = self._reported if primary else lambda field: []
+        self.metrics = Metrics(request_states=lambda: reported("requests")) if settings.metrics else None
         self.residency = Residency(
             self, parse_budget(settings.memory_budget), min_residency_s=settings.min_residency_s,
             max_parallel_loads=settings.max_parallel_loads, cold_start_limit_s=settings.cold_start_limit_s,
@@ -91,6 +92,7 @@ class EngineServer:
             self.metrics.watch(self._live)
             self.metrics.registry.register(ResidencyCollector(self.residency.snapshot))
             self.metrics.registry.register(RolloutCollector(self.rollouts.documents))
+            self.metrics.registry.register(StreamCollector(lambda: reported("streams")))
 
     # ---- loading --------------------------------------------------------------------------------------------
     async def load_all(self) -> None:
@@ -262,20 +264,10 @@ class EngineServer:
         result = future.result()
         errors = [None if e is None else WireError.of(e) for e in result.errors]
         logits = np.ascontiguousarray(result.logits, dtype=np.float32)
-        self.endpoint.send(
-            peer,
-            Result(
-                number,
-                logits.tobytes(),
-                int(logits.shape[1]),
-                errors if any(errors) else None,
-                result.queue_s,
-                result.compute_s,
-                result.batch_sizes,
-                Stamps(result.received, result.instance, result.batch, result.done),
-                result.cold_start_s,
-            ),
-        )
+        stamps = Stamps(result.received, result.instance, result.batch, result.done)
+        self.endpoint.send(peer, Result(number, logits.tobytes(), int(logits.shape[1]), errors if any(errors) else None,
+                                        result.queue_s, result.compute_s, result.batch_sizes, stamps,
+                                        result.cold_start_s))  # fmt: skip
 
     def _wire(self, exc: BaseException, model: str) -> WireError:
         wire = WireError.of(exc)
@@ -441,8 +433,9 @@ class EngineServer:
         return await self.rollouts.query(args, self._lock)
 
     # ---- metrics --------------------------------------------------------------------------------------------
-    def _request_states(self) -> Any:
-        return merge_request_states(s for snap in list(self.endpoint.snapshots.values()) for s in snap.requests)
+    def _reported(self, field: str) -> list[Any]:
+        """Every front end's latest report of ``field`` (requests, streams): the collectors merge them."""
+        return [item for snap in list(self.endpoint.snapshots.values()) for item in getattr(snap, field)]
 
     def _live(self) -> Any:
         for name, versions in list(self.models.items()):  # read on a scrape's thread: copies, not live views

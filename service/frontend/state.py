@@ -36,6 +36,7 @@ from service.core.preprocess import ImageLimits
 from service.core.settings import ServerSettings
 from service.core.spec import ModelSpec, decode_spec
 from service.core.status import EngineState, InferResult
+from service.core.stream_metrics import STREAM_AGE_BUCKETS, StreamState, empty_ages
 from service.frontend.exposition import merge_exposition
 from service.frontend.link import EngineLink, Linker
 from service.frontend.timing import Timing
@@ -43,9 +44,6 @@ from service.transport.client import UNAVAILABLE
 from service.transport.messages import Catalog, ModelInfo, Snapshot
 
 __all__ = ["ModelSlot", "ServerState", "VersionRef"]
-
-# Answered stream frames' age, seconds: 1 ms to about 33 s.
-STREAM_AGE_BUCKETS = tuple(round(0.001 * 1.5**k, 6) for k in range(26))
 
 log = logging.getLogger("visionserve.server")
 
@@ -225,6 +223,7 @@ class ServerState:
         self._ready_event: asyncio.Event | None = None
         self.requests_inflight = 0  # inference requests past ``slot()`` and not yet answered
         self.streams: set[Any] = set()  # open streams (each has ``drain()``): told to end when the server drains
+        self.streams_open: dict[str, int] = {}  # model -> streams open now (kept at 0 once closed: a gauge)
         self.stream_frames: dict[tuple[str, str], int] = {}  # (model, outcome) -> frames, this front end's
         self.stream_ages: dict[str, list[float]] = {}  # model -> answered frames' age histogram (STREAM_AGE_BUCKETS)
         self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight
@@ -372,10 +371,22 @@ class ServerState:
             raise NotFoundError(f"model {name!r} has no version {number} (versions: {sorted(versions)})")
         return versions[number]
 
+    @contextlib.contextmanager
+    def stream_open(self, model: str, stream: Any) -> Iterator[None]:
+        """``stream`` (with ``drain()`` and ``done``, an event set once it has closed) is open on ``model`` for the
+        block: told to end when the server drains, and counted in ``visionserve_streams_open``."""
+        self.streams.add(stream)
+        self.streams_open[model] = self.streams_open.get(model, 0) + 1
+        try:
+            yield
+        finally:
+            self.streams.discard(stream)
+            self.streams_open[model] -= 1
+
     def stream_outcome(self, model: str) -> Callable[[str, float], None]:
         """The hook a stream of ``model`` calls with each frame's outcome (answered, superseded, expired, error) and
         age in seconds: counted here, reported to the engine with the other counts."""
-        ages = self.stream_ages.setdefault(model, [0.0] * (len(STREAM_AGE_BUCKETS) + 2))  # buckets, +Inf, sum
+        ages = self.stream_ages.setdefault(model, empty_ages())  # buckets, +Inf, sum
 
         def record(outcome: str, age_s: float) -> None:
             key = (model, outcome)
@@ -399,7 +410,18 @@ class ServerState:
         """Everything this front end has recorded (cumulative): the engine sums every front end's."""
         requests = self.metrics.request_snapshot() if self.metrics is not None else []
         counts = list(self._stats.values())  # encoded at once by the caller, before they count on
-        return Snapshot(token, requests, counts)
+        return Snapshot(token, requests, counts, self._stream_states())
+
+    def _stream_states(self) -> list[StreamState]:
+        """Copies: the in-process engine reads them on a scrape's thread while streams count on."""
+        models = sorted({*self.stream_ages, *self.streams_open, *(model for model, _ in self.stream_frames)})
+        frames: dict[str, dict[str, int]] = {model: {} for model in models}
+        for (model, outcome), count in list(self.stream_frames.items()):
+            frames.setdefault(model, {})[outcome] = count
+        return [
+            StreamState(m, frames[m], list(self.stream_ages.get(m) or empty_ages()), self.streams_open.get(m, 0))
+            for m in models
+        ]
 
     async def query_all(self, what: str, **args: Any) -> list[Any]:
         """Ask every engine; an engine that is down answers 503."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError
 from service.core.scores import predictions, softmax
+from service.core.stream_metrics import STREAM_OUTCOMES
 from service.frontend.state import ModelSlot
 from service.frontend.timing import Timing
 
@@ -30,7 +31,7 @@ log = logging.getLogger("visionserve.stream")
 
 DEFAULT_MAX_AGE_MS = 500.0
 MAX_AGE_LIMIT_MS = 60_000.0
-OUTCOMES = ("answered", "superseded", "expired", "error")
+OUTCOMES = STREAM_OUTCOMES  # a frame's fate: every frame gets exactly one
 
 
 @dataclass
@@ -66,7 +67,9 @@ Compute = Callable[[np.ndarray, Timing, float], Any]  # (decoded [C,H,W], timing
 class FrameStream:
     """One client's stream to ``slot``'s model. ``emit`` receives every answer (a dict, docs/streams.md);
     ``compute`` queues a decoded frame on the engine (by default ``slot.infer`` with the request's route);
-    ``on_outcome(outcome, age_s)`` hears of each frame's fate (the metrics)."""
+    ``on_outcome(outcome, age_s)`` hears of each frame's fate (the metrics). With ``keep_raw``, each answer also
+    carries ``frame`` (the :class:`Frame` offered, or made by :meth:`reject`) and a result its ``logits`` (the
+    frame's float32 row): for a transport that builds its own answers (gRPC's ``LOGITS``); never JSON."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class FrameStream:
         route: str | None = None,
         on_outcome: Callable[[str, float], None] | None = None,
         protocol: str = "stream",
+        keep_raw: bool = False,
     ) -> None:
         self.slot = slot
         self.emit = emit
@@ -86,6 +90,7 @@ class FrameStream:
         self.route = route
         self.on_outcome = on_outcome
         self.protocol = protocol
+        self.keep_raw = keep_raw
         self.counts = StreamCounts()
         self._waiting: Frame | None = None
         self._wake = asyncio.Event()
@@ -186,7 +191,8 @@ class FrameStream:
             "queue": round(timing.queue_s * 1000.0, 3),
             "compute": round(timing.compute_s * 1000.0, 3),
         }
-        self._answer(frame, "result", predictions=best, timings_ms=timings)
+        raw = {"logits": result.logits[0]} if self.keep_raw else {}
+        self._answer(frame, "result", predictions=best, timings_ms=timings, **raw)
 
     # ---- answers ----------------------------------------------------------------------------------------------
     def _answer(self, frame: Frame, status: str, **fields: Any) -> None:
@@ -198,6 +204,8 @@ class FrameStream:
             counts.ages_ms.append(age_ms)
         if self.on_outcome is not None:
             self.on_outcome(outcome, age_ms / 1000.0)
+        if self.keep_raw:
+            fields["frame"] = frame
         self.emit({"id": frame.id, "ts": frame.client_ts, "status": status, "age_ms": round(age_ms, 3), **fields})
 
 

@@ -17,6 +17,7 @@ import msgspec
 from service.core import errors as _errors
 from service.core.errors import OverloadedError, VisionServeError
 from service.core.metrics import ModelCounts, RequestState
+from service.core.stream_metrics import StreamState
 
 
 class WireError(msgspec.Struct, array_like=True, frozen=True):
@@ -85,11 +86,13 @@ class Query(msgspec.Struct, tag="query", array_like=True, frozen=True):
 
 
 class Snapshot(msgspec.Struct, tag="snapshot", array_like=True, frozen=True):
-    """A front end's answer to :class:`Flush`: everything it has recorded so far (cumulative, so idempotent)."""
+    """A front end's answer to :class:`Flush`: everything it has recorded so far (cumulative, so idempotent).
+    ``streams`` came later: a sender without it decodes with none."""
 
     token: int
     requests: list[RequestState]
     counts: list[ModelCounts]
+    streams: list[StreamState] = []
 
 
 # ---- engine -> front end ------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ timings, change the model and top-k, and use it from the keyboard. Its server se
 same model, its labels HTML that must show as text), and ``lazy`` (the same model again, on demand: loaded by its
 first request, which the model list shows). The rollout table is checked twice: against answers the browser's
 ``fetch`` is handed (a 404, from a server without rollouts, stands for no rollout), and against a real shadow
-rollout from a model's config.toml."""
+rollout from a model's config.toml. Live mode streams Chromium's fake camera, and a video file recorded in the
+page, to the model over its WebSocket and shows each answer."""
 
 from __future__ import annotations
 
@@ -43,6 +44,36 @@ window.fetch = (url, init) => {
   const [status, body] = typeof stub === 'number' ? [stub, {error: `stubbed ${stub}`}] : [200, stub];
   return Promise.resolve(new Response(JSON.stringify(body), {status, headers: {'content-type': 'application/json'}}));
 };"""
+# What the live mode shows: the last answer, its classes, the running counts, the status line, the canvas's size.
+LIVE_SHOWN = """const text = (id) => document.getElementById(id).textContent;
+    return {status: text('live-status'), frame: text('live-frame'), result: text('live-result'), age: text('live-age'),
+        rtt: text('live-rtt'), detail: text('live-detail'),
+        pressed: document.getElementById('live-toggle').getAttribute('aria-pressed'),
+        labels: [...document.querySelectorAll('#live-predictions td.label')].map(td => td.textContent),
+        markup: document.querySelectorAll('#live-predictions td.label *').length,
+        canvas: [document.getElementById('live-canvas').width, document.getElementById('live-canvas').height],
+        counts: Object.fromEntries(['sent', 'answered', 'superseded', 'expired', 'errors', 'skipped'].map(
+            k => [k, Number(text(`live-${k}`))]))}"""
+# Records a second of a moving canvas as WebM (MediaRecorder) and hands it to the live mode's file input.
+RECORD_VIDEO = """const done = arguments[arguments.length - 1];
+const canvas = Object.assign(document.createElement('canvas'), {width: 64, height: 48});
+const g = canvas.getContext('2d');
+const recorder = new MediaRecorder(canvas.captureStream(25), {mimeType: 'video/webm'});
+const chunks = [];
+recorder.ondataavailable = (e) => chunks.push(e.data);
+recorder.onstop = () => {
+  const dt = new DataTransfer();
+  dt.items.add(new File(chunks, 'moving.webm', {type: 'video/webm'}));
+  const input = document.getElementById('live-file');
+  input.files = dt.files;
+  input.dispatchEvent(new Event('change', {bubbles: true}));
+  done(dt.files[0].size);
+};
+let x = 0;
+const draw = setInterval(() => { g.fillStyle = '#fff'; g.fillRect(0, 0, 64, 48); g.fillStyle = '#000';
+  g.fillRect(x++ % 48, 10, 16, 28); }, 40);
+recorder.start(100);
+setTimeout(() => { clearInterval(draw); recorder.stop(); }, 1000);"""
 # What the rollout table shows: each row's cells by class name, how many elements its cells hold, and whether the
 # section is hidden.
 ROLLOUT_ROWS = """return {hidden: document.getElementById('rollouts-section').hidden,
@@ -82,7 +113,9 @@ def browser(tmp_path: Path):  # type: ignore[no-untyped-def]
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-quic", f"--user-data-dir={tmp_path / 'profile'}"):  # fmt: skip
+                "--disable-quic", f"--user-data-dir={tmp_path / 'profile'}",
+                # live mode: a generated camera (a moving test pattern), its permission granted without asking
+                "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"):  # fmt: skip
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     try:
@@ -267,13 +300,14 @@ def test_every_control_is_labelled_and_reached_by_the_keyboard(page_server: Runn
     )
     assert unlabelled == []
     assert browser.find_element(By.ID, "file").get_attribute("multiple") is not None
-    browser.find_element(By.TAG_NAME, "body").click()
+    browser.find_element(By.TAG_NAME, "h1").click()  # Tab starts from the top (the page is taller than a screen)
     reached = []
-    for _ in range(8):
+    for _ in range(10):
         ActionChains(browser).send_keys(Keys.TAB).perform()
         reached.append(browser.execute_script("return document.activeElement.id"))
     first = reached.index("model") if "model" in reached else -1
-    assert reached[first : first + 3] == ["model", "topk", "file"], reached  # Tab goes through them in order
+    order = ["model", "topk", "file", "live-source", "live-file", "live-fps", "live-max-age", "live-toggle"]
+    assert reached[first : first + len(order)] == order, reached  # Tab goes through them in order
 
 
 def test_the_openapi_ui_renders_from_this_server_alone(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
@@ -381,3 +415,92 @@ def test_a_shadow_rollout_shows_what_its_route_answers(served_repo: Path, browse
         }]  # fmt: skip
     finally:
         stop_server(server)
+
+
+def _live(browser: Any, ok: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """Wait until the live mode shows what ``ok`` wants; what it shows."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    seen: list[dict[str, Any]] = []
+
+    def shown(driver: Any) -> bool:
+        seen.append(driver.execute_script(LIVE_SHOWN))
+        return ok(seen[-1])
+
+    try:
+        WebDriverWait(browser, WAIT_S).until(shown)
+    except Exception as exc:
+        raise AssertionError(f"the live mode shows {seen[-1] if seen else None}") from exc
+    return seen[-1]
+
+
+def _all_answered(shown: dict[str, Any]) -> bool:
+    counts = shown["counts"]
+    return counts["answered"] + counts["superseded"] + counts["expired"] + counts["errors"] == counts["sent"]
+
+
+def test_live_mode_streams_the_camera_and_shows_each_answer(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, page_server)
+    assert browser.find_element(By.ID, "live-fps").get_attribute("value") == "5"
+    browser.find_element(By.ID, "live-toggle").click()
+    shown = _live(browser, lambda s: s["result"] == "result" and s["counts"]["answered"] >= 3)
+    assert shown["status"] == "Streaming the camera to digits." and shown["pressed"] == "true", shown
+    assert re.fullmatch(r"\d+\.\d ms", shown["age"]) and re.fullmatch(r"\d+\.\d ms", shown["rtt"]), shown
+    assert len(shown["labels"]) == 5 and set(shown["labels"]) <= {str(i) for i in range(10)}, shown
+    assert shown["canvas"] == [640, 480] and shown["counts"]["errors"] == 0, shown  # the fake camera's frames
+
+    # Another model while live: a new stream to it; its labels (HTML) appear as text, never as markup.
+    Select(browser.find_element(By.ID, "model")).select_by_value("tricky")
+    shown = _live(browser, lambda s: s["status"] == "Streaming the camera to tricky." and s["counts"]["answered"] >= 2
+                  and s["result"] == "result" and set(s["labels"]) <= set(TRICKY_LABELS))  # fmt: skip
+    assert len(shown["labels"]) == 5 and shown["markup"] == 0 and browser.execute_script("return !window.pwned")
+
+    # Stopped: no more frames go, the ones sent are answered, and the counts add up.
+    browser.find_element(By.ID, "live-toggle").click()
+    shown = _live(browser, lambda s: s["status"] == "Live stopped.")
+    assert _all_answered(shown) and shown["counts"]["sent"] >= 2 and shown["pressed"] == "false", shown
+    time.sleep(0.5)
+    assert browser.execute_script(LIVE_SHOWN)["counts"] == shown["counts"]
+    assert not browser.execute_script("return document.getElementById('live-video').srcObject")  # camera released
+
+
+def test_live_mode_streams_a_video_file(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, page_server)
+    browser.set_script_timeout(WAIT_S)
+    assert browser.execute_async_script(RECORD_VIDEO) > 0
+    assert Select(browser.find_element(By.ID, "live-source")).first_selected_option.get_attribute("value") == "video"
+    fps = browser.find_element(By.ID, "live-fps")
+    fps.clear()
+    fps.send_keys("10")
+    browser.find_element(By.ID, "live-toggle").click()
+    shown = _live(browser, lambda s: s["result"] == "result" and s["counts"]["answered"] >= 3)
+    assert shown["status"] == "Streaming moving.webm to digits." and shown["canvas"] == [64, 48], shown
+    assert len(shown["labels"]) == 5 and re.fullmatch(r"\d+\.\d ms", shown["age"]), shown
+    browser.find_element(By.ID, "live-toggle").click()
+    shown = _live(browser, lambda s: s["status"] == "Live stopped.")
+    assert _all_answered(shown) and shown["counts"]["errors"] == 0, shown
+
+
+def test_live_mode_says_why_it_did_not_start(page_server: RunningServer, browser) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, page_server)
+    Select(browser.find_element(By.ID, "live-source")).select_by_value("video")
+    browser.find_element(By.ID, "live-toggle").click()
+    assert _live(browser, lambda s: s["status"].startswith("Live stopped"))["status"] == (
+        "Live stopped: could not start: choose a video file first."
+    )
+    fps = browser.find_element(By.ID, "live-fps")
+    fps.clear()
+    fps.send_keys("0")
+    browser.find_element(By.ID, "live-toggle").click()
+    shown = _live(browser, lambda s: s["status"].startswith("Not started"))
+    assert shown["status"] == "Not started: frames per second must be a number in (0, 30], got 0."
+    assert shown["pressed"] == "false" and shown["counts"]["sent"] == 0

@@ -1,6 +1,7 @@
 """Metrics: after a known mix of good, bad, rejected and timed-out requests against a real server, every counter
-and histogram count equals what was sent; the dashboard queries only metrics the server exports, and has a panel
-for each metric of many models on one device and of rollouts."""
+and histogram count equals what was sent; a stream's frames, by outcome, and their ages equal what its client was
+answered, and the open streams go up and down; the dashboard queries only metrics the server exports, and has a
+panel for each metric of many models on one device, of rollouts and of streams."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import concurrent.futures
 import json
 import re
 import shutil
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +38,8 @@ ROLLOUT_METRICS = {
     "visionserve_rollout_latency_ratio", "visionserve_rollout_fraction", "visionserve_rollout_samples_total",
     "visionserve_rollout_score_shift",
 }  # fmt: skip
+# service/core/stream_metrics.py: exported by every server (families without samples before any stream).
+STREAM_METRICS = {"visionserve_stream_frames_total", "visionserve_stream_age_seconds", "visionserve_streams_open"}
 
 
 def scrape(server: InProcessServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -57,6 +62,7 @@ def fresh(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     root = tmp_path_factory.mktemp("metrics-repo")
     for name in ("digits", "slow"):
         shutil.copytree(served_repo / name, root / name)
+    shutil.copytree(served_repo / "digits", root / "live")  # streamed to: its counts apart from digits'
     (root / "slow" / "config.toml").write_text(slow_config(max_queue_size=2))
     running = start_server(root, tmp_path_factory.mktemp("logs") / "metrics.log")
     yield running
@@ -148,6 +154,50 @@ def test_the_dashboard_queries_only_exported_metrics(fresh: RunningServer) -> No
     assert not RESIDENCY_METRICS - queried, f"no dashboard panel queries {RESIDENCY_METRICS - queried}"
     assert not ROLLOUT_METRICS - exported, f"not exported: {ROLLOUT_METRICS - exported}"
     assert not ROLLOUT_METRICS - queried, f"no dashboard panel queries {ROLLOUT_METRICS - queried}"
+    assert not STREAM_METRICS - exported, f"not exported: {STREAM_METRICS - exported}"
+    assert not STREAM_METRICS - queried, f"no dashboard panel queries {STREAM_METRICS - queried}"
+
+
+def frame(frame_id: int, image: bytes, ts: float | None = None) -> bytes:
+    """A stream's binary frame (docs/streams.md): the header's length, the header, the image."""
+    header = json.dumps({"id": frame_id, "ts": ts}).encode()
+    return struct.pack(">I", len(header)) + header + image
+
+
+def test_stream_frames_their_ages_and_open_streams_are_counted(fresh: RunningServer) -> None:
+    from websockets.sync.client import connect
+
+    live = {"model": "live"}
+    png = digit_png(3)[0]
+    burst = [frame(i, png) for i in range(1, 7)] + [b"\x00\x00\x00\x05nope!", frame(7, b"not an image")]
+    answers = []
+    url = fresh.url.replace("http://", "ws://", 1) + "/v1/models/live/stream?max_age_ms=30000&top_k=3"
+    with connect(url, open_timeout=30) as socket:
+        socket.send(frame(0, png, 12.5))
+        answers.append(json.loads(socket.recv(timeout=30)))
+        assert answers[0]["status"] == "result" and answers[0]["ts"] == 12.5, answers
+        for message in burst:  # at once: frames that wait while another computes are superseded
+            socket.send(message)
+        while len(answers) < 1 + len(burst):
+            answers.append(json.loads(socket.recv(timeout=30)))
+        m = scrape(fresh)
+        assert value(m, "visionserve_streams_open", **live) == 1
+    told = {o: 0 for o in ("answered", "superseded", "expired", "error")}
+    for answer in answers:
+        told["answered" if answer["status"] == "result" else answer["status"]] += 1
+    assert told["error"] == 2, answers  # the header that is no JSON, and the image that is none
+    counted = {o: value(m, "visionserve_stream_frames_total", outcome=o, **live) for o in told}
+    assert counted == told and sum(counted.values()) == 1 + len(burst)
+    ages = [a["age_ms"] / 1000.0 for a in answers if a["status"] == "result"]
+    assert value(m, "visionserve_stream_age_seconds_count", **live) == len(ages)
+    assert value(m, "visionserve_stream_age_seconds_bucket", le="+Inf", **live) == len(ages)
+    assert value(m, "visionserve_stream_age_seconds_sum", **live) == pytest.approx(sum(ages), abs=1e-5)
+
+    deadline = time.monotonic() + 30
+    while (shown := value(scrape(fresh), "visionserve_streams_open", **live)) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the server ends the session after the client has closed
+    assert shown == 0
+    assert {o: value(scrape(fresh), "visionserve_stream_frames_total", outcome=o, **live) for o in told} == told
 
 
 def test_every_response_has_a_request_id_and_the_json_access_log_has_the_split(

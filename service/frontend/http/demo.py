@@ -9,12 +9,15 @@ server's ``total`` duration of recent requests. A table lists the served models:
 or on demand), whether each is in memory and what it is charged there; read again after each answer, since a
 request may load an on-demand model and evict another. Below it, each model with a rollout (docs/rollouts.md): mode,
 primary -> candidate, samples compared, agreement with its interval, latency ratio, shed and the verdict, read from
-``GET /v2/models/{m}/rollout`` with the table (a 404, from a server without rollouts, counts as no rollout).
+``GET /v2/models/{m}/rollout`` with the table (a 404, from a server without rollouts, counts as no rollout). Then
+the live mode (``demo_live.py``): the camera or a video file streamed to the model, each frame's answer as it comes.
 """
 
 from __future__ import annotations
 
-PAGE = """<!doctype html>
+from service.frontend.http.demo_live import LIVE_SCRIPT, LIVE_SECTION, LIVE_STYLE
+
+_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>visionserve</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
@@ -40,6 +43,7 @@ PAGE = """<!doctype html>
  #chart polyline { fill: none; stroke: #36c; stroke-width: 1.5; }
  #rollouts td { white-space: nowrap; }
  #rollouts td.verdict { white-space: normal; }
+/* live: style */
 </style></head>
 <body>
 <h1>visionserve</h1>
@@ -55,6 +59,7 @@ PAGE = """<!doctype html>
 </div>
 <p id="error" role="alert"></p>
 <ul id="grid" aria-label="classified images" aria-live="polite"></ul>
+<!-- live: section -->
 <h2>Server latency of recent requests</h2>
 <svg id="chart" viewBox="0 0 300 60" preserveAspectRatio="none" role="img" aria-labelledby="latency">
  <polyline points=""></polyline></svg>
@@ -178,6 +183,14 @@ function drawChart() {
     `${sorted[sorted.length - 1].toFixed(1)} ms (0 to ${top.toFixed(1)} ms shown).`;
 }
 
+// One class of an answer: its label (text, never markup), score and a bar.
+function predictionRow(p) {
+  const bar = el('span', {className: 'bar'});
+  bar.style.width = `${Math.max(1, Math.round(100 * p.score))}%`;
+  return el('tr', {className: 'prediction'}, el('td', {className: 'label'}, String(p.label)),
+    el('td', {className: 'score'}, (100 * p.score).toFixed(1) + '%'), el('td', {className: 'bar-cell'}, bar));
+}
+
 function newCard(file) {
   const img = el('img', {alt: file.name || 'pasted image', src: URL.createObjectURL(file)});
   const card = el('li', {className: 'card'}, img, el('p', {className: 'name'}, file.name || 'pasted image'),
@@ -214,13 +227,7 @@ async function classify(item) {
     error = `The request failed: ${e.message}`;
   }
   if (run !== item.run) return;
-  card.querySelector('tbody').replaceChildren(...predictions.map(p => {
-    const pct = (100 * p.score).toFixed(1) + '%';
-    const bar = el('span', {className: 'bar'});
-    bar.style.width = `${Math.max(1, Math.round(100 * p.score))}%`;
-    return el('tr', {className: 'prediction'}, el('td', {className: 'label'}, String(p.label)),
-      el('td', {className: 'score'}, pct), el('td', {className: 'bar-cell'}, bar));
-  }));
+  card.querySelector('tbody').replaceChildren(...predictions.map(predictionRow));
   card.querySelector('.error').textContent = error;
   card.querySelector('.timing').textContent = timing ? `server: ${timing}` : '';
   card.setAttribute('aria-busy', 'false');
@@ -255,5 +262,11 @@ document.addEventListener('paste', (e) => {
   if (files.length) { e.preventDefault(); show(files); }
 });
 loadModels(true);
+// live: script
 </script></body></html>
 """
+PAGE = (
+    _PAGE.replace("/* live: style */\n", LIVE_STYLE)
+    .replace("<!-- live: section -->\n", LIVE_SECTION)
+    .replace("// live: script\n", LIVE_SCRIPT)
+)

@@ -1,0 +1,88 @@
+"""The metrics of streams (docs/streams.md, "Counting"): per model, frames by outcome, the answered frames' age as
+a histogram, and the streams open. Each front end counts its own streams (``ServerState.stream_outcome``) and
+reports them, cumulative, in its Snapshot to the engine; the engine sums every front end's at scrape time, as it
+does their requests, so nothing is counted twice and no Prometheus call sits on a frame's path."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+log = logging.getLogger(__name__)
+
+# A frame's fate (docs/streams.md): every frame sent gets exactly one.
+STREAM_OUTCOMES = ("answered", "superseded", "expired", "error")
+# Answered stream frames' age, seconds: 1 ms to about 33 s.
+STREAM_AGE_BUCKETS = tuple(round(0.001 * 1.5**k, 6) for k in range(26))
+
+
+class StreamState(msgspec.Struct, array_like=True, frozen=True):
+    """One front end's streams of one model since it started: frames by outcome, the answered frames' ages (a
+    count per :data:`STREAM_AGE_BUCKETS` bucket, the count above the last, then the sum in seconds) and the streams
+    open now. Cumulative, so a repeated report replaces the last one."""
+
+    model: str
+    frames: dict[str, int]
+    ages: list[float]
+    open: int = 0
+
+
+def empty_ages() -> list[float]:
+    """A model's age histogram before its first answered frame: the buckets, +Inf, the sum."""
+    return [0.0] * (len(STREAM_AGE_BUCKETS) + 2)
+
+
+def merge_stream_states(states: Iterable[StreamState]) -> dict[str, StreamState]:
+    """Several front ends' states summed per model."""
+    merged: dict[str, StreamState] = {}
+    for state in states:
+        seen = merged.get(state.model)
+        if seen is None:
+            merged[state.model] = state
+            continue
+        if len(seen.ages) != len(state.ages):  # a front end of another build: its frames still count
+            log.warning("stream ages of %s: %d buckets and %d; the latter left out", state.model, len(seen.ages),
+                        len(state.ages))  # fmt: skip
+            ages = seen.ages
+        else:
+            ages = [a + b for a, b in zip(seen.ages, state.ages, strict=True)]
+        frames = {k: seen.frames.get(k, 0) + state.frames.get(k, 0) for k in {*seen.frames, *state.frames}}
+        merged[state.model] = StreamState(state.model, frames, ages, seen.open + state.open)
+    return merged
+
+
+class StreamCollector(Collector):
+    """``states()`` gives every front end's :class:`StreamState` (their latest reports). Each family is yielded on
+    every scrape, without samples before any stream, so a dashboard's queries name metrics the server exports; a
+    model that has had a stream shows every outcome, zeros included, so its rates start at zero."""
+
+    def __init__(self, states: Callable[[], Iterable[StreamState]]) -> None:
+        self.states = states
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        frames = CounterMetricFamily("visionserve_stream_frames", "Stream frames by outcome: answered, superseded "
+                                     "(a newer frame arrived while it waited), expired (older than the stream's "
+                                     "max_age_ms) or error", labels=("model", "outcome"))  # fmt: skip
+        ages = HistogramMetricFamily("visionserve_stream_age_seconds", "Age of answered stream frames when answered, "
+                                     "from when the server read them", labels=("model",))  # fmt: skip
+        opened = GaugeMetricFamily("visionserve_streams_open", "Streams open now", labels=("model",))
+        bounds = (*map(floatToGoString, STREAM_AGE_BUCKETS), "+Inf")
+        for model, state in sorted(merge_stream_states(self.states()).items()):
+            for outcome in STREAM_OUTCOMES:
+                frames.add_metric([model, outcome], state.frames.get(outcome, 0))
+            if len(state.ages) == len(bounds) + 1:
+                cumulative, running = [], 0.0
+                for bound, count in zip(bounds, state.ages[:-1], strict=True):
+                    running += count
+                    cumulative.append((bound, running))
+                ages.add_metric([model], cumulative, state.ages[-1])
+            opened.add_metric([model], state.open)
+        yield from (frames, ages, opened)
