@@ -1,5 +1,6 @@
 """``visionserve loadtest``: closed or open loop steps, the p99-target search, reports, plots and regressions;
-over one model (``--model``) or several with a popularity (``--models``, :mod:`loadtest.mix`).
+over one model (``--model``) or several with a popularity (``--models``, :mod:`loadtest.mix`); or WebSocket streams
+of frames (``--streams``, :mod:`loadtest.stream_command`).
 
 Heavy imports (httpx, numpy, matplotlib) wait until the command runs.
 """
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadtest.stream_command import add_stream_arguments
 from service.core.arguments import comma_floats, comma_ints, size_pair
 
 if TYPE_CHECKING:
@@ -27,7 +29,8 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Load a server over HTTP and report throughput and latency per step. Closed loop: each virtual client sends, "
         "waits, sends again. Open loop: requests leave on a schedule whatever the answers do, and latency counts "
-        "from each scheduled send (no coordinated omission)."
+        "from each scheduled send (no coordinated omission). Streams (--streams): WebSocket streams of frames, each on "
+        "its own schedule, every frame's fate accounted for (docs/streams.md)."
     )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
     _add_model_arguments(p)
@@ -89,6 +92,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for results.json, steps.csv and PNG plots")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson schedules and of the --models draw")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
+    add_stream_arguments(p)
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,6 +145,10 @@ def _preflight(url: str, payload: Any) -> str | None:
 
 
 def run_loadtest(args: argparse.Namespace) -> int:
+    if args.streams is not None:
+        from loadtest.stream_command import run_streams_loadtest
+
+        return run_streams_loadtest(args)
     from rich.console import Console
 
     from loadtest.report import compare, print_comparison, print_report

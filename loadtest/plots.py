@@ -1,9 +1,11 @@
 """PNG plots of a load test: latency percentiles against throughput across steps, latency over time, and the
-latency distribution (a percentile spectrum, as HdrHistogram draws it, so the tail is not squeezed into a corner)."""
+latency distribution (a percentile spectrum, as HdrHistogram draws it, so the tail is not squeezed into a corner);
+a streams run's frames, ages and shares second by second."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -117,3 +119,50 @@ def draw_all(steps: list[StepResult], out: Path, title: str, slo_ms: float | Non
         latency_over_time(steps, out / "latency_over_time.png", title),
         latency_distribution(steps, out / "latency_distribution.png", title),
     ]
+
+
+def streams_over_time(report: dict[str, Any], path: Path, title: str) -> Path:
+    """A streams run (:mod:`loadtest.stream_report`) second by second, by the frames' due time: the frames sent by
+    fate, stacked (answered at the bottom, the drops above it); the answered frames' age p50 and p99 (the server's)
+    with the client's latency p99; and each stream's answered rate (a fast stream should get no more than its share).
+    """
+    plt = _pyplot()
+    rows = report["timeline"]
+    t = np.array([r["t_s"] for r in rows], dtype=float)
+    span = np.array([r["span_s"] for r in rows], dtype=float)
+    fig, (frames, ages, shares) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    bottom = np.zeros(len(rows))
+    fates = (("result", "answered", "tab:green"), ("superseded", "superseded", "tab:orange"),
+             ("expired", "expired", "tab:red"), ("error", "error", "tab:purple"),
+             ("lost", "lost", "black"))  # fmt: skip
+    for key, label, color in fates:
+        per_s = np.array([r[key] for r in rows], dtype=float) / span
+        if key == "result" or per_s.any():
+            frames.bar(t + 0.5, per_s, width=0.9, bottom=bottom, color=color, label=label)
+            bottom += per_s
+    frames.set_ylabel("frames/s by fate")
+    frames.legend(fontsize=8, loc="lower right")
+    frames.grid(True, alpha=0.3)
+    frames.set_title(title)
+    for key, label, style in (("age_p50_ms", "age p50", "-"), ("age_p99_ms", "age p99", "-"),
+                              ("latency_p99_ms", "client latency p99", "--")):  # fmt: skip
+        values = np.array([r[key] for r in rows], dtype=float)
+        if np.isfinite(values).any():
+            ages.plot(t + 0.5, values, style, marker=".", label=label)
+    ages.set_ylim(bottom=0)
+    ages.set_ylabel("answered frames (ms)")
+    ages.legend(fontsize=8)
+    ages.grid(True, which="both", alpha=0.3)
+    by_stream = np.array([r["answered_by_stream"] for r in rows], dtype=float) / span[:, None]
+    for k in range(by_stream.shape[1] if by_stream.ndim == 2 else 0):
+        fps = report["per_stream"][k]["fps"]
+        shares.plot(t + 0.5, by_stream[:, k], linewidth=1.6 if k == 0 else 0.8, label=f"stream {k} ({fps:g} fps)")
+    shares.set_ylabel("answered/s per stream")
+    shares.set_xlabel("time (s, measured window; each frame counted in the second it was due)")
+    if report["streams"] <= 12:
+        shares.legend(fontsize=7, ncol=3)
+    shares.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,20 @@ def serving(root: Path, log: Path) -> None:
         check("the demo page and the OpenAPI UI's assets load", loaded, (page.status_code, docs.status_code, codes))
         ready = httpx.get(url + "/v2/health/ready").json()
         check("not strict: ready with what loaded", ready == {"ready": True}, ready)
+        streamed = stream_one(url)
+        check("a frame streamed over the WebSocket is classified", streamed.get("status") == "result"
+              and streamed["predictions"][0]["label"] == "3", streamed)  # fmt: skip
+
+
+def stream_one(url: str) -> dict[str, object]:
+    """One frame over ``/v1/models/digits/stream`` (docs/streams.md): uvicorn serves WebSockets only when the
+    serving install has a WebSocket library."""
+    from websockets.sync.client import connect
+
+    header = json.dumps({"id": 1}).encode()
+    with connect(url.replace("http://", "ws://") + "/v1/models/digits/stream", proxy=None) as ws:
+        ws.send(struct.pack(">I", len(header)) + header + IMAGE)
+        return dict(json.loads(ws.recv(timeout=30)))
 
 
 def serves(url: str) -> bool:

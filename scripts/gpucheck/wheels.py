@@ -31,7 +31,7 @@ CARRIED = {
     "litestar": "litestar", "litestar_htmx": "litestar-htmx", "msgspec": "msgspec", "multipart": "multipart",
     "python_multipart": "python-multipart", "polyfactory": "polyfactory", "faker": "faker",
     "rich_click": "rich-click", "sniffio": "sniffio", "uvicorn": "uvicorn", "httptools": "httptools",
-    "zmq": "pyzmq", "swagger_ui_bundle": "swagger-ui-bundle-v2",
+    "zmq": "pyzmq", "swagger_ui_bundle": "swagger-ui-bundle-v2", "websockets": "websockets",
 }  # fmt: skip
 # Never installed from .whl/, even when a wheel is there: the machine's own builds of these must stay.
 NEVER_INSTALL = ("torch", "torchvision", "numpy", "pillow", "onnx", "onnxruntime", "onnxruntime-gpu", "triton")
