@@ -5,27 +5,35 @@ Every RPC reads the same :class:`ServerState` as HTTP and goes through :mod:`ser
 protocols answer alike. Errors keep HTTP's messages, and each carries its gRPC code beside its HTTP status (the
 table in :mod:`service.core.errors`); an overload's ``retry-after`` goes in the trailers.
 
-The RPCs a server of images cannot honour (shared memory, tracing, logging settings, streaming) are not
-registered, so grpc answers them UNIMPLEMENTED.
+``ModelStreamInfer`` is a stream of frames with latest-frame semantics (docs/streams.md, :class:`StreamCall`): the
+same :class:`~service.frontend.stream.FrameStream` as the WebSocket route, one answer per frame.
+
+The RPCs a server of images cannot honour (shared memory, tracing, logging settings) are not registered, so grpc
+answers them UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from service.core.errors import BadInputError, NotFoundError, VisionServeError
+from service.core.errors import BadInputError, NotFoundError, OverloadedError, VisionServeError
 from service.core.protocol import SERVICE, config_pb, pb
 from service.frontend import protocol
 from service.frontend.parameters import request_options
 from service.frontend.protocol import Tensor
 from service.frontend.state import ModelSlot, ServerState
+from service.frontend.stream import Frame, FrameStream, stream_options
 from service.frontend.timing import Timing
 
 log = logging.getLogger("visionserve.grpc")
@@ -36,6 +44,11 @@ CONTENTS = {"UINT8": "uint_contents", "FP32": "fp32_contents", "BYTES": "bytes_c
 # grpcio ships no type stubs: its context is Any to the type checker.
 Context = Any
 Method = Callable[[Any, Context], Awaitable[Any]]
+
+# ModelStreamInfer, as the WebSocket route (docs/streams.md): a client that leaves this many answers unsent, or does
+# not take one within SEND_TIMEOUT_S, is cut off rather than holding answers (and frames) in server memory.
+OUTBOX_LIMIT = 64
+SEND_TIMEOUT_S = 10.0
 
 
 def code_of(exc: VisionServeError) -> grpc.StatusCode:
@@ -52,6 +65,10 @@ def parameter_values(params: Any) -> dict[str, Any]:
         if which is not None:
             out[key] = getattr(value, which)
     return out
+
+
+def _metadata(context: Context) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
 def _authorization(context: Context) -> str:
@@ -90,6 +107,13 @@ def _infer_response(
 ) -> pb.ModelInferResponse:
     """Outputs always as ``raw_output_contents`` (what Triton answers, and what tritonclient reads first)."""
     response = pb.ModelInferResponse(model_name=slot.name, model_version=str(slot.version.version), id=request.id)
+    _add_outputs(response, slot, wanted, logits)
+    return response
+
+
+def _add_outputs(
+    response: pb.ModelInferResponse, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray
+) -> None:
     for out in wanted:
         if out.k is not None:
             response.outputs.add(name=out.name, datatype="BYTES", shape=[logits.shape[0], out.k])
@@ -97,7 +121,6 @@ def _infer_response(
         else:
             response.outputs.add(name=out.name, datatype="FP32", shape=list(logits.shape))
             response.raw_output_contents.append(np.ascontiguousarray(logits, dtype="<f4").tobytes())
-    return response
 
 
 class InferenceServicer:
@@ -127,6 +150,11 @@ class InferenceServicer:
             )
             for name, (req, resp, method) in methods.items()
         }
+        handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            _guarded("ModelStreamInfer", self.model_stream_infer),
+            request_deserializer=pb.ModelInferRequest.FromString,
+            response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+        )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     # ---- health and metadata ------------------------------------------------------------------------------------
@@ -184,8 +212,7 @@ class InferenceServicer:
             remaining_s = context.time_remaining()
             if remaining_s is not None:  # the client's own gRPC deadline bounds the wait in the queue too
                 timeout_ms = min(timeout_ms or float("inf"), max(remaining_s, 0.0) * 1000)
-            metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-            route = server.route(slot.name, request.model_version, metadata)
+            route = server.route(slot.name, request.model_version, _metadata(context))
             logits = await protocol.infer(
                 server, slot, _tensors(request), timing, priority=priority, timeout_ms=timeout_ms, route=route
             )
@@ -193,6 +220,20 @@ class InferenceServicer:
             response = _infer_response(request, slot, wanted, logits)
             timing.postprocess_s += time.perf_counter() - started
         return response
+
+    async def model_stream_infer(self, requests: AsyncIterator[pb.ModelInferRequest], context: Context) -> None:
+        """Frames in, one answer per frame out, newest frame first: docs/streams.md. Answers are written with
+        ``context.write``; the call ends once every frame read is answered."""
+        server = self.server
+        if server.draining:
+            raise OverloadedError("the server is shutting down")
+        call = StreamCall(server, context)
+        server.streams.add(call)  # told to end when the server drains, from before its first frame
+        try:
+            await call.run(requests)
+        finally:
+            server.streams.discard(call)
+            call.done.set()
 
     # ---- repository (admin) -------------------------------------------------------------------------------
 
@@ -252,3 +293,206 @@ def _guarded(name: str, method: Method) -> Method:
             await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
 
     return call
+
+
+# ---- ModelStreamInfer ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamFrame(Frame):
+    """A frame of ``ModelStreamInfer``: its request's ``client_ts`` is kept as the InferParameter it came as (echoed
+    untouched), and the outputs that request asks for go with it to its answer."""
+
+    wanted: list[protocol.Wanted] = field(default_factory=list)
+
+
+class StreamCall:
+    """One ``ModelStreamInfer`` call: a reader offers each request to a :class:`FrameStream`, which the first request
+    opens (its model, and the stream's ``max_age_ms`` and ``top_k``); a writer sends the answers in the order they
+    are decided, through a bounded outbox.
+
+    It ends with OK once the client has closed its side and every frame read is answered; with UNAVAILABLE when the
+    server drains, after answering every frame it holds; with RESOURCE_EXHAUSTED when the client stops reading. Those
+    two messages start with "N frames read", as the WebSocket's close reasons do: the frames sent after those N were
+    never read. A first request that cannot open a stream (an unknown model, a bad ``max_age_ms``) ends the call
+    with its error's status."""
+
+    def __init__(self, server: ServerState, context: Context) -> None:
+        self.server = server
+        self.context = context
+        self.stream: FrameStream | None = None
+        self.outbox: deque[pb.ModelStreamInferResponse] = deque()
+        self.ready = asyncio.Event()  # something to write, or the end
+        self.stop = asyncio.Event()  # read no more frames: draining, cut off, refused
+        self.done = asyncio.Event()  # the call has ended (what ServerState.drain waits for)
+        self.draining = False
+        self.cut_off: str | None = None
+        self.refused: VisionServeError | None = None
+        self.finished = False  # every frame read has its answer in the outbox
+        self._model = ("", "")
+        self._open = contextlib.ExitStack()
+
+    def drain(self) -> None:
+        """The server drains: read no more frames, answer those held, end with UNAVAILABLE."""
+        self.draining = True
+        self.stop.set()
+
+    async def run(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        loop = asyncio.get_running_loop()
+        writer = loop.create_task(self._write())
+        reader = loop.create_task(self._read(requests))
+        stopped = loop.create_task(self.stop.wait())
+        try:
+            with self._open:
+                await asyncio.wait([reader, stopped], return_when=asyncio.FIRST_COMPLETED)
+                reader.cancel()  # read no more: a frame read now would only be answered expired
+                if self.stream is not None:
+                    why = self.cut_off or ("the server is draining" if self.draining else "the client closed")
+                    await self.stream.close(why, timeout_s=self.server.settings.drain_timeout_s)
+        except asyncio.CancelledError:  # the client cancelled, or the server stopped: nobody to answer
+            writer.cancel()
+            if self.stream is not None:  # every frame is still counted: the one computing as expired
+                await self.stream.close("the call was cancelled", timeout_s=0)
+            raise
+        finally:
+            stopped.cancel()
+            reader.cancel()
+            self.finished = True
+            self.ready.set()
+        if self.cut_off is not None:  # its write is stuck, and nothing more will be written
+            writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await writer
+        await self._end(reader)
+
+    async def _end(self, reader: asyncio.Task[None]) -> None:
+        failed = reader.exception() if reader.done() and not reader.cancelled() else None
+        if failed is not None:
+            raise failed  # every frame read is answered; the call fails as any RPC that went wrong (_guarded)
+        if self.refused is not None:
+            raise self.refused
+        read = f"{self.stream.counts.sent if self.stream is not None else 0} frames read"
+        if self.cut_off is not None:
+            await self.context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{read}; {self.cut_off}")
+        if self.draining:
+            await self.context.abort(grpc.StatusCode.UNAVAILABLE, f"{read}; the server is draining")
+
+    # ---- frames in ------------------------------------------------------------------------------------------
+    async def _read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        async for request in requests:
+            self._take(request, time.perf_counter())
+            if self.stop.is_set():
+                return
+
+    def _take(self, request: pb.ModelInferRequest, received: float) -> None:
+        params = parameter_values(request.parameters)
+        client_ts = request.parameters.get("client_ts")  # the InferParameter itself: echoed untouched
+        stream = self.stream
+        if stream is None:
+            try:
+                stream = self._start(request, params)
+            except VisionServeError as exc:
+                self.refused = exc
+                self.stop.set()
+                return
+        try:
+            if (request.model_name, request.model_version) != self._model:
+                raise BadInputError(
+                    f"this stream is to model {_named(*self._model)}: a frame for "
+                    f"{_named(request.model_name, request.model_version)} needs a stream of its own"
+                )
+            outputs = [(o.name, parameter_values(o.parameters)) for o in request.outputs]
+            wanted = protocol.wanted_outputs(outputs, stream.slot)
+            image = _frame_image(request)
+        except VisionServeError as exc:
+            stream.reject(request.id, client_ts, str(exc))
+            return
+        stream.offer(StreamFrame(request.id, client_ts, image, received, wanted=wanted))
+
+    def _start(self, request: pb.ModelInferRequest, params: dict[str, Any]) -> FrameStream:
+        slot = protocol.resolve(self.server, request.model_name, request.model_version).slot
+        max_age_ms, top_k = stream_options(params.get("max_age_ms"), params.get("top_k"))
+        route = self.server.route(slot.name, request.model_version, _metadata(self.context))
+        stream = FrameStream(
+            slot, self._emit, max_age_ms=max_age_ms, top_k=top_k, route=route,
+            on_outcome=self.server.stream_outcome(slot.name), keep_raw=True,
+        )  # fmt: skip
+        self._open.enter_context(self.server.stream_open(slot.name, self))
+        self._model = (request.model_name, request.model_version)
+        self.stream = stream
+        stream.start()
+        return stream
+
+    # ---- answers out ----------------------------------------------------------------------------------------
+    def _emit(self, answer: dict[str, Any]) -> None:
+        if self.cut_off is not None:
+            return
+        if len(self.outbox) >= OUTBOX_LIMIT:
+            self._cut(f"the client left {OUTBOX_LIMIT} answers unread")
+            return
+        self.outbox.append(self._message(answer))
+        self.ready.set()
+
+    def _message(self, answer: dict[str, Any]) -> pb.ModelStreamInferResponse:
+        """One answer as tritonclient's callback takes it: an error as ``error_message``, any other fate as an
+        ``infer_response`` whose parameters say which (docs/streams.md)."""
+        status = answer["status"]
+        if status == "error":
+            return pb.ModelStreamInferResponse(error_message=f"frame {answer['id']}: {answer['error']}")
+        assert self.stream is not None
+        slot = self.stream.slot
+        response = pb.ModelInferResponse(model_name=slot.name, model_version=str(slot.version.version), id=answer["id"])
+        if status == "result":
+            frame: StreamFrame = answer["frame"]
+            _add_outputs(response, slot, frame.wanted, answer["logits"][np.newaxis])
+        params = response.parameters
+        params["status"].string_param = status
+        params["age_ms"].double_param = answer["age_ms"]
+        if answer["ts"] is not None:
+            params["client_ts"].CopyFrom(answer["ts"])
+        for key in ("stage", "by", "reason"):
+            if key in answer:
+                params[key].string_param = str(answer[key])
+        return pb.ModelStreamInferResponse(infer_response=response)
+
+    def _cut(self, why: str) -> None:
+        if self.cut_off is None:
+            self.cut_off = why
+            log.warning("ModelStreamInfer to %s cut off: %s", self._model[0], why)
+        self.stop.set()
+        self.ready.set()
+
+    async def _write(self) -> None:
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            while self.outbox and self.cut_off is None:
+                try:
+                    await asyncio.wait_for(self.context.write(self.outbox.popleft()), SEND_TIMEOUT_S)
+                except TimeoutError:
+                    self._cut(f"an answer waited {SEND_TIMEOUT_S:g} s for the client to read it")
+                    return
+                except Exception:  # the call went away: nothing more to tell it
+                    self.stop.set()
+                    return
+            if self.cut_off is not None or self.finished:
+                return
+
+
+def _named(model: str, version: str) -> str:
+    return repr(model) + (f" version {version}" if version else "")
+
+
+def _frame_image(request: pb.ModelInferRequest) -> bytes:
+    """The encoded image of one frame: input IMAGE, BYTES, shape [1]."""
+    tensors = _tensors(request)
+    if len(tensors) != 1 or tensors[0].name != protocol.IMAGE:
+        raise BadInputError(
+            f"a frame is one input, IMAGE (BYTES, shape [1]) holding an encoded image; got {[t.name for t in tensors]}"
+        )
+    files = protocol.images_from(tensors[0])
+    if len(files) != 1:
+        raise BadInputError(f"a frame holds one image (input IMAGE, shape [1]), got {len(files)}")
+    if not files[0]:
+        raise BadInputError("the frame holds no image")
+    return files[0]
