@@ -36,7 +36,9 @@ SMOKE_TESTED = {
     "install-browser.sh": "test_install_browser_is_quiet_when_both_are_there",
     "make_folder_dataset.py": "test_make_folder_dataset_writes_its_classes",
     "many_models_bench.py": "test_many_models_bench_writes_every_target",
+    "rollout_bench.py": "tests/scripts/test_rollout_bench.py",
     "soak.py": "test_soak_writes_every_figure_and_judges_them",
+    "stream_bench.py": "tests/scripts/test_stream_bench.py",
     "train_bench.py": "test_train_bench_measures_peak_memory",
     "transport_bench.py": "test_transport_bench_prints_round_trips",
 }

@@ -41,7 +41,8 @@ def _detection(b: dict[str, Any], limits: dict[str, Any]) -> None:
     d, most = b["detect"], limits["detect_max_samples"]
     print(f"  {VERDICT[d['passed']]} a candidate disagreeing on {d['offline_disagreement']:.2%} of the held-out "
           f"stream (auto off): agreement_high < {limits['min_agreement']:g} at {_n(d['excluded_at_samples'])} "
-          f"samples (poll before: {_n(d['poll_before_samples'])}; target <= {most})")  # fmt: skip
+          f"samples (poll before: {_n(d['poll_before_samples'])}), and from {_n(d['excluded_for_good_at_samples'])} "
+          f"samples on to the run's end at {_n(d['history'][-1]['samples'])} (target <= {most})")  # fmt: skip
     p = b["promote"]
     print(f"  {VERDICT[p['passed']]} a candidate disagreeing on {p['offline_disagreement']:.2%} (auto on): state "
           f"{p['final'].get('state')}, promoted at {_n(p['promoted_at_samples'])} samples; "

@@ -29,9 +29,15 @@ def compact(seconds: float, state: dict[str, Any]) -> dict[str, Any]:
             **{k: found.get(k) for k in KEPT}}  # fmt: skip
 
 
+def repository(args: argparse.Namespace, work: Path, name: str, versions: dict[int, Path],
+               rollout: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """A fresh repository ``WORK/repos/NAME`` of the model with ``versions``, ``--model-config`` and ``rollout``."""
+    return traffic.repository(work / "repos" / name, args.model, versions, rollout, args.model_config)
+
+
 def shadow_rollout(args: argparse.Namespace, fraction: float, auto: bool) -> dict[str, Any]:
     return {"candidate": 2, "mode": "shadow", "fraction": fraction, "auto": auto,
-            "min_agreement": args.min_agreement}  # fmt: skip
+            "min_agreement": args.min_agreement, "min_samples": args.min_samples}  # fmt: skip
 
 
 # ---- a: live latency with and without a shadow ----------------------------------------------------------------------
@@ -54,10 +60,9 @@ def latency_runs(args: argparse.Namespace, work: Path, primary: Path, copy: Path
                  capacity: float) -> dict[str, Any]:  # fmt: skip
     """A server with a shadow of a copy of the primary (``--shadow-fraction``, auto off: it never decides) and one
     without, both up throughout, taking turns (AB, BA, ...) at each load; p50/p99 pooled per side and load."""
-    repos = work / "repos"
-    shadow_repo = traffic.repository(repos / "shadow", args.model, {1: primary, 2: copy},
-                                     shadow_rollout(args, args.shadow_fraction, auto=False))  # fmt: skip
-    plain_repo = traffic.repository(repos / "plain", args.model, {1: primary})
+    shadow_repo = repository(args, work, "shadow", {1: primary, 2: copy},
+                             shadow_rollout(args, args.shadow_fraction, auto=False))  # fmt: skip
+    plain_repo = repository(args, work, "plain", {1: primary})
     loads: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         logs = work / "logs"
@@ -110,7 +115,7 @@ def trial(args: argparse.Namespace, work: Path, name: str, primary: Path, candid
     """A server with ``candidate`` in a rollout beside ``primary``, sent the held-out stream at ``--detect-rate`` in
     one-second windows until ``done(status)``, the rollout decides, ``--detect-max-samples`` are compared or twice
     the time those take at that rate passes. The route is polled every ``--poll-s``."""
-    repo = traffic.repository(work / "repos" / name, args.model, {1: primary, 2: candidate}, rollout)
+    repo = repository(args, work, name, {1: primary, 2: candidate}, rollout)
     records: list[Record] = []
     with traffic.start(repo, work / "logs" / f"{name}.log", args) as server:
         traffic.wait_state(server.url, args.model, ["running"])
@@ -158,11 +163,22 @@ def decided_at(history: list[dict[str, Any]], state: str) -> int | None:
 def detection(args: argparse.Namespace, work: Path, primary: Path, built: dict[str, Path],
               requests: list[Request]) -> dict[str, Any]:  # fmt: skip
     low = args.min_agreement
-    detect = trial(args, work, "detect", primary, built["detect"], shadow_rollout(args, 1.0, auto=False),
-                   lambda s: (comparison(s).get("agreement_high") or 1.0) < low, requests)  # fmt: skip
-    excluded, before = first(detect["history"], lambda p: p["agreement_high"] is not None and p["agreement_high"] < low)
-    detect |= {"excluded_at_samples": excluded, "poll_before_samples": before,
-               "passed": excluded is not None and excluded <= args.detect_max_samples}  # fmt: skip
+
+    def excluding(poll: dict[str, Any]) -> bool:
+        return poll.get("agreement_high") is not None and poll["agreement_high"] < low
+
+    def seen_enough(status: dict[str, Any]) -> bool:  # past --detect-samples, and excluding 0.99 then
+        return (comparison(status).get("samples") or 0) >= args.detect_samples and excluding(comparison(status))
+
+    detect = trial(args, work, "detect", primary, built["detect"], shadow_rollout(args, 1.0, auto=False), seen_enough,
+                   requests)  # fmt: skip
+    history = detect["history"]
+    excluded, before = first(history, excluding)
+    stays = next((history[i]["samples"] for i in range(len(history))
+                  if all(excluding(p) for p in history[i:])), None)  # fmt: skip
+    detect |= {"excluded_at_samples": excluded, "poll_before_samples": before, "excluded_for_good_at_samples": stays,
+               "passed": excluded is not None and excluded <= args.detect_max_samples
+               and stays is not None and stays <= args.detect_max_samples}  # fmt: skip
     promote = trial(args, work, "promote", primary, built["promote"], shadow_rollout(args, 1.0, auto=True),
                     lambda s: s.get("state") == "promoted", requests)  # fmt: skip
     promote |= {"promoted_at_samples": decided_at(promote["history"], "promoted")}
@@ -181,8 +197,8 @@ def promotion(args: argparse.Namespace, work: Path, primary: Path, copy: Path, r
               capacity: float) -> dict[str, Any]:  # fmt: skip
     """An open loop at ``--load`` x capacity on a server shadowing a copy, promoted through the admin API at
     ``--promote-at`` of ``--promote-s``: every request must be answered 200."""
-    repo = traffic.repository(work / "repos" / "promotion", args.model, {1: primary, 2: copy},
-                              shadow_rollout(args, args.shadow_fraction, auto=False))  # fmt: skip
+    repo = repository(args, work, "promotion", {1: primary, 2: copy},
+                      shadow_rollout(args, args.shadow_fraction, auto=False))  # fmt: skip
     rate, at_s = args.load * capacity, args.promote_s * args.promote_at
     call: dict[str, Any] = {}
     with traffic.start(repo, work / "logs" / "promotion.log", args) as server:

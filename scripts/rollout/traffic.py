@@ -33,15 +33,18 @@ def toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
 
 
-def repository(root: Path, model: str, versions: dict[int, Path], rollout: dict[str, Any] | None = None) -> Path:
+def repository(root: Path, model: str, versions: dict[int, Path], rollout: dict[str, Any] | None = None,
+               config: str = "") -> Path:  # fmt: skip
     """A fresh repository at ``root`` holding ``model`` with ``versions`` (number -> a version folder, hard-linked)
-    and, with ``rollout``, a ``[rollout]`` table in its config.toml. Returns ``root``."""
+    and a config.toml of ``config`` (serving settings, TOML) and, with ``rollout``, a ``[rollout]`` table. Returns
+    ``root``."""
     shutil.rmtree(root, ignore_errors=True)
     folder = root / model
     folder.mkdir(parents=True)
     for number, source in versions.items():
         shutil.copytree(source, folder / str(number), copy_function=os.link)
-    lines = ["[rollout]", *(f"{k} = {toml_value(v)}" for k, v in rollout.items())] if rollout else []
+    lines = [*config.splitlines(), *(["[rollout]", *(f"{k} = {toml_value(v)}" for k, v in rollout.items())]
+                                     if rollout else [])]  # fmt: skip
     (folder / "config.toml").write_text("".join(line + "\n" for line in lines))
     return root
 

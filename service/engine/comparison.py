@@ -76,10 +76,21 @@ class Comparison:
         self.candidate_s: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._primary_total = 0.0
         self._candidate_total = 0.0
+        # (version, batch size) -> [seconds per image summed, images]: the latency ratio compares like with like
+        # (a shadow computes alone, in small batches, beside a primary's larger ones).
+        self._by_size: dict[tuple[str, int], list[float]] = {}
 
-    def record(self, primary: np.ndarray, candidate: np.ndarray, primary_s: float, candidate_s: float) -> None:
-        """Both versions' logits ``[N, C]`` for the same N images, with each one's compute seconds per image.
-        Rows of images either version failed are left out by the caller."""
+    def record(
+        self,
+        primary: np.ndarray,
+        candidate: np.ndarray,
+        primary_s: float,
+        candidate_s: float,
+        sizes: tuple[int, int] = (1, 1),
+    ) -> None:
+        """Both versions' logits ``[N, C]`` for the same N images, with each one's compute seconds per image and
+        the sizes of the batches that computed them. Rows of images either version failed are left out by the
+        caller."""
         n = int(primary.shape[0])
         if n == 0:
             return
@@ -113,6 +124,10 @@ class Comparison:
             self.candidate_s.append(candidate_s)
         self._primary_total += primary_s * n
         self._candidate_total += candidate_s * n
+        for version, size, seconds in (("p", sizes[0], primary_s), ("c", sizes[1], candidate_s)):
+            into = self._by_size.setdefault((version, size), [0.0, 0])
+            into[0] += seconds * n
+            into[1] += n
 
     def record_error(self, message: str, images: int = 1) -> None:
         """The candidate failed ``images`` images (its own error, not the primary's)."""
@@ -129,7 +144,16 @@ class Comparison:
 
     @property
     def latency_ratio(self) -> float | None:
-        """The candidate's mean compute per image over the primary's, on the compared images."""
+        """The candidate's compute per image over the primary's, on the compared images, at the batch sizes both
+        computed (overall where they share none)."""
+        by_size = dict(self._by_size)
+        ratios = [
+            (n, (total / n) / (by_size[("p", size)][0] / by_size[("p", size)][1]))
+            for (version, size), (total, n) in by_size.items()
+            if version == "c" and ("p", size) in by_size and by_size[("p", size)][0] > 0
+        ]
+        if ratios:  # per batch size both versions computed, weighted by the candidate's images at each
+            return sum(n * r for n, r in ratios) / sum(n for n, _ in ratios)
         return self._candidate_total / self._primary_total if self._primary_total > 0 else None
 
     def interval(self) -> tuple[float, float]:

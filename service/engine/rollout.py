@@ -90,6 +90,7 @@ class Rollout:
                                                "max_latency_ratio", "max_error_rate", "shadow_timeout_ms")}  # fmt: skip
         return {
             "model": self.model, "state": self.state, "mode": cfg.mode, "primary": self.primary,
+            "serving": self.candidate if self.state == "promoted" else self.primary,
             "candidate": self.candidate, "fraction": cfg.fraction,
             "effective_fraction": cfg.fraction * self.done_share if self.running else 0.0,
             "sticky_header": cfg.sticky_header, "auto": cfg.auto, "reason": self.reason,
@@ -346,7 +347,7 @@ class Rollouts:
                 comparison.record_error(str(bad[-1]), len(bad))
             if ok:
                 comparison.record(primary.logits[ok], candidate.logits[ok], _per_image(primary),
-                                  _per_image(candidate))  # fmt: skip
+                                  _per_image(candidate), (_size(primary), _size(candidate)))  # fmt: skip
         self._judge(rollout)
 
     def _judge(self, rollout: Rollout) -> None:
@@ -454,9 +455,12 @@ def _request(message: Submit, images: np.ndarray, priority: int, timeout_ms: flo
                         priority=priority, timeout_ms=timeout_ms)  # fmt: skip
 
 
+def _size(result: InferResult) -> int:
+    return max(1, result.batch_sizes[-1] if result.batch_sizes else len(result.errors))
+
+
 def _per_image(result: InferResult) -> float:
-    size = result.batch_sizes[-1] if result.batch_sizes else max(1, len(result.errors))
-    return result.compute_s / max(1, size)
+    return result.compute_s / _size(result)
 
 
 def _shed(exc: BaseException) -> bool:
