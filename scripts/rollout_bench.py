@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--high-load", type=float, default=0.95, help="a's second load, where shadows are shed (default: %(default)s)")
     add("--rounds", type=int, default=2, help="a's rounds per load, each a window per server (default: %(default)s)")
     add("--window-s", type=float, default=8.0, help="seconds of one window in a (default: %(default)s)")
+    add(
+        "--max-ratio",
+        type=float,
+        default=1.05,
+        help="target at --load: p50 and p99 with the shadow / without, each at most this (default: 1.05)",
+    )
     add("--max-p99-ratio", type=float, default=1.10, help="target: p99 with the shadow / without, at most "
         "(default: %(default)s)")  # fmt: skip
     add("--min-agreement", type=float, default=0.99, help="the rollouts' min_agreement (default: %(default)s)")
@@ -210,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
         "model": args.model, "workers": args.workers,
-        "limits": {"max_p99_ratio": args.max_p99_ratio, "min_agreement": args.min_agreement,
+        "limits": {"max_ratio": args.max_ratio, "max_p99_ratio": args.max_p99_ratio,
+                   "min_agreement": args.min_agreement,
                    "detect_max_samples": args.detect_max_samples, "abort_within": args.abort_within},
     }  # fmt: skip
     run(args, work, results)

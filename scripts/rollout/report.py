@@ -30,9 +30,10 @@ def _latency(a: dict[str, Any], limits: dict[str, Any]) -> None:
         shed = f"; shadow samples {x['shadow_samples']}, shed {x['shed']}"
         if x["shed_passed"] is not None:
             shed += " (target > 0)"
+        key, what = ("max_ratio", "p50 and p99") if x["shed_passed"] is None else ("max_p99_ratio", "p99")
         print(f"  {VERDICT[x['passed']]} {x['load']:.0%} of capacity ({x['rate']:.0f} req/s): p50 {s['p50_ms']:.2f} vs "
               f"{n['p50_ms']:.2f} ms ({x['p50_ratio']:.3f}x), p99 {s['p99_ms']:.2f} vs {n['p99_ms']:.2f} ms "
-              f"({x['p99_ratio']:.3f}x, target <= {limits['max_p99_ratio']:g}x), errors {s['errors']} / "
+              f"({x['p99_ratio']:.3f}x), target <= {limits[key]:g}x ({what}), errors {s['errors']} / "
               f"{n['errors']}{shed}")  # fmt: skip
 
 

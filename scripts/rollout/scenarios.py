@@ -102,7 +102,10 @@ def judge_load(args: argparse.Namespace, load: float, rate: float, windows: list
                "shadow_samples": sum(w["samples"] for w in shadow), "shed": sum(w["shed"] for w in shadow),
                "rollout_state": shadow[-1]["state"] if shadow else None,
                "windows": [{k: v for k, v in w.items() if k != "_ok_s"} for w in windows]}  # fmt: skip
-    figures["p99_passed"] = figures["p99_ratio"] <= args.max_p99_ratio
+    if load == args.high_load:  # the issue: at 95%, live p99 within 10%; at 60%, p50 and p99 within 5%
+        figures["p99_passed"] = figures["p99_ratio"] <= args.max_p99_ratio
+    else:
+        figures["p99_passed"] = max(figures["p50_ratio"], figures["p99_ratio"]) <= args.max_ratio
     figures["errors_passed"] = pooled["shadow"]["errors"] == 0 and pooled["none"]["errors"] == 0
     figures["shed_passed"] = figures["shed"] > 0 if load == args.high_load else None
     figures["passed"] = figures["p99_passed"] and figures["errors_passed"] and figures["shed_passed"] is not False
