@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fair-tolerance", type=float, default=0.10, help="target (c): the others' answered rate "
                    "within this share of their fair share (default: %(default)s)")  # fmt: skip
     p.add_argument("--paced-batch", type=int, default=8, help="paced: max_batch_size (default: %(default)s)")
+    p.add_argument("--paced-config", default="", help="paced: more config.toml lines, ';'-separated, e.g. "
+                   "'batch_policy = \"delay\"; max_queue_delay_ms = 5' (default: none)")  # fmt: skip
     p.add_argument("--paced-delay-ms", type=float, default=50.0, help="paced: [faults] delay_ms, each batch's "
                    "fixed compute time (default: %(default)s)")  # fmt: skip
     p.add_argument("--images", default=None, help="folder of images the frames cycle through (default: generated "
@@ -146,8 +148,9 @@ def make_repository(work: Path, args: argparse.Namespace) -> Path:
     repo.mkdir(parents=True)
     shutil.copytree(EXAMPLE, repo / "digits")
     shutil.copytree(EXAMPLE, repo / "paced")
+    extra = "".join(f"{line.strip()}\n" for line in args.paced_config.split(";") if line.strip())
     (repo / "paced" / "config.toml").write_text(
-        f"max_batch_size = {args.paced_batch}\n[faults]\ndelay_ms = {args.paced_delay_ms:g}\n"
+        f"max_batch_size = {args.paced_batch}\n{extra}[faults]\ndelay_ms = {args.paced_delay_ms:g}\n"
     )
     return repo
 
