@@ -129,6 +129,7 @@ def test_a_burst_supersedes_and_every_frame_gets_exactly_one_callback(paced: Run
         assert logits.dtype == np.float32 and logits.shape == (1, 10) and int(logits.argmax()) == 3
     first = by_id["0"].get_response().parameters
     assert first["client_ts"].double_param == 17.5 and first["age_ms"].double_param >= DELAY_MS
+    assert first["compute_ms"].double_param >= DELAY_MS and {"wait_ms", "decode_ms", "queue_ms"} <= set(first)
     for i in range(1, 9):
         response = by_id[str(i)].get_response()
         assert not response.outputs and response.parameters["client_ts"].double_param == float(i)

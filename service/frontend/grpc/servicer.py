@@ -453,6 +453,8 @@ class StreamCall:
         for key in ("stage", "by", "reason"):
             if key in answer:
                 params[key].string_param = str(answer[key])
+        for stage, ms in (answer.get("timings_ms") or {}).items():  # wait, decode, queue, compute
+            params[f"{stage}_ms"].double_param = float(ms)
         return pb.ModelStreamInferResponse(infer_response=response)
 
     def _cut(self, why: str) -> None:
