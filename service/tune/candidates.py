@@ -133,6 +133,7 @@ def config_text(config: ModelConfig, header: str = "") -> str:
     """``config`` as a complete, commented ``config.toml`` (export's file with each value replaced)."""
     values = msgspec.to_builtins(config)
     faults = values.pop("faults")
+    rollout = values.pop("rollout")
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for line in default_config_text(config.max_batch_size).splitlines():
         match = _LINE.match(line)
@@ -143,6 +144,8 @@ def config_text(config: ModelConfig, header: str = "") -> str:
     lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]  # settings export's file does not name
     if faults != msgspec.to_builtins(ModelConfig().faults):
         lines += ["", "[faults]", *(f"{k} = {_toml_value(v)}" for k, v in faults.items())]
+    if rollout != msgspec.to_builtins(ModelConfig().rollout):
+        lines += ["", "[rollout]", *(f"{k} = {_toml_value(v)}" for k, v in rollout.items())]
     text = "\n".join(lines) + "\n"
     if parse_config(tomllib.loads(text), source="tuned config.toml") != config:  # never write what would not load
         raise ValueError("the tuned config.toml does not read back as the configuration it was made from")

@@ -1,0 +1,26 @@
+"""The config.toml tune writes (service/tune/candidates.py ``config_text``) reads back as the configuration it was
+made from, its tables included (a rollout, faults)."""
+
+from __future__ import annotations
+
+import tomllib
+
+from service.core.config import Faults, ModelConfig, RolloutConfig, parse_config
+from service.tune.candidates import config_text
+
+
+def test_a_config_with_a_rollout_and_faults_reads_back() -> None:
+    config = ModelConfig(
+        max_batch_size=8,
+        rollout=RolloutConfig(candidate=2, mode="canary", fraction=0.25, sticky_header="x-user", auto=False),
+        faults=Faults(delay_ms=5.0, versions=(2,)),
+    )
+    text = config_text(config, "tuned")
+    assert "[rollout]" in text and "[faults]" in text
+    assert parse_config(tomllib.loads(text), source="test") == config
+
+
+def test_the_default_config_has_no_tables() -> None:
+    text = config_text(ModelConfig())
+    assert "\n[rollout]" not in text and "\n[faults]" not in text
+    assert parse_config(tomllib.loads(text), source="test") == ModelConfig()
