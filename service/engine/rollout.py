@@ -190,9 +190,16 @@ class Rollouts:
         primary = self.serving.get(name) or max(v for v in versions if v != config.candidate)
         if config.candidate == primary:
             raise BadInputError(f"version {primary} is the one serving; the candidate must be another")
-        if config.candidate not in versions:
+        loaded_here = config.candidate not in versions
+        if loaded_here:
             await self._load_candidate(name, config.candidate)
-        rollout = self._begin(name, primary, config.candidate, config)
+        try:
+            rollout = self._begin(name, primary, config.candidate, config)
+        except VisionServeError:  # it takes other input: what was loaded for it goes again
+            if loaded_here:
+                await self._close(server.models[name].pop(config.candidate, None))
+                server.residency.release_extra(f"{name}@{config.candidate}")
+            raise
         server.endpoint.announce()
         log.info("model %s: %s of v%s beside v%s started by request", name, config.mode, config.candidate, primary)
         return rollout.document()
