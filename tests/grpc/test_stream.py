@@ -98,6 +98,19 @@ def send(
     )
 
 
+def a_new_stream_is_served(server: RunningServer) -> None:
+    """A fresh stream's frame gets a result (what went before left the server serving)."""
+    calls = Callbacks()
+    client = tgrpc.InferenceServerClient(server.grpc_target)
+    client.start_stream(calls)
+    try:
+        send(client, "next")
+        assert fate(*calls.wait(1)[0]) == ("next", "result")
+    finally:
+        client.stop_stream()
+        client.close()
+
+
 def until_computing(server: RunningServer, timeout_s: float = 10) -> None:
     """Until the model computes a batch (its in-flight gauge on /metrics): the frame sent before is in it."""
     deadline = time.monotonic() + timeout_s
@@ -244,15 +257,7 @@ def test_a_client_that_stops_reading_is_cut_off(paced: RunningServer) -> None:
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "answers unread" in details
     read = int(details.split(" frames read")[0])
     assert answers < read < 20_000  # cut off early, holding nothing per frame sent after
-    calls = Callbacks()  # and the server serves everyone else
-    client = tgrpc.InferenceServerClient(paced.grpc_target)
-    client.start_stream(calls)
-    try:
-        send(client, "next")
-        assert fate(*calls.wait(1)[0]) == ("next", "result")
-    finally:
-        client.stop_stream()
-        client.close()
+    a_new_stream_is_served(paced)  # and the server serves everyone else
 
 
 def test_a_cancelled_stream_leaves_nothing_behind(paced: RunningServer) -> None:
@@ -273,15 +278,7 @@ def test_a_cancelled_stream_leaves_nothing_behind(paced: RunningServer) -> None:
     frames = wait_for_metric(paced.url, "visionserve_stream_frames_total", frames_before + 3, model="digits")
     assert frames == frames_before + 3
     assert paced.log is not None and "Traceback" not in paced.log.read_text()
-    calls = Callbacks()
-    client = tgrpc.InferenceServerClient(paced.grpc_target)
-    client.start_stream(calls)
-    try:
-        send(client, "next")
-        assert fate(*calls.wait(1)[0]) == ("next", "result")
-    finally:
-        client.stop_stream()
-        client.close()
+    a_new_stream_is_served(paced)
 
 
 def test_a_stream_across_a_drain_ends_with_every_frame_read_answered(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from scripts.rollout.candidates import DIGITS_VERSION, copy_version, held_out_digits, permute_labels
 from service import launcher
-from tests.http.conftest import ADMIN_TOKEN, stop_server
+from tests.http.conftest import ADMIN_TOKEN, metric_value, stop_server
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 PNG = {"Content-Type": "image/png"}
@@ -227,11 +227,6 @@ def test_a_restart_resumes_a_running_rollout_reset_and_keeps_a_decision(tmp_path
     assert versions == ["2"] and status == 200  # the old primary is not loaded again
 
 
-def _resident_bytes(client: httpx.Client) -> float:
-    lines = client.get("/metrics").text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("visionserve_device_resident_bytes{"))
-
-
 def test_a_candidate_written_after_start_is_loaded_alone_and_charged_to_the_budget(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
     later = tmp_path / "v2"
@@ -239,14 +234,14 @@ def test_a_candidate_written_after_start_is_loaded_alone_and_charged_to_the_budg
     server = launcher.start(repo, "--admin-token", ADMIN_TOKEN, "--memory-budget", "cpu=4GB", log=tmp_path / "log")
     try:
         with server.client() as client:
-            before = _resident_bytes(client)
+            before = metric_value(server.url, "visionserve_device_resident_bytes")
             refused = client.post("/v2/models/digits/rollout", json={"candidate": 2}, headers=ADMIN)
             shutil.move(later, repo / "digits" / "2")
             started = rollout(client, candidate=2, mode="shadow", fraction=1.0, auto=False)
-            during = _resident_bytes(client)
+            during = metric_value(server.url, "visionserve_device_resident_bytes")
             status, _ = top1(client, 0)
             rollout(client, "abort", reason="done")
-            after = _resident_bytes(client)
+            after = metric_value(server.url, "visionserve_device_resident_bytes")
             versions = client.get("/v2/models/digits").json()["versions"]
     finally:
         stop_server(server)

@@ -23,7 +23,7 @@ import pytest
 import websockets
 
 from service import launcher
-from tests.http.conftest import stop_server
+from tests.http.conftest import metric_value, stop_server
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 DIGIT = (EXAMPLES / "digit-3.png").read_bytes()
@@ -55,16 +55,10 @@ def ws_url(server: launcher.RunningServer, **params: Any) -> str:
     return server.url.replace("http://", "ws://") + "/v1/models/digits/stream" + (f"?{query}" if query else "")
 
 
-def inflight(server: launcher.RunningServer) -> float:
-    lines = httpx.get(server.url + "/metrics").text.splitlines()
-    batches = [x for x in lines if x.startswith("visionserve_inflight_batches{") and 'model="digits"' in x]
-    return sum(float(x.rsplit(" ", 1)[1]) for x in batches)
-
-
 async def until_computing(server: launcher.RunningServer) -> None:
     """Until the model computes a batch (observed on /metrics): the frame sent before is in the engine."""
     deadline = time.monotonic() + 10
-    while await asyncio.to_thread(inflight, server) < 1:
+    while await asyncio.to_thread(metric_value, server.url, "visionserve_inflight_batches", model="digits") < 1:
         assert time.monotonic() < deadline, "the first frame never reached the engine"
 
 
