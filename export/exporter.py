@@ -135,6 +135,17 @@ def _device(name: str) -> str:
     return name
 
 
+def runnable_device(fmt: str, device: str) -> str:
+    """Where a ``fmt`` artifact asked to run on ``device`` can run here: an ONNX model runs on the CPU where
+    onnxruntime has no CUDA execution provider (its CPU build beside a CUDA torch), the rest where asked."""
+    if fmt == "onnx" and device.startswith("cuda"):
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return "cpu"
+    return device
+
+
 def make_runtime(fmt: str, spec: ModelSpec, path: Path, device: str, max_batch_size: int) -> Runtime:
     if fmt == "onnx":
         return OnnxRuntime(spec, path, device=device, name=spec.name)
@@ -410,11 +421,14 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
     candidate.produce(target)
     export_s = time.perf_counter() - started
     runtime: Runtime | None = None
+    check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
     if precision == "fp16" and not torch.cuda.is_available():
         parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note="no GPU here")
+    elif precision == "fp16" and runnable_device(fmt, check_device) == "cpu":
+        note = "onnxruntime here has no CUDA execution provider"
+        parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note=note)
     else:
         stage.say(f"parity {fmt} {precision}")
-        check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
         runtime = make_runtime(fmt, stage.spec, target, check_device, stage.max_batch)
         with exact_fp32(check_device if precision == "fp32" else "cpu"):
             parity = compare(stage.expected, runtime.run, stage.batches, FP32 if precision == "fp32" else FP16)
@@ -422,7 +436,7 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
     if runtime is not None and parity.passed and stage.request.latency:
         if runtime.device != stage.device and candidate.device is None:  # a compiled package stays on its own
             runtime.close()
-            runtime = make_runtime(fmt, stage.spec, target, stage.device, stage.max_batch)
+            runtime = make_runtime(fmt, stage.spec, target, runnable_device(fmt, stage.device), stage.max_batch)
         stage.say(f"latency {fmt} {precision} on {runtime.device}")
         report.latency_ms = measure_latency(runtime, stage.spec, _latency_sizes(stage.max_batch))
     if runtime is not None:

@@ -169,7 +169,7 @@ def test_a_step_past_its_share_is_stopped_and_the_later_steps_keep_theirs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def install() -> dict[str, Any]:
-        check.run([sys.executable, "-c", "import time; time.sleep(60)"], 300, "sleep")
+        check.run([sys.executable, "-c", "import time; print('compiling', flush=True); time.sleep(60)"], 300, "sleep")
         return {}
 
     # 2 s each for the first two steps of a 100 s budget: install may use what environment left, about 4 s.
@@ -180,6 +180,8 @@ def test_a_step_past_its_share_is_stopped_and_the_later_steps_keep_theirs(
     assert time.monotonic() - started < 30
     report = json.loads((tmp_path / "report.json").read_text())
     assert "ran past" in report["errors"]["install"] and "this step's share" in report["errors"]["install"]
+    assert report["errors"]["install"].endswith("last said: compiling")  # what it was doing when stopped
+    assert "compiling" in (tmp_path / "sleep.log").read_text()  # its output until then is kept
     assert set(report["sections"]) == set(SECTIONS) - {"install"}  # every later step still ran
 
 

@@ -13,7 +13,7 @@ import onnx
 import pytest
 import torch
 
-from export.exporter import ExportRequest, export_model, export_source
+from export.exporter import ExportRequest, export_model, export_source, runnable_device
 from export.sources import calibration_images, from_architecture, from_checkpoint
 from models.normalize import Uint8Classifier
 from models.registry import architecture_names
@@ -302,3 +302,17 @@ def test_fp32_parity_on_cuda_runs_with_tf32_off_and_puts_it_back() -> None:
             assert torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_an_onnx_artifact_is_checked_on_the_cpu_where_onnxruntime_has_no_cuda_provider(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA torch beside onnxruntime's CPU build (as on a GPU machine without onnxruntime-gpu): the ONNX gates
+    run where onnxruntime can run them; the torch formats stay on the device asked for."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert runnable_device("onnx", "cuda") == "cpu" and runnable_device("onnx", "cuda:1") == "cpu"
+    assert runnable_device("torchscript", "cuda") == "cuda" and runnable_device("onnx", "cpu") == "cpu"
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert runnable_device("onnx", "cuda:0") == "cuda:0"
