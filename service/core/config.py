@@ -24,6 +24,7 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     default). Batches are counted per model version from the end of warm-up, across its instances."""
 
     delay_ms: float = 0.0  # added to every batch, on the runtime's worker thread (fixes a model's capacity)
+    image_delay_ms: float = 0.0  # added per image of every batch (a cost that grows with the batch, as on a CPU)
     hang_at_batch: int = -1  # that batch (0 = the first) never returns: a wedged forward
     fail_after_batches: int = -1  # every batch from that one on raises
     load_delay_ms: float = 0.0  # added to loading each instance (a slow load, or a slow replacement)
@@ -89,6 +90,7 @@ _RULES: dict[str, tuple[Any, str]] = {
 }
 _FAULT_RULES: dict[str, tuple[Any, str]] = {
     "delay_ms": (lambda v: v >= 0, "a number >= 0"),
+    "image_delay_ms": (lambda v: v >= 0, "a number >= 0"),
     "hang_at_batch": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
     "fail_after_batches": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
     "load_delay_ms": (lambda v: v >= 0, "a number >= 0"),
@@ -119,8 +121,8 @@ _ALLOWED_TEXT = {
     "residency": "pinned or on_demand",
     "warmup": "true or false",
     "preferred_batch_sizes": "a list of integers",
-    "faults": "a table with delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error, resident_bytes, "
-    "versions",
+    "faults": "a table with delay_ms, image_delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error, "
+    "resident_bytes, versions",
     "rollout": "a table with candidate, mode, fraction, sticky_header, auto, min_samples, min_agreement, confidence, "
     "abort_min_samples, max_latency_ratio, max_error_rate, shadow_timeout_ms",
     **{k: v[1] for k, v in _RULES.items()},

@@ -2,9 +2,13 @@
 
 - ``"delay"`` (:class:`DelayPolicy`, Triton's): with an instance free, dispatch at once when a preferred size (or
   the maximum) is queued, otherwise when the oldest queued image has waited ``max_queue_delay_ms``.
-- ``"adaptive"`` (:class:`AdaptivePolicy`) changes one thing: the batch waits for the next image only while the
-  measured batch costs and arrival rate (a :class:`CostModel`) say waiting costs the queued images less than it saves
-  the next one (:func:`dispatch_now`), and never past ``max_queue_delay_ms``.
+- ``"adaptive"`` (:class:`AdaptivePolicy`) changes two things, both judged on the measured batch costs and arrival
+  rate (a :class:`CostModel`): the batch waits for the next image only while waiting costs the queued images less
+  than it saves the next one (:func:`dispatch_now`), never past ``max_queue_delay_ms``; and with a backlog, a batch
+  takes no more than the cost model's knee (:meth:`CostModel.knee`), the smallest size whose cost per image is within
+  :data:`KNEE_SLACK` of the cheapest size's. Past the knee a bigger batch buys almost no throughput, and every image in
+  it waits for the whole batch: on a CPU, where a batch costs about the same per image, that was most of the p99 near
+  saturation (docs/performance.md, "Near saturation: where the time goes"); on a GPU the knee is large.
 
 The batcher feeds a policy what it sees (:meth:`~BatchPolicy.observe_arrival`, :meth:`~BatchPolicy.observe_batch`)
 and asks it what to do; no event loop is involved, so a test drives one with plain numbers.
@@ -16,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 SMOOTHING = 0.2  # weight of the newest sample in the cost model's moving averages
+KNEE_SLACK = 0.05  # a batch size is big enough once its cost per image is within this of the cheapest size's
 POLICIES = ("delay", "adaptive")
 
 
@@ -69,6 +74,17 @@ class CostModel:
         """A batch of ``size`` images took ``seconds``."""
         seen = self._costs.get(size)
         self._costs[size] = seconds if seen is None else seen + self._smoothing * (seconds - seen)
+
+    def knee(self, limit: int, slack: float = KNEE_SLACK) -> int | None:
+        """The smallest batch size up to ``limit`` whose cost per image (:meth:`cost`) is within ``slack`` of the
+        cheapest size's. Past it a bigger batch buys at most ``slack`` more throughput and makes each of its images
+        wait for all of it. None until two sizes have been measured: one size alone says nothing of how the cost
+        grows (read as per image, it would keep every batch at that size, and never learn otherwise)."""
+        if len(self._costs) < 2:
+            return None
+        per_image = [(n, self.cost(n) or 0.0) for n in range(1, limit + 1)]
+        cheapest = min(c / n for n, c in per_image)
+        return next(n for n, c in per_image if c / n <= cheapest * (1 + slack))
 
     def cost(self, n: int) -> float | None:
         """Seconds a batch of ``n`` takes, from the recent batches: measured, or on the line through the nearest
@@ -143,8 +159,9 @@ class DelayPolicy:
 
 
 class AdaptivePolicy(DelayPolicy):
-    """The delay policy, except that a batch stops waiting early when :func:`dispatch_now` says so, judged on
-    ``costs`` (learned from the batches and arrivals observed). With no figures yet it dispatches at once."""
+    """The delay policy, except that a batch stops waiting early when :func:`dispatch_now` says so, and takes at
+    most the cost model's knee, judged on ``costs`` (learned from the batches and arrivals observed). With no
+    figures yet it dispatches at once, as large a batch as the delay policy would."""
 
     def __init__(
         self,
@@ -177,6 +194,12 @@ class AdaptivePolicy(DelayPolicy):
         """The delay policy's wait, cut to 0 when waiting for the next image does not pay."""
         wait = super().wait_s(queued, oldest_wait_s)
         return 0.0 if wait > 0 and self.dispatch_now(queued) else wait
+
+    def batch_size(self, queued: int) -> int:
+        """The delay policy's batch, cut to the cost model's knee (:meth:`CostModel.knee`)."""
+        size = super().batch_size(queued)
+        knee = self.costs.knee(self.max_batch_size)
+        return size if knee is None else min(size, knee)
 
     def dispatch_now(self, queued: int) -> bool:
         """:func:`dispatch_now` on the cost model's figures; True while any figure is missing."""

@@ -133,7 +133,7 @@ class Runtime:
             batch = np.stack(batch, out=self._staging(len(batch)))
         try:
             if self.faults is not None:
-                self.faults.before_batch()
+                self.faults.before_batch(len(batch))
             out = self._forward(batch)
         except VisionServeError:
             raise

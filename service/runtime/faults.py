@@ -1,8 +1,9 @@
-"""Faults injected into a real runtime on its own worker thread: a fixed delay, a forward that never returns, a
-forward that raises. They come from a model's ``[faults]`` table (``service.core.config.Faults``) and exist so that
-the reliability tests and fire drills can wedge or break a real model the way a driver bug or a bad kernel would,
-with the rest of the server unchanged. ``load_delay_ms`` slows each instance's load (a replacement that takes a
-while, as a large model's does); ``load_error`` makes it raise an exception of no project type.
+"""Faults injected into a real runtime on its own worker thread: a fixed delay, a forward that never returns, a forward
+that raises (``image_delay_ms`` adds a delay per image: a batch whose cost grows with its size). They come from a
+model's ``[faults]`` table (``service.core.config.Faults``) and exist so that the reliability tests and fire drills
+can wedge or break a real model the way a driver bug or a bad kernel would, with the rest of the server unchanged.
+``load_delay_ms`` slows each instance's load (a replacement that takes a while, as a large model's does);
+``load_error`` makes it raise an exception of no project type.
 
 One plan is shared by every instance of a model version (and by the instances that replace them), so "the sixth
 batch hangs" means the sixth batch the model ran, whichever instance ran it.
@@ -28,7 +29,7 @@ class FaultPlan:
 
     @staticmethod
     def wanted(faults: Faults) -> bool:
-        delays = faults.delay_ms > 0 or faults.load_delay_ms > 0
+        delays = faults.delay_ms > 0 or faults.image_delay_ms > 0 or faults.load_delay_ms > 0
         return delays or faults.hang_at_batch >= 0 or faults.fail_after_batches >= 0 or bool(faults.load_error)
 
     def before_load(self) -> None:
@@ -40,14 +41,14 @@ class FaultPlan:
             # a driver's exception), which the engine must still report rather than lose.
             raise RuntimeError(f"injected load failure: {self.faults.load_error}")
 
-    def before_batch(self) -> None:
-        """Called on a runtime's worker thread before its forward."""
+    def before_batch(self, images: int = 1) -> None:
+        """Called on a runtime's worker thread before its forward of ``images`` images."""
         with self._lock:
             number = self._batches
             self._batches += 1
         faults = self.faults
-        if faults.delay_ms > 0:
-            time.sleep(faults.delay_ms / 1000.0)
+        if faults.delay_ms > 0 or faults.image_delay_ms > 0:
+            time.sleep((faults.delay_ms + faults.image_delay_ms * images) / 1000.0)
         if number == faults.hang_at_batch:
             # Wedged until the server shuts down (a real hang would not even wake then: the engine must not need
             # this thread back to replace the instance or to exit).

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from service.core.errors import CancelledError, DeadlineExceededError, OverloadedError, RuntimeFailure
 from service.core.spec import InputSpec, ModelSpec
 from service.engine import Batcher, BatcherConfig, InferRequest
-from service.engine.policy import SMOOTHING, AdaptivePolicy, CostModel, DelayPolicy, make_policy
+from service.engine.policy import KNEE_SLACK, SMOOTHING, AdaptivePolicy, CostModel, DelayPolicy, make_policy
 from service.runtime import FakeRuntime
 
 SPEC = ModelSpec(
@@ -562,6 +562,36 @@ def test_the_adaptive_policy_learns_to_wait_from_the_batches_it_sees() -> None:
         for size, seconds in costs.items():
             policy.observe_batch(size, seconds)
         assert (policy.wait_s(1, oldest_wait_s=0.0) > 0) is waits
+
+
+def test_with_a_backlog_the_adaptive_batch_stops_at_the_knee_of_the_measured_costs() -> None:
+    """The batch it forms from a backlog of 30, given measured costs: where each image costs the same (a CPU) the
+    batch is the smallest whose cost per image is within KNEE_SLACK of the best; where images come nearly free (a
+    GPU), the maximum; the delay policy takes the maximum either way."""
+    cpu = {1: 0.012, 8: 0.082, 32: 0.322}  # 2 ms a batch + 10 ms an image
+    policy = AdaptivePolicy(max_batch_size=32, max_queue_delay_ms=10.0, costs=CostModel(cpu, 0.001))
+    knee = next(n for n in range(1, 33) if (0.002 / n + 0.010) <= (0.002 / 32 + 0.010) * (1 + KNEE_SLACK))
+    assert knee == 4 and policy.costs.knee(32) == knee
+    assert policy.batch_size(30) == knee
+    gpu = {1: 0.005, 8: 0.006, 32: 0.010}
+    on_gpu = AdaptivePolicy(max_batch_size=32, max_queue_delay_ms=10.0, costs=CostModel(gpu, 0.001))
+    assert on_gpu.costs.knee(32) == 29 and on_gpu.batch_size(40) == 29  # (6 + 4 * 21/24) / 29 within 5% of 10 / 32
+    assert DelayPolicy(max_batch_size=32, max_queue_delay_ms=10.0).batch_size(30) == 32
+
+
+def test_the_knee_waits_for_two_measured_sizes() -> None:
+    """One size alone says nothing of how the cost grows: the batch is the delay policy's until a second size is
+    measured (else a first lone image, read as a per-image cost, would keep every batch at one)."""
+    policy = make_policy("adaptive", max_batch_size=8, max_queue_delay_ms=10.0)
+    assert policy.batch_size(20) == 8  # no figures
+    policy.observe_batch(1, 0.060)
+    assert policy.batch_size(20) == 8  # one size: a GPU's 60 ms at 1 or a CPU's 60 ms an image, unknown yet
+    policy.observe_batch(8, 0.061)  # a GPU: the maximum stays the batch
+    assert policy.batch_size(20) == 8
+    cpu = make_policy("adaptive", max_batch_size=8, max_queue_delay_ms=10.0)
+    cpu.observe_batch(1, 0.060)
+    cpu.observe_batch(8, 0.480)  # 60 ms an image: one at a time loses nothing
+    assert cpu.batch_size(20) == 1
 
 
 def test_the_delay_policy_counts_from_the_oldest_image_and_prefers_preferred_sizes() -> None:
