@@ -13,6 +13,7 @@ from rich.table import Table
 
 from loadtest.step import PERCENTILES
 from service.core.metrics import STAGES
+from service.engine.policy import KNEE_SLACK
 
 
 def _ms(value: float | None) -> str:
@@ -40,6 +41,26 @@ def table(steps: list[dict[str, Any]], title: str) -> Table:
             _ms(srv["mean_batch_size"]) if srv else "-", client,
         )  # fmt: skip
     t.caption = "latencies in ms; server q/pre/comp: mean queue, preprocess and per-batch compute ms from /metrics"
+    return t
+
+
+def cost_table(steps: list[dict[str, Any]]) -> Table | None:
+    """What each batch size cost per image at each step (the model's statistics), and the knee the adaptive policy
+    stops a batch at on those costs: the batching trade-off for this model. None when no step has the figures."""
+    rows = [(s["step"], (s["server"] or {}).get("batch_costs") or {}) for s in steps]
+    if not any(c.get("sizes") for _, c in rows):
+        return None
+    t = Table(title="batch costs: compute ms per image by batch size (batches)")
+    t.add_column("step", justify="left")
+    t.add_column("knee", justify="right")
+    t.add_column("size: ms per image (batches)", justify="left")
+    for step, c in rows:
+        sizes = ", ".join(f"{n}: {v['ms_per_image']:.1f} ({v['batches']})" for n, v in c.get("sizes", {}).items())
+        t.add_row(step, str(c.get("knee") or "-"), sizes or "-")
+    t.caption = (
+        f"knee: the smallest batch whose cost per image is within {KNEE_SLACK:.0%} of the cheapest size's "
+        "(the adaptive policy's)"
+    )
     return t
 
 
@@ -100,6 +121,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     stages = stage_table(report["steps"])
     if stages is not None:
         console.print(stages)
+    costs = cost_table(report["steps"])
+    if costs is not None:
+        console.print(costs)
     if "models" in report:
         for s in report["steps"]:
             console.print(model_table(s, f"per model at {s['step']}"))
@@ -131,7 +155,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
 CSV_COLUMNS = ("step", "mode", "concurrency", "rate", "arrival", "duration_s", "requests", "images", "errors",
                "requests_per_s", "images_per_s", *(f"p{q:g}_ms" for q in PERCENTILES), "max_ms", "mean_ms",
                "send_lag_p99_ms", "client_cpu", "client_limited", "server_queue_ms", "server_preprocess_ms",
-               "server_compute_ms", "server_request_p99_ms", "mean_batch_size",
+               "server_compute_ms", "server_request_p99_ms", "mean_batch_size", "batch_knee",
                *(f"stage_{name}_ms" for name in STAGES))  # fmt: skip
 
 
@@ -147,6 +171,7 @@ def csv_row(s: dict[str, Any]) -> dict[str, Any]:
     row |= {f"server_{k}_ms": means.get(k, "") for k in ("queue", "preprocess", "compute")}
     row["server_request_p99_ms"] = srv.get("request_p99_ms", "")
     row["mean_batch_size"] = srv.get("mean_batch_size", "")
+    row["batch_knee"] = (srv.get("batch_costs") or {}).get("knee") or ""
     stages = srv.get("stages", {})
     row |= {f"stage_{name}_ms": stages[name]["mean_ms"] if name in stages else "" for name in STAGES}
     return row

@@ -4,6 +4,10 @@ The difference of two scrapes gives, for one model (or summed over several), the
 mean time per stage (queue, preprocess, compute per batch, the whole request), the server-side request p99 from the
 histogram's buckets (as Prometheus's ``histogram_quantile`` reads it), and the mean batch size. A server without
 ``/metrics`` (another product, or ``--no-metrics``) gives no split, and the report says so.
+
+Beside ``/metrics``, the model's statistics (``/v2/models/{m}/stats``, Triton's, so Triton's read too) give the
+compute of each batch size: what each size cost per image during the step, and the knee of those costs as the
+adaptive batch policy computes it (``CostModel.knee``), the batch beyond which a bigger one buys little throughput.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from service.engine.policy import CostModel
 
 STAGES = ("request", "queue", "preprocess", "compute", "postprocess")
 STAGE_FAMILY = "visionserve_stage_duration_seconds"  # {stage=...}: where each answered request's time went
@@ -28,7 +34,37 @@ def scrape(url: str, model: str | Sequence[str], timeout_s: float = 5.0) -> Samp
         return None
     if r.status_code != 200:
         return None
-    return parse(r.text, model)
+    sample = parse(r.text, model)
+    for name in [model] if isinstance(model, str) else model:
+        sample.update(batch_stats(url, name, timeout_s))
+    return sample
+
+
+def batch_stats(url: str, model: str, timeout_s: float = 5.0) -> Sample:
+    """``batch_count|<size>`` and ``batch_compute_ns|<size>`` from the model's statistics (summed over its
+    versions); empty where the server has none."""
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v2/models/{model}/stats", timeout=timeout_s)
+        rows = r.json().get("model_stats", []) if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        return {}
+    out: defaultdict[str, float] = defaultdict(float)
+    for row in rows:
+        for b in row.get("batch_stats", []):
+            infer = b.get("compute_infer", {})
+            out[f"batch_count|{b['batch_size']}"] += float(infer.get("count", 0))
+            out[f"batch_compute_ns|{b['batch_size']}"] += float(infer.get("ns", 0))
+    return dict(out)
+
+
+def batch_costs(delta: Sample) -> dict[str, Any]:
+    """Per batch size seen in ``delta``: batches and compute ms per image; and the knee of those costs (None with
+    fewer than two sizes seen)."""
+    counts = {int(k.split("|")[1]): v for k, v in delta.items() if k.startswith("batch_count|") and v > 0}
+    seconds = {n: delta.get(f"batch_compute_ns|{n}", 0.0) / c / 1e9 for n, c in counts.items()}
+    sizes = {n: {"batches": int(counts[n]), "ms_per_image": 1000 * seconds[n] / n} for n in sorted(counts)}
+    knee = CostModel(seconds).knee(max(counts)) if counts else None
+    return {"sizes": sizes, "knee": knee}
 
 
 def parse(text: str, model: str | Sequence[str]) -> Sample:
@@ -91,6 +127,7 @@ def server_split(before: Sample | None, after: Sample | None) -> dict[str, Any] 
         "mean_batch_size": delta.get("visionserve_batch_size_sum", 0.0) / batches if batches else math.nan,
         "mean_ms": {stage: mean_ms(stage) for stage in STAGES},
         "request_p99_ms": 1000 * _bucket_quantile(delta, "visionserve_request_duration_seconds", 0.99),
+        "batch_costs": batch_costs(delta),
     }
 
 

@@ -208,8 +208,9 @@ max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a 
 batch_policy = "adaptive"     # adaptive: with an instance idle, wait (never past max_queue_delay_ms) only while
                               # the measured batch costs and arrival rate say that waiting for the next image costs
                               # the queued ones less than it saves it; on a CPU that is at once (docs/performance.md,
-                              # "Where each request waits") | delay: wait for a preferred or full batch up to
-                              # max_queue_delay_ms even with an instance idle, as Triton does
+                              # "Where each request waits"); from a backlog, batches stop at the knee of the
+                              # measured costs (README, "The engine") | delay: wait for a preferred or full batch
+                              # up to max_queue_delay_ms even with an instance idle, as Triton does
 preferred_batch_sizes = []    # dispatch at once when one of these sizes is reached
 max_queue_size = 1024         # images queued before requests are refused
 queue_full_status = 503       # 503 or 429, with Retry-After

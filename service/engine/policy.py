@@ -21,6 +21,10 @@ from typing import Protocol
 
 SMOOTHING = 0.2  # weight of the newest sample in the cost model's moving averages
 KNEE_SLACK = 0.05  # a batch size is big enough once its cost per image is within this of the cheapest size's
+# One in this many batches cut to the knee takes one image more: the size above the knee is measured again, so one
+# slow batch there (a preempted forward) does not keep the knee low for ever (seen: one batch of 2 at 3.4x the cost
+# per image held a CPU model's batches at 1, 10% of its capacity lost)
+EXPLORE_EVERY = 16
 POLICIES = ("delay", "adaptive")
 
 
@@ -57,6 +61,7 @@ class CostModel:
         self.gap_s = gap_s  # None until two requests have arrived (or seeded)
         self._smoothing = smoothing
         self._last_arrival: float | None = None
+        self._knees: dict[tuple[int, float], int | None] = {}  # (limit, slack) -> knee, until the costs change
 
     @property
     def costs(self) -> dict[int, float]:
@@ -74,6 +79,7 @@ class CostModel:
         """A batch of ``size`` images took ``seconds``."""
         seen = self._costs.get(size)
         self._costs[size] = seconds if seen is None else seen + self._smoothing * (seconds - seen)
+        self._knees.clear()
 
     def knee(self, limit: int, slack: float = KNEE_SLACK) -> int | None:
         """The smallest batch size up to ``limit`` whose cost per image (:meth:`cost`) is within ``slack`` of the
@@ -82,9 +88,11 @@ class CostModel:
         grows (read as per image, it would keep every batch at that size, and never learn otherwise)."""
         if len(self._costs) < 2:
             return None
-        per_image = [(n, self.cost(n) or 0.0) for n in range(1, limit + 1)]
-        cheapest = min(c / n for n, c in per_image)
-        return next(n for n, c in per_image if c / n <= cheapest * (1 + slack))
+        if (limit, slack) not in self._knees:  # asked twice a batch (wait and size): computed once
+            per_image = [(n, self.cost(n) or 0.0) for n in range(1, limit + 1)]
+            cheapest = min(c / n for n, c in per_image)
+            self._knees[limit, slack] = next(n for n, c in per_image if c / n <= cheapest * (1 + slack))
+        return self._knees[limit, slack]
 
     def cost(self, n: int) -> float | None:
         """Seconds a batch of ``n`` takes, from the recent batches: measured, or on the line through the nearest
@@ -177,6 +185,7 @@ class AdaptivePolicy(DelayPolicy):
             preferred_batch_sizes=preferred_batch_sizes,
         )
         self.costs = costs if costs is not None else CostModel()
+        self._cut = 0  # batches cut to the knee so far
 
     def observe_arrival(self, t: float) -> None:
         """Learn the gap between requests."""
@@ -191,15 +200,23 @@ class AdaptivePolicy(DelayPolicy):
         return True
 
     def wait_s(self, queued: int, oldest_wait_s: float) -> float:
-        """The delay policy's wait, cut to 0 when waiting for the next image does not pay."""
+        """The delay policy's wait, cut to 0 when waiting for the next image does not pay, or when a batch at the
+        knee is queued (a bigger one would buy almost nothing)."""
         wait = super().wait_s(queued, oldest_wait_s)
-        return 0.0 if wait > 0 and self.dispatch_now(queued) else wait
+        if wait <= 0:
+            return wait
+        knee = self.costs.knee(self.max_batch_size)
+        return 0.0 if (knee is not None and queued >= knee) or self.dispatch_now(queued) else wait
 
     def batch_size(self, queued: int) -> int:
-        """The delay policy's batch, cut to the cost model's knee (:meth:`CostModel.knee`)."""
+        """The delay policy's batch, cut to the cost model's knee (:meth:`CostModel.knee`); one in
+        :data:`EXPLORE_EVERY` of the batches cut takes one image more, to measure that size again."""
         size = super().batch_size(queued)
         knee = self.costs.knee(self.max_batch_size)
-        return size if knee is None else min(size, knee)
+        if knee is None or min(size, queued) <= knee:
+            return size
+        self._cut += 1
+        return knee + 1 if self._cut % EXPLORE_EVERY == 0 else knee
 
     def dispatch_now(self, queued: int) -> bool:
         """:func:`dispatch_now` on the cost model's figures; True while any figure is missing."""

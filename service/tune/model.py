@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.engine.policy import CostModel
 from service.tune.candidates import Candidate
 from service.tune.measure import RuntimeFigures
 
@@ -86,6 +87,11 @@ class ServiceCurve:
 
     def mean(self, size: int) -> float:
         return float(np.mean(self.samples[size]))
+
+    def knee(self, limit: int) -> int:
+        """The adaptive policy's largest batch from a backlog (``CostModel.knee``) on these batch times."""
+        limit = min(limit, self.largest)
+        return CostModel({b: self.mean(b) for b in range(1, limit + 1)}).knee(limit) or limit
 
 
 @dataclass
@@ -156,6 +162,7 @@ class Simulator:
         threshold = preferred[0] if preferred else maxb
         delay = c.max_queue_delay_ms
         adaptive = c.batch_policy == "adaptive"
+        knee = curve.knee(maxb) if adaptive else maxb  # the adaptive batch from a backlog stops there
         gap_ms = 1000.0 / rate
         warmup_ms = w.warmup_s * 1000.0
         loops = [0.0] * c.workers
@@ -185,7 +192,7 @@ class Simulator:
             while busy < c.instances and queue:
                 count = len(queue)
                 deadline = queue[0][0] + delay
-                go = count >= maxb or (preferred and count >= threshold) or now >= deadline
+                go = count >= min(maxb, knee) or (preferred and count >= threshold) or now >= deadline
                 if not go and adaptive:
                     go = _dispatch_now(curve, count, gap_ms)
                 if not go:
@@ -194,6 +201,7 @@ class Simulator:
                         heapq.heappush(heap, (deadline, 2, 0.0))
                     break
                 take = maxb if count >= maxb else max([p for p in preferred if p <= count], default=count)
+                take = min(take, knee)
                 busy += 1
                 slow = float(busy) if w.cuda else max(1.0, (busy * thread_cores + background) / cores)
                 samples = curve.samples[take]

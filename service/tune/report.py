@@ -11,6 +11,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from service.engine.policy import KNEE_SLACK, CostModel
 from service.tune import model as prediction_model
 from service.tune.tuner import TuneRun, finite, ratio
 
@@ -94,6 +95,20 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.0f}%"
 
 
+def _knee(images_per_s: dict[str, float]) -> str:
+    seconds = {int(b): int(b) / v for b, v in images_per_s.items() if v > 0}
+    knee = CostModel(seconds).knee(max(seconds)) if seconds else None
+    return str(knee) if knee is not None else "-"
+
+
+def _batches(step: dict[str, Any]) -> str:
+    """ ", mean batch B (knee K)" of a verified step, as far as the server reported them."""
+    mean, knee = step.get("mean_batch"), step.get("knee")
+    if mean is None or mean != mean:
+        return ""
+    return f", mean batch {mean:.1f}" + (f" (knee {knee})" if knee else "")
+
+
 def verified_rows(report: dict[str, Any]) -> list[list[str]]:
     """One row per verified candidate: label, role, predicted, measured, p99 there, error, wall time."""
     winner = (report["winner"] or {}).get("label")
@@ -136,7 +151,8 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"Steps of `{v['label']}`: "
             + "; ".join(
-                f"{s['rate']:g}/s p99 {_f(s['p99_ms'])} ms{'' if s['met'] else ' (missed)'}" for s in v["steps"]
+                f"{s['rate']:g}/s p99 {_f(s['p99_ms'])} ms{'' if s['met'] else ' (missed)'}{_batches(s)}"
+                for s in v["steps"]
             ),
         ]
     if report["skipped"]:
@@ -158,15 +174,18 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"Decode + preprocess: {m['decode_ms']:.2f} ms per image ({m['images']}), one core.",
             "",
-            "| runtime | threads | images/s per batch size |",
-            "|---|---|---|",
+            "| runtime | threads | images/s per batch size | knee |",
+            "|---|---|---|---|",
         ]
         lines += [
             f"| {r['backend']}/{r['precision']} | {r['threads'] or 'default'} | "
             + ", ".join(f"{b}: {v:.0f}" for b, v in r["images_per_s"].items())
-            + " |"
+            + f" | {_knee(r['images_per_s'])} |"
             for r in m["runtimes"]
         ]
+        lines += ["", f"knee: the batch the adaptive policy stops at from a backlog, the smallest whose cost per image "
+                      f"is within {KNEE_SLACK:.0%} of the cheapest size's (the same computation on the same figures "
+                      "as the server's, and as `loadtest`'s batch costs)"]  # fmt: skip
     if report["config"]:
         c = report["config"]
         lines += ["", f"Wrote {c['path']}" + (f" (previous file kept as {c['backup']})" if c.get("backup") else "")]

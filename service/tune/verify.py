@@ -92,7 +92,8 @@ def _step_record(step: StepResult, target_p99_ms: float) -> dict[str, Any]:
     return {"rate": step.spec.rate, "achieved_rps": step.requests_per_s, "requests": step.requests,
             "p50_ms": step.latency_ms(50), "p99_ms": step.latency_ms(99), "errors": step.error_count,
             "met": met, "client_limited": step.client_limited,
-            "mean_batch": (step.server or {}).get("mean_batch_size")}  # fmt: skip
+            "mean_batch": (step.server or {}).get("mean_batch_size"),
+            "knee": ((step.server or {}).get("batch_costs") or {}).get("knee")}  # fmt: skip
 
 
 def verify(

@@ -35,6 +35,7 @@ def test_closed_loop_writes_json_csv_and_plots_with_the_server_split(server: Run
     assert run.returncode == 0, run.stderr
     assert "c=4" in run.stdout and "p99.9" in run.stdout  # the table
     assert "server stages" in run.stdout and "batch wait" in run.stdout  # and where the server's time went
+    assert "batch costs" in run.stdout  # and what each batch size cost per image (the model's statistics)
     report = json.loads((tmp_path / "results.json").read_text())
     assert [s["step"] for s in report["steps"]] == ["c=1", "c=4"]
     for s in report["steps"]:
@@ -42,6 +43,10 @@ def test_closed_loop_writes_json_csv_and_plots_with_the_server_split(server: Run
         assert s["latency_ms"]["p50"] <= s["latency_ms"]["p99"] <= s["latency_ms"]["max"]
         srv = s["server"]
         assert srv is not None and srv["mean_batch_size"] >= 1
+        sizes = srv["batch_costs"]["sizes"]  # the batches of this step, by size, from /v2/models/digits/stats
+        # (the statistics trail /metrics by the engine's last report: counts are not compared with it)
+        assert sum(v["batches"] for v in sizes.values()) > 0 and srv["images"] > 0
+        assert all(v["ms_per_image"] > 0 for v in sizes.values())
         assert srv["mean_ms"]["compute"] > 0 and srv["mean_ms"]["queue"] >= 0
         assert list(srv["stages"]) == list(STAGES)  # every stage, in the server's order
         assert srv["stages"]["compute"]["mean_ms"] > 0 and srv["stages"]["decode"]["p99_ms"] > 0

@@ -68,3 +68,20 @@ def test_values_beyond_the_range_are_clamped_but_max_is_exact() -> None:
     h.record_many([1e-9, 5e3])
     assert h.max_s == 5e3 and h.quantile(1.0) == 5e3
     assert h.quantile(0.5) == pytest.approx(1e-9, abs=2e-6)
+
+
+def test_the_batch_costs_of_a_step_are_the_statistics_difference_and_their_knee_the_policys() -> None:
+    """Two reads of a model's statistics (``batch_count|size``, ``batch_compute_ns|size``): each size's compute per
+    image during the step, and the knee that ``CostModel.knee`` finds on them (2 ms a batch + 10 ms an image)."""
+    from loadtest.scrape import batch_costs
+    from service.engine.policy import CostModel
+
+    before = {"batch_count|1": 5.0, "batch_compute_ns|1": 5 * 12e6}
+    after = {"batch_count|1": 15.0, "batch_compute_ns|1": 15 * 12e6, "batch_count|8": 4.0,
+             "batch_compute_ns|8": 4 * 82e6, "batch_count|32": 0.0, "batch_compute_ns|32": 0.0}  # fmt: skip
+    costs = batch_costs({k: v - before.get(k, 0.0) for k, v in after.items()})
+    assert costs["sizes"] == {1: {"batches": 10, "ms_per_image": pytest.approx(12.0)},
+                              8: {"batches": 4, "ms_per_image": pytest.approx(10.25)}}  # fmt: skip
+    assert costs["knee"] == CostModel({1: 0.012, 8: 0.082}).knee(8) == 3  # (2 / n + 10) within 5% of 10.25 ms
+    assert batch_costs({"batch_count|4": 3.0, "batch_compute_ns|4": 3e6})["knee"] is None  # one size: no knee
+    assert batch_costs({}) == {"sizes": {}, "knee": None}

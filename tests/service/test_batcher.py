@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 from service.core.errors import CancelledError, DeadlineExceededError, OverloadedError, RuntimeFailure
 from service.core.spec import InputSpec, ModelSpec
 from service.engine import Batcher, BatcherConfig, InferRequest
-from service.engine.policy import KNEE_SLACK, SMOOTHING, AdaptivePolicy, CostModel, DelayPolicy, make_policy
+from service.engine.policy import (
+    EXPLORE_EVERY,
+    KNEE_SLACK,
+    SMOOTHING,
+    AdaptivePolicy,
+    CostModel,
+    DelayPolicy,
+    make_policy,
+)
 from service.runtime import FakeRuntime
 
 SPEC = ModelSpec(
@@ -592,6 +600,20 @@ def test_the_knee_waits_for_two_measured_sizes() -> None:
     cpu.observe_batch(1, 0.060)
     cpu.observe_batch(8, 0.480)  # 60 ms an image: one at a time loses nothing
     assert cpu.batch_size(20) == 1
+
+
+def test_one_slow_batch_above_the_knee_does_not_hold_the_knee_down_for_ever() -> None:
+    """A batch of 2 measured once at 3.4x the cost per image (a preempted forward) puts the knee at 1; one in
+    EXPLORE_EVERY of the batches cut to it still takes 2, and once 2 is measured at its true cost the knee is 2."""
+    policy = AdaptivePolicy(max_batch_size=8, max_queue_delay_ms=2.0, costs=CostModel({1: 0.0154, 2: 0.1038}))
+    assert policy.costs.knee(8) == 1
+    sizes = [policy.batch_size(10) for _ in range(2 * EXPLORE_EVERY)]
+    assert sizes.count(2) == 2 and sizes.count(1) == 2 * EXPLORE_EVERY - 2
+    assert policy.batch_size(1) == 8  # nothing to cut with one image queued (the batch takes what there is)
+    for _ in range(40):  # explored batches of 2, at 14 ms an image
+        policy.observe_batch(2, 0.028)
+    knee = policy.costs.knee(8)
+    assert knee is not None and knee >= 2 and policy.batch_size(10) == knee
 
 
 def test_the_delay_policy_counts_from_the_oldest_image_and_prefers_preferred_sizes() -> None:
