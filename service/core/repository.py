@@ -25,6 +25,7 @@ others from loading.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -33,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from service.core.config import CONFIG_FILE, ModelConfig, load_config
-from service.core.errors import ConfigError, NotFoundError
+from service.core.config import CONFIG_FILE, ModelConfig, load_config, parse_config
+from service.core.errors import BadInputError, ConfigError, NotFoundError
 from service.core.spec import SPEC_FILE, ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -332,3 +334,19 @@ def random_batch(spec: ModelSpec, n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     shape = (n, spec.input.channels, spec.input.height, spec.input.width)
     return rng.integers(0, 256, size=shape, dtype=np.uint8)
+
+
+def with_config(entry: ModelEntry, override: Any) -> ModelEntry:
+    """The entry with a config sent in a load request (a JSON object of config.toml's fields), or a 400."""
+    if isinstance(override, str | bytes):
+        try:
+            override = json.loads(override)
+        except ValueError as exc:
+            raise BadInputError(f"the load request's config is not valid JSON: {exc}") from None
+    if not isinstance(override, dict):
+        raise BadInputError(f"the load request's config must be a JSON object of config.toml fields, got {override!r}")
+    try:
+        config = parse_config({**msgspec.to_builtins(entry.config), **override}, source="the load request's config")
+    except ConfigError as exc:
+        raise BadInputError(str(exc)) from None
+    return ModelEntry(entry.name, entry.path, config, entry.versions, entry.version_errors)

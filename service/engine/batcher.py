@@ -196,9 +196,13 @@ class Batcher:
         """Queue the request's images and wait for all of them; resolves exactly once."""
         return await self.enqueue(request)
 
-    def enqueue(self, request: InferRequest) -> asyncio.Future[InferResult]:
+    def enqueue(
+        self, request: InferRequest, on_released: Callable[[], None] | None = None
+    ) -> asyncio.Future[InferResult]:
         """Queue the request's images; the future resolves exactly once (cancelling it drops the request's images
-        that are still queued). Raises at once when the request is refused. Call on the batcher's event loop."""
+        that are still queued; ``on_released`` is called once no batch reads them any more, at once or when the
+        batches that took some are done). Raises at once when the request is refused. Call on the batcher's event
+        loop."""
         if not self._started:
             self._start()
         if self._closing:
@@ -215,6 +219,7 @@ class Batcher:
         future: asyncio.Future[InferResult] = self._loop.create_future()
         now = time.monotonic()
         pending = Pending(future, n, self.spec.num_classes, now)
+        pending.on_released = on_released
         timeout_ms = request.timeout_ms or self.config.default_timeout_ms
         if timeout_ms and timeout_ms > 0:
             pending.timer = self._loop.call_later(
@@ -271,6 +276,7 @@ class Batcher:
         for item in items:
             item.pending.instance = free_since
             item.pending.batch = started
+            item.pending.inflight += 1
         outcome = Outcome()
         try:
 
@@ -302,6 +308,9 @@ class Batcher:
                 item.pending.finish(RuntimeFailure(f"internal error while computing: {exc}"))
         finally:
             self._inflight -= 1
+            for item in items:  # this batch reads their pixels no more (a retry image by image included)
+                item.pending.inflight -= 1
+                item.pending.release_if_cancelled()
             if outcome.healthy:
                 self._pool.release(instance)
             if not self._queue and self._inflight == 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -19,8 +19,8 @@ DEFAULT_PRIORITY = 0
 class Pending:
     """One request in flight: its caller's future and the answers of its images so far."""
 
-    __slots__ = ("batch", "batch_sizes", "compute_s", "done", "errors", "future", "instance", "logits", "queue_s",
-                 "received", "remaining", "timer")  # fmt: skip
+    __slots__ = ("batch", "batch_sizes", "compute_s", "done", "errors", "future", "inflight", "instance", "logits",
+                 "on_released", "queue_s", "received", "remaining", "timer")  # fmt: skip
 
     def __init__(self, future: asyncio.Future[InferResult], n: int, num_classes: int, received: float) -> None:
         self.future = future
@@ -35,6 +35,9 @@ class Pending:
         self.compute_s = 0.0
         self.batch_sizes: list[int] = []
         self.timer: asyncio.TimerHandle | None = None
+        self.inflight = 0  # batches computing (or retrying) any of its images: they read its pixels until done
+        # called once when a cancelled request's pixels are read by no batch any more (the caller's buffer is free)
+        self.on_released: Callable[[], None] | None = None
 
     def abandon_if_cancelled(self, future: asyncio.Future[InferResult]) -> None:
         """The caller went away: its queued images are dropped before compute."""
@@ -42,6 +45,14 @@ class Pending:
             self.done = True
             if self.timer is not None:
                 self.timer.cancel()
+            self.release_if_cancelled()
+
+    def release_if_cancelled(self) -> None:
+        """Say once (``on_released``) that a cancelled request's pixels are no longer read: at the cancel when none
+        of its images is in a batch, else when the last such batch is done."""
+        if self.inflight == 0 and self.on_released is not None and self.future.cancelled():
+            released, self.on_released = self.on_released, None
+            released()
 
     def finish(self, error: VisionServeError | None = None) -> None:
         """Resolve the caller exactly once (later calls do nothing)."""

@@ -10,15 +10,14 @@ server's metrics, so any front end answers for all of them with nothing counted 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
 import numpy as np
 
-from service.core.config import parse_config
 from service.core.errors import (
     BadInputError,
     CancelledError,
@@ -31,7 +30,7 @@ from service.core.errors import (
 )
 from service.core.memory_metrics import ResidencyCollector
 from service.core.metrics import LiveState, Metrics, ModelCounts
-from service.core.repository import ModelEntry, ModelRepository
+from service.core.repository import ModelEntry, ModelRepository, with_config
 from service.core.rollout_metrics import RolloutCollector
 from service.core.settings import ServerSettings, parse_budget
 from service.core.spec import encode_spec
@@ -211,7 +210,8 @@ class EngineServer:
                     request_id=message.request_id, model=message.model, version=version, images=images,
                     priority=message.priority, timeout_ms=message.timeout_ms or None,
                 )  # fmt: skip
-                future = self._engine(message.model, version).batcher.enqueue(request)
+                released = self._releaser(peer, message.id)
+                future = self._engine(message.model, version).batcher.enqueue(request, on_released=released)
         except VisionServeError as exc:
             self.endpoint.send(peer, Failed(message.id, self._wire(exc, message.model)))
             return
@@ -243,7 +243,14 @@ class EngineServer:
                 request_id=message.request_id, model=message.model, version=message.version, images=images,
                 priority=message.priority, timeout_ms=left_ms,
             )  # fmt: skip
-            result = await self._engine(message.model, message.version).batcher.enqueue(request)
+            released = self._releaser(peer, message.id)
+            queued = self._engine(message.model, message.version).batcher.enqueue(request, on_released=released)
+            try:
+                result = await queued
+            except asyncio.CancelledError:
+                if queued.done() and not queued.cancelled():  # computed just as the cancel came: nothing reads it
+                    released()
+                raise
             result.cold_start_s = waited
             return result
 
@@ -252,11 +259,16 @@ class EngineServer:
         self._pending[key] = task
         task.add_done_callback(lambda f: self._answer(key, message.model, f))
 
+    def _releaser(self, peer: bytes, number: int) -> Callable[[], None]:
+        """What a cancelled request calls once its pixels are read no more: the front end frees them on this
+        answer (it keeps them until the engine answers, since a batch may still read them)."""
+        return lambda: self.endpoint.send(peer, Failed(number, WireError.of(CancelledError("cancelled"))))
+
     def _answer(self, key: tuple[bytes, int], model: str, future: asyncio.Future[InferResult]) -> None:
         self._pending.pop(key, None)
         peer, number = key
         if future.cancelled():
-            return  # the front end asked for it and no longer waits
+            return  # the front end asked for it and no longer waits; `released` answers once nothing reads it
         exc = future.exception()
         if exc is not None:
             self.endpoint.send(peer, Failed(number, self._wire(exc, model)))
@@ -381,7 +393,7 @@ class EngineServer:
             entry = await asyncio.to_thread(self.repository.model, name)
             override = args.get("config")
             if override is not None:
-                entry = _with_config(entry, override)
+                entry = with_config(entry, override)
             await self.residency.settle(name)  # an on-demand load of it in progress goes first
             old = self.models.pop(name, None)
             charge = self.residency.accounts.release(name)
@@ -463,22 +475,6 @@ class EngineServer:
 
 def _version_errors(errors: dict[str, str], name: str) -> str:
     return "; ".join(e for key, e in errors.items() if key.startswith(f"{name}/"))
-
-
-def _with_config(entry: ModelEntry, override: Any) -> ModelEntry:
-    """The entry with a config sent in a load request (a JSON object of config.toml's fields), or a 400."""
-    if isinstance(override, str | bytes):
-        try:
-            override = json.loads(override)
-        except ValueError as exc:
-            raise BadInputError(f"the load request's config is not valid JSON: {exc}") from None
-    if not isinstance(override, dict):
-        raise BadInputError(f"the load request's config must be a JSON object of config.toml fields, got {override!r}")
-    try:
-        config = parse_config({**msgspec.to_builtins(entry.config), **override}, source="the load request's config")
-    except ConfigError as exc:
-        raise BadInputError(str(exc)) from None
-    return ModelEntry(entry.name, entry.path, config, entry.versions, entry.version_errors)
 
 
 _QUERIES = {

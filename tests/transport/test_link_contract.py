@@ -38,6 +38,7 @@ class Owner:
 
     def __init__(self) -> None:
         self.changes = 0
+        self.regions: Callable[[], int] | None = None  # shared-memory regions the link holds (that side only)
 
     def snapshot(self, token: int) -> Snapshot:
         return Snapshot(token, [], [])
@@ -68,6 +69,7 @@ async def shared_memory_link(settings: ServerSettings, tmp: Path) -> AsyncIterat
     linker = SharedMemoryLinks(arena, (address,))
     owner = Owner()
     (link,) = linker.connect(owner)
+    owner.regions = lambda: linker.arena.regions_in_use if linker.arena is not None else -1
     await link.start()
     try:
         yield link, owner
@@ -102,6 +104,17 @@ async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
     async with asyncio.timeout(timeout_s):  # bounded in time: a loaded machine connects late
         while not check():
             await asyncio.sleep(0.01)
+
+
+async def slow_metrics(link: EngineLink) -> dict[str, float]:
+    """The engine's batches counted and in flight for model ``slow``."""
+    text = bytes(await link.query("metrics")).decode()
+    out = {"visionserve_batches_total": 0.0, "visionserve_inflight_batches": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in out and 'model="slow"' in line:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def submit(link: EngineLink, model: str, images: Any, version: int = 1, **kw: Any) -> Any:
@@ -139,10 +152,28 @@ def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
             with pytest.raises(OverloadedError) as full:
                 await submit(link, "slow", one)
             assert full.value.http_status == 429  # the model's queue_full_status rides on the error
-            queued.cancel()  # the client went away: dropped before compute, nothing answers it
-            await first
+            queued.cancel()  # the client went away: dropped before compute
             with pytest.raises(asyncio.CancelledError):
                 await queued
+            if owner.regions is not None:  # the engine says it dropped it: its region is free while `first` computes
+                await until(lambda: owner.regions() == 1)
+            await first
+            if owner.regions is not None:
+                assert owner.regions() == 0
+
+            # A request cancelled while its batch computes: the engine reads its pixels until the batch is done (a
+            # failed batch is retried image by image), so its region is freed then, not at the cancel, nor never.
+            computing = asyncio.ensure_future(submit(link, "slow", one))
+            async with asyncio.timeout(30):
+                while (await slow_metrics(link))["visionserve_inflight_batches"] < 1:  # its 300 ms batch runs
+                    await asyncio.sleep(0.01)
+            batches = (await slow_metrics(link))["visionserve_batches_total"]
+            computing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await computing
+            if owner.regions is not None:
+                await until(lambda: owner.regions() == 0, timeout_s=10)
+                assert (await slow_metrics(link))["visionserve_batches_total"] == batches + 1  # freed after it
 
             with pytest.raises(BadInputError, match="unknown query"):
                 await link.query("nothing")
