@@ -18,6 +18,7 @@ faster on the export's device (``int8_ungated``, ``int8_allow_slower``: written 
 
 from __future__ import annotations
 
+import math
 import platform
 import shutil
 import statistics
@@ -50,6 +51,7 @@ from service.core.errors import ConfigError, VisionServeError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
 from service.core.spec import SPEC_FILE, ExportRecord, ModelSpec, write_spec
 from service.runtime import AotiRuntime, OnnxRuntime, Runtime, TorchScriptRuntime
+from service.runtime.onnxrt import NO_CUDA_PROVIDER, runnable_device
 
 if TYPE_CHECKING:
     from export.sources import Source
@@ -133,17 +135,6 @@ def _device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
-
-
-def runnable_device(fmt: str, device: str) -> str:
-    """Where a ``fmt`` artifact asked to run on ``device`` can run here: an ONNX model runs on the CPU where
-    onnxruntime has no CUDA execution provider (its CPU build beside a CUDA torch), the rest where asked."""
-    if fmt == "onnx" and device.startswith("cuda"):
-        import onnxruntime as ort
-
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return "cpu"
-    return device
 
 
 def make_runtime(fmt: str, spec: ModelSpec, path: Path, device: str, max_batch_size: int) -> Runtime:
@@ -422,11 +413,9 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
     export_s = time.perf_counter() - started
     runtime: Runtime | None = None
     check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
-    if precision == "fp16" and not torch.cuda.is_available():
-        parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note="no GPU here")
-    elif precision == "fp16" and runnable_device(fmt, check_device) == "cpu":
-        note = "onnxruntime here has no CUDA execution provider"
-        parity = ParityResult(0, float("nan"), float("nan"), FP16, checked=False, note=note)
+    if precision == "fp16" and (not torch.cuda.is_available() or runnable_device(fmt, check_device) == "cpu"):
+        note = NO_CUDA_PROVIDER if torch.cuda.is_available() else "no GPU here"
+        parity = ParityResult(0, math.nan, math.nan, FP16, checked=False, note=note)
     else:
         stage.say(f"parity {fmt} {precision}")
         runtime = make_runtime(fmt, stage.spec, target, check_device, stage.max_batch)

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.step import PERCENTILES
+from service.core.batchcost import KNEE_SLACK
 from service.core.metrics import STAGES
-from service.engine.policy import KNEE_SLACK
 
 
 def _ms(value: float | None) -> str:

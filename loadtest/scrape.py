@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.engine.policy import CostModel
+from service.core.batchcost import CostModel
 
 STAGES = ("request", "queue", "preprocess", "compute", "postprocess")
 STAGE_FAMILY = "visionserve_stage_duration_seconds"  # {stage=...}: where each answered request's time went
@@ -61,6 +61,8 @@ def batch_costs(delta: Sample) -> dict[str, Any]:
     """Per batch size seen in ``delta``: batches and compute ms per image; and the knee of those costs (None with
     fewer than two sizes seen)."""
     counts = {int(k.split("|")[1]): v for k, v in delta.items() if k.startswith("batch_count|") and v > 0}
+    # a count or time that went down (a restarted server, another replica behind a proxy) is no measurement
+    counts = {n: c for n, c in counts.items() if delta.get(f"batch_compute_ns|{n}", 0.0) > 0}
     seconds = {n: delta.get(f"batch_compute_ns|{n}", 0.0) / c / 1e9 for n, c in counts.items()}
     sizes = {n: {"batches": int(counts[n]), "ms_per_image": 1000 * seconds[n] / n} for n in sorted(counts)}
     knee = CostModel(seconds).knee(max(counts)) if counts else None

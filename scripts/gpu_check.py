@@ -4,22 +4,19 @@ On a GPU machine, in order, each step a subprocess through the command line (``p
 what is measured is what users run:
 
 1. environment: device name, driver, torch / CUDA / torchvision / onnxruntime versions, providers, GPU count;
-2. install: the modules the project needs that this machine lacks, from wheels carried in ``.whl/`` into
-   ``.site/`` (``pip install --no-index --no-deps --target``; torch, torchvision, numpy and the other packages
-   the machine brings are never installed from ``.whl/``, even when a wheel is there);
+2. install: what the machine lacks, from wheels carried in ``.whl/`` into ``.site/`` (never torch, numpy or another
+   package the machine brings, even when a wheel is there);
 3. ``pytest -m gpu``: every CUDA test (the run fails when one fails);
-4. export: resnet50 (224x224, initial weights) as ONNX, TorchScript and AOTInductor for CUDA, fp32 and fp16, gated;
-5. bench: the runtime alone at batch 1/8/32/64/128 for each GPU runtime, precision and CUDA graphs on/off
-   (onnxruntime only when its CUDA execution provider is there; AOTInductor has no bf16 package);
+4. export: resnet50 (224x224, initial weights) as TorchScript, AOTInductor for CUDA and ONNX (where onnxruntime has
+   its CUDA provider), fp32 and fp16, gated;
+5. bench: each GPU runtime alone at batch 1-128, per precision and CUDA graphs on/off (no bf16 AOTInductor);
 6. decode: nvJPEG batch decode against the CPU decoding pool on every core, on the same JPEGs;
-7. serve resnet50 fp16 and load it over HTTP on the same machine: closed loop at 1..256 clients, then the highest
-   open-loop rate whose p99 stays under 15 ms;
-8. train smallcnn on digits on CUDA (AMP and channels-last are what ``train`` does there), and with
-   DistributedDataParallel through torchrun where two or more GPUs exist.
+7. serve resnet50 fp16 and load it over HTTP: closed loop at 1..256 clients, then the highest open-loop rate whose
+   p99 stays under 15 ms;
+8. train smallcnn on digits on CUDA (AMP, channels-last), and with DDP through torchrun where two GPUs exist.
 
-Every step that cannot run says why in the report (``skipped``): a module it needs that neither the machine nor
-the carried wheels bring, a step before it that it depends on, its share of the time. A step that fails is recorded
-with its reason and the next one still runs; the report is written after every step. ``--dry-run`` runs the same
+Every step that cannot run says why in the report (``skipped``); one that fails is recorded with its reason and
+the next one still runs; the report is written after every step. ``--dry-run`` runs the same
 steps with the same arguments on the CPU with tiny sizes (smallcnn, short durations): the device and the sizes are
 the only difference, so CI proves the command itself. The exit status is 1 when a GPU test fails or a step errs,
 else 0. Budget: 545 s on one H100, cut into a share per step (:data:`STEP_SHARE_S`); a step may use what the steps
@@ -34,10 +31,8 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -45,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gpucheck.outputs import bench_matrix, junit_counts, last_line, step_summary
+from gpucheck.proc import run_logged
 from gpucheck.report import SECTIONS, markdown
 from gpucheck.wheels import CARRIED, choose_wheels, download_command
 
@@ -100,35 +96,19 @@ class Check:
         if timeout < 1:
             raise StepError(f"no time left in this step's share for {' '.join(cmd[2:5])}")
         started = time.monotonic()
-        path = self.out / f"{log}.log"
-        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out, stderr=err, text=True,
-                                    start_new_session=True)  # fmt: skip
-            try:
-                code: int | None = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # its own children too (a server, compile workers)
-                proc.wait()
-                code = None
-            out.seek(0)
-            err.seek(0)
-            stdout, stderr = out.read(), err.read()
-        ended = "" if code is not None else f"(stopped after {timeout:.0f} s: above is what it printed until then)\n"
-        path.write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr\n{stderr}{ended}")
+        code, stdout, stderr = run_logged(cmd, cwd=ROOT, env=self.env, timeout_s=timeout, log=self.out / f"{log}.log")
         if code is None:
-            where = last_line(stderr) or last_line(stdout)
-            at = f"; last said: {where}" if where else ""
+            at = f"; last said: {w}" if (w := last_line(stderr) or last_line(stdout)) else ""
             raise StepError(f"{' '.join(cmd[2:5])} ran past {timeout:.0f} s (this step's share){at}")
         self.timings[log] = round(time.monotonic() - started, 1)
         return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
     def cli(self, args: list[str], *, timeout_s: float, log: str) -> subprocess.CompletedProcess[str]:
-        # export's progress is a line per gate, which the log keeps (what a stopped export was doing)
-        quiet = [] if args[0] == "export" else ["--no-progress"]
+        quiet = [] if args[0] == "export" else ["--no-progress"]  # export's: a line per gate, kept in its log
         proc = self.run([sys.executable, "-m", "service.cli", *args, *quiet], timeout_s, log)
-        if proc.returncode != 0:
-            said = [line for line in proc.stderr.splitlines() if "Warning" not in line and "warnings.warn" not in line]
-            raise StepError(f"visionserve {args[0]} exited {proc.returncode}: {chr(10).join(said).strip()[-600:]}")
+        if proc.returncode != 0:  # the error, not the warnings printed after it
+            said = "\n".join(ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
+            raise StepError(f"visionserve {args[0]} exited {proc.returncode}: {said.strip()[-600:]}")
         return proc
 
     def step(self, name: str, fn: Any, *, after: str | None = None) -> None:

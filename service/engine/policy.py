@@ -16,16 +16,17 @@ and asks it what to do; no event loop is involved, so a test drives one with pla
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
-SMOOTHING = 0.2  # weight of the newest sample in the cost model's moving averages
-KNEE_SLACK = 0.05  # a batch size is big enough once its cost per image is within this of the cheapest size's
+from service.core.batchcost import KNEE_SLACK, SMOOTHING, CostModel
+
 # One in this many batches cut to the knee takes one image more: the size above the knee is measured again, so one
 # slow batch there (a preempted forward) does not keep the knee low for ever (seen: one batch of 2 at 3.4x the cost
 # per image held a CPU model's batches at 1, 10% of its capacity lost)
 EXPLORE_EVERY = 16
 POLICIES = ("delay", "adaptive")
+__all__ = ["KNEE_SLACK", "SMOOTHING", "AdaptivePolicy", "BatchPolicy", "CostModel", "DelayPolicy", "make_policy"]
 
 
 class BatchPolicy(Protocol):
@@ -46,69 +47,6 @@ class BatchPolicy(Protocol):
 
     def batch_size(self, queued: int) -> int:
         """How many of the ``queued`` images the batch dispatched now takes (at most)."""
-
-
-class CostModel:
-    """The adaptive policy's figures: recent seconds a batch takes by size, and recent seconds between requests.
-
-    Both are moving averages (the newest sample weighs :data:`SMOOTHING`); ``costs`` and ``gap_s`` seed them.
-    """
-
-    def __init__(
-        self, costs: Mapping[int, float] | None = None, gap_s: float | None = None, *, smoothing: float = SMOOTHING
-    ) -> None:
-        self._costs: dict[int, float] = dict(costs or {})
-        self.gap_s = gap_s  # None until two requests have arrived (or seeded)
-        self._smoothing = smoothing
-        self._last_arrival: float | None = None
-        self._knees: dict[tuple[int, float], int | None] = {}  # (limit, slack) -> knee, until the costs change
-
-    @property
-    def costs(self) -> dict[int, float]:
-        """Batch size -> recent seconds a batch of that size takes (a copy)."""
-        return dict(self._costs)
-
-    def observe_arrival(self, t: float) -> None:
-        """A request arrived at ``t`` (seconds, any monotonic clock): updates :attr:`gap_s` from the second on."""
-        if self._last_arrival is not None:
-            gap = t - self._last_arrival
-            self.gap_s = gap if self.gap_s is None else self.gap_s + self._smoothing * (gap - self.gap_s)
-        self._last_arrival = t
-
-    def observe_batch(self, size: int, seconds: float) -> None:
-        """A batch of ``size`` images took ``seconds``."""
-        seen = self._costs.get(size)
-        self._costs[size] = seconds if seen is None else seen + self._smoothing * (seconds - seen)
-        self._knees.clear()
-
-    def knee(self, limit: int, slack: float = KNEE_SLACK) -> int | None:
-        """The smallest batch size up to ``limit`` whose cost per image (:meth:`cost`) is within ``slack`` of the
-        cheapest size's. Past it a bigger batch buys at most ``slack`` more throughput and makes each of its images
-        wait for all of it. None until two sizes have been measured: one size alone says nothing of how the cost
-        grows (read as per image, it would keep every batch at that size, and never learn otherwise)."""
-        if len(self._costs) < 2:
-            return None
-        if (limit, slack) not in self._knees:  # asked twice a batch (wait and size): computed once
-            per_image = [(n, self.cost(n) or 0.0) for n in range(1, limit + 1)]
-            cheapest = min(c / n for n, c in per_image)
-            self._knees[limit, slack] = next(n for n, c in per_image if c / n <= cheapest * (1 + slack))
-        return self._knees[limit, slack]
-
-    def cost(self, n: int) -> float | None:
-        """Seconds a batch of ``n`` takes, from the recent batches: measured, or on the line through the nearest
-        measured sizes (through the origin when only one size has been seen); None before any batch."""
-        costs = self._costs
-        if n in costs:
-            return costs[n]
-        if not costs:
-            return None
-        sizes = sorted(costs)
-        if len(sizes) == 1:
-            return costs[sizes[0]] * n / sizes[0]
-        below = [k for k in sizes if k < n]
-        above = [k for k in sizes if k > n]
-        a, b = (below[-1], above[0]) if below and above else ((sizes[-2], sizes[-1]) if below else (sizes[0], sizes[1]))
-        return max(0.0, costs[a] + (costs[b] - costs[a]) * (n - a) / (b - a))
 
 
 def dispatch_now(n: int, gap: float, t_n: float, t_next: float, t_one: float) -> bool:

@@ -77,6 +77,20 @@ def translate_onnxruntime_error(exc: BaseException, device: str) -> VisionServeE
     return RuntimeFailure(f"onnxruntime failed on {device}: {type(exc).__name__}: {text}")
 
 
+NO_CUDA_PROVIDER = "onnxruntime here has no CUDA execution provider"
+
+
+def runnable_device(fmt: str, device: str) -> str:
+    """Where a ``fmt`` artifact asked to run on ``device`` can run here: an ONNX model runs on the CPU where
+    onnxruntime has no CUDA execution provider (its CPU build beside a CUDA torch), the rest where asked."""
+    if fmt == "onnx" and device.startswith("cuda"):
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return "cpu"
+    return device
+
+
 def int8_cuda_providers(available: list[str], index: int, path: Path) -> list[Any]:
     """TensorRT (real INT8 kernels for a QDQ graph) before CUDA; neither: a :class:`ConfigError`, since running the
     INT8 model on the CPU instead, or its fp32 source on the GPU, would both be a silent substitution."""

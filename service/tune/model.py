@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.engine.policy import CostModel
+from service.core.batchcost import CostModel
 from service.tune.candidates import Candidate
 from service.tune.measure import RuntimeFigures
 

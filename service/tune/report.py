@@ -11,7 +11,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from service.engine.policy import KNEE_SLACK, CostModel
+from service.core.batchcost import KNEE_SLACK, CostModel
 from service.tune import model as prediction_model
 from service.tune.tuner import TuneRun, finite, ratio
 

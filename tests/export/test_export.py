@@ -13,7 +13,7 @@ import onnx
 import pytest
 import torch
 
-from export.exporter import ExportRequest, export_model, export_source, runnable_device
+from export.exporter import ExportRequest, export_model, export_source
 from export.sources import calibration_images, from_architecture, from_checkpoint
 from models.normalize import Uint8Classifier
 from models.registry import architecture_names
@@ -21,6 +21,7 @@ from service.core.errors import ConfigError
 from service.core.repository import ModelRepository, random_batch
 from service.core.spec import load_spec
 from service.runtime import OnnxRuntime, TorchScriptRuntime
+from service.runtime.onnxrt import runnable_device
 from tests.conftest import encode_image, random_image
 
 

@@ -85,3 +85,14 @@ def test_the_batch_costs_of_a_step_are_the_statistics_difference_and_their_knee_
     assert costs["knee"] == CostModel({1: 0.012, 8: 0.082}).knee(8) == 3  # (2 / n + 10) within 5% of 10.25 ms
     assert batch_costs({"batch_count|4": 3.0, "batch_compute_ns|4": 3e6})["knee"] is None  # one size: no knee
     assert batch_costs({}) == {"sizes": {}, "knee": None}
+
+
+def test_statistics_that_went_down_are_no_batch_costs() -> None:
+    """Behind a proxy the two reads may come from different replicas: a time that fell is left out, and a knee is
+    found only on positive costs (CostModel refuses the others rather than failing)."""
+    from loadtest.scrape import batch_costs
+    from service.core.batchcost import CostModel
+
+    assert batch_costs({"batch_count|1": 3.0, "batch_compute_ns|1": -5e6}) == {"sizes": {}, "knee": None}
+    assert CostModel({1: -0.01, 2: -0.03}).knee(2) is None
+    assert CostModel({1: 0.0, 2: 0.02}).knee(4) == 2  # zero at 1: only the sizes with a positive cost count
