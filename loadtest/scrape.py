@@ -34,22 +34,23 @@ def scrape(url: str, model: str | Sequence[str], timeout_s: float = 5.0) -> Samp
         return None
     if r.status_code != 200:
         return None
-    sample = parse(r.text, model)
-    for name in [model] if isinstance(model, str) else model:
-        sample.update(batch_stats(url, name, timeout_s))
-    return sample
+    return parse(r.text, model) | batch_stats(url, model, timeout_s)
 
 
-def batch_stats(url: str, model: str, timeout_s: float = 5.0) -> Sample:
-    """``batch_count|<size>`` and ``batch_compute_ns|<size>`` from the model's statistics (summed over its
-    versions); empty where the server has none."""
+def batch_stats(url: str, model: str | Sequence[str], timeout_s: float = 5.0) -> Sample:
+    """``batch_count|<size>`` and ``batch_compute_ns|<size>`` from the statistics of ``model`` (summed over its
+    versions, and over several models when given a sequence), in one read of every model's; empty where the server
+    has none."""
+    models = {model} if isinstance(model, str) else set(model)
     try:
-        r = httpx.get(f"{url.rstrip('/')}/v2/models/{model}/stats", timeout=timeout_s)
+        r = httpx.get(f"{url.rstrip('/')}/v2/models/stats", timeout=timeout_s)
         rows = r.json().get("model_stats", []) if r.status_code == 200 else []
     except (httpx.HTTPError, ValueError):
         return {}
     out: defaultdict[str, float] = defaultdict(float)
     for row in rows:
+        if row.get("name") not in models:
+            continue
         for b in row.get("batch_stats", []):
             infer = b.get("compute_infer", {})
             out[f"batch_count|{b['batch_size']}"] += float(infer.get("count", 0))
@@ -61,9 +62,10 @@ def batch_costs(delta: Sample) -> dict[str, Any]:
     """Per batch size seen in ``delta``: batches and compute ms per image; and the knee of those costs (None with
     fewer than two sizes seen)."""
     counts = {int(k.split("|")[1]): v for k, v in delta.items() if k.startswith("batch_count|") and v > 0}
+    ns = {n: delta.get(f"batch_compute_ns|{n}", 0.0) for n in counts}
     # a count or time that went down (a restarted server, another replica behind a proxy) is no measurement
-    counts = {n: c for n, c in counts.items() if delta.get(f"batch_compute_ns|{n}", 0.0) > 0}
-    seconds = {n: delta.get(f"batch_compute_ns|{n}", 0.0) / c / 1e9 for n, c in counts.items()}
+    seconds = {n: ns[n] / c / 1e9 for n, c in counts.items() if ns[n] > 0}
+    counts = {n: counts[n] for n in seconds}
     sizes = {n: {"batches": int(counts[n]), "ms_per_image": 1000 * seconds[n] / n} for n in sorted(counts)}
     knee = CostModel(seconds).knee(max(counts)) if counts else None
     return {"sizes": sizes, "knee": knee}

@@ -222,6 +222,8 @@ class EngineServer:
     def _submit_cold(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
         """A request for an on-demand model that is not resident: it waits for the model's one load, then queues."""
 
+        released = self._releaser(peer, message.id)
+
         async def cold() -> InferResult:
             started = time.monotonic()
             deadline = started + message.timeout_ms / 1000.0 if message.timeout_ms else None
@@ -234,8 +236,7 @@ class EngineServer:
                     if deadline is not None and time.monotonic() >= deadline:
                         raise DeadlineExceededError(f"the deadline passed while model {message.model!r} loaded")
             except asyncio.CancelledError:
-                # Its images were never queued: the front end may free them now (it waits for an answer to).
-                self.endpoint.send(peer, Failed(message.id, WireError.of(CancelledError("cancelled while loading"))))
+                released("cancelled while loading")  # its images were never queued: nothing reads them
                 raise
             waited = time.monotonic() - started
             left_ms = message.timeout_ms - waited * 1000.0 if message.timeout_ms else None
@@ -243,7 +244,6 @@ class EngineServer:
                 request_id=message.request_id, model=message.model, version=message.version, images=images,
                 priority=message.priority, timeout_ms=left_ms,
             )  # fmt: skip
-            released = self._releaser(peer, message.id)
             queued = self._engine(message.model, message.version).batcher.enqueue(request, on_released=released)
             try:
                 result = await queued
@@ -259,10 +259,10 @@ class EngineServer:
         self._pending[key] = task
         task.add_done_callback(lambda f: self._answer(key, message.model, f))
 
-    def _releaser(self, peer: bytes, number: int) -> Callable[[], None]:
+    def _releaser(self, peer: bytes, number: int) -> Callable[..., None]:
         """What a cancelled request calls once its pixels are read no more: the front end frees them on this
         answer (it keeps them until the engine answers, since a batch may still read them)."""
-        return lambda: self.endpoint.send(peer, Failed(number, WireError.of(CancelledError("cancelled"))))
+        return lambda why="cancelled": self.endpoint.send(peer, Failed(number, WireError.of(CancelledError(why))))
 
     def _answer(self, key: tuple[bytes, int], model: str, future: asyncio.Future[InferResult]) -> None:
         self._pending.pop(key, None)
