@@ -54,3 +54,4 @@ class InferResult:
     batch: float = 0.0
     done: float = 0.0
     cold_start_s: float = 0.0  # waited for the model's load (an on-demand model's first request, or a miss)
+    version: int = 0  # the version that answered, where it is not the one asked (a canary's candidate); 0: that one

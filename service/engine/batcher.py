@@ -31,7 +31,7 @@ from service.core.errors import DeadlineExceededError, DeviceFailure, Overloaded
 from service.core.metrics import BatchRecord
 from service.core.status import InferResult
 from service.engine.instances import DeviceLost, InstancePool, Outcome, PoolConfig, StateChanged
-from service.engine.pending import DEFAULT_PRIORITY, ImageQueue, Pending, QueuedImage, deliver
+from service.engine.pending import DEFAULT_PRIORITY, ImageQueue, Pending, QueuedImage, Release, deliver
 from service.engine.policy import BatchPolicy, make_policy
 from service.runtime.base import RuntimeLike
 
@@ -196,13 +196,11 @@ class Batcher:
         """Queue the request's images and wait for all of them; resolves exactly once."""
         return await self.enqueue(request)
 
-    def enqueue(
-        self, request: InferRequest, on_released: Callable[[], None] | None = None
-    ) -> asyncio.Future[InferResult]:
+    def enqueue(self, request: InferRequest, on_released: Release | None = None) -> asyncio.Future[InferResult]:
         """Queue the request's images; the future resolves exactly once (cancelling it drops the request's images
-        that are still queued; ``on_released`` is called once no batch reads them any more, at once or when the
-        batches that took some are done). Raises at once when the request is refused. Call on the batcher's event
-        loop."""
+        that are still queued). ``on_released`` is called once no batch reads them any more, at once or when the
+        batches that took some are done, for a request cancelled or failed (a deadline) while a batch read them.
+        Raises at once when the request is refused. Call on the batcher's event loop."""
         if not self._started:
             self._start()
         if self._closing:
@@ -310,7 +308,7 @@ class Batcher:
             self._inflight -= 1
             for item in items:  # this batch reads their pixels no more (a retry image by image included)
                 item.pending.inflight -= 1
-                item.pending.release_if_cancelled()
+                item.pending.release_if_unread()
             if outcome.healthy:
                 self._pool.release(instance)
             if not self._queue and self._inflight == 0:

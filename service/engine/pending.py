@@ -16,6 +16,25 @@ from service.core.status import InferResult
 DEFAULT_PRIORITY = 0
 
 
+class Release:
+    """How a request's sender learns that no batch reads its pixels any more (the shared-memory front end frees its
+    region then, not before): called once, for a request cancelled, or answered with an error (a deadline) while a
+    batch still read them. ``held``: the error's answer must say that a release follows; ``answered``: it was sent."""
+
+    __slots__ = ("answered", "held", "send")
+
+    def __init__(self, send: Callable[[str], None]) -> None:
+        self.send = send
+        self.held = False
+        self.answered = False
+
+    def __call__(self, why: str = "cancelled") -> None:
+        if self.held and not self.answered:  # read no more before the error went out: that answer frees it alone
+            self.held = False
+            return
+        self.send(why)
+
+
 class Pending:
     """One request in flight: its caller's future and the answers of its images so far."""
 
@@ -36,8 +55,8 @@ class Pending:
         self.batch_sizes: list[int] = []
         self.timer: asyncio.TimerHandle | None = None
         self.inflight = 0  # batches computing (or retrying) any of its images: they read its pixels until done
-        # called once when a cancelled request's pixels are read by no batch any more (the caller's buffer is free)
-        self.on_released: Callable[[], None] | None = None
+        # called once when a cancelled (or failed early) request's pixels are read by no batch any more
+        self.on_released: Release | None = None
 
     def abandon_if_cancelled(self, future: asyncio.Future[InferResult]) -> None:
         """The caller went away: its queued images are dropped before compute."""
@@ -45,13 +64,15 @@ class Pending:
             self.done = True
             if self.timer is not None:
                 self.timer.cancel()
-            self.release_if_cancelled()
+            self.release_if_unread()
 
-    def release_if_cancelled(self) -> None:
-        """Say once (``on_released``) that a cancelled request's pixels are no longer read: at the cancel when none
-        of its images is in a batch, else when the last such batch is done."""
-        if self.inflight == 0 and self.on_released is not None and self.future.cancelled():
-            released, self.on_released = self.on_released, None
+    def release_if_unread(self) -> None:
+        """Say once (``on_released``) that a cancelled request's pixels, or those of one failed while a batch read
+        them, are no longer read: at once when none of its images is in a batch, else when the last such batch is
+        done."""
+        released = self.on_released
+        if self.inflight == 0 and released is not None and (self.future.cancelled() or released.held):
+            self.on_released = None
             released()
 
     def finish(self, error: VisionServeError | None = None) -> None:
@@ -64,6 +85,8 @@ class Pending:
         if self.future.done():  # the caller went away
             return
         if error is not None:
+            if self.inflight > 0 and self.on_released is not None:  # a batch still reads its pixels: said later
+                self.on_released.held = True
             self.future.set_exception(error)
         else:
             self.future.set_result(

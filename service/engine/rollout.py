@@ -264,13 +264,15 @@ class Rollouts:
         if rollout is None or not rollout.running:
             return None
         engines = self.server.models[message.model]
+        # Its own copy, read by each arm (and a canary's rescue) however long: the caller's buffer is free at a cancel.
+        images = np.array(images, copy=True)
         answer_v, other_v = rollout.arms(message.route or "")
         answer, other = engines[answer_v], engines.get(other_v) if other_v is not None else None
         shed = other is not None and _busy(answer, other)  # judged before the live images join the queue
         live = answer.batcher.enqueue(_request(message, images, message.priority, message.timeout_ms or None))
         beside: asyncio.Future[InferResult] | None = None
         if other is not None and not shed:
-            copy = _request(message, np.array(images, copy=True), SHADOW_PRIORITY, rollout.config.shadow_timeout_ms)
+            copy = _request(message, images, SHADOW_PRIORITY, rollout.config.shadow_timeout_ms)
             try:
                 beside = other.batcher.enqueue(copy)
             except VisionServeError:
@@ -286,19 +288,20 @@ class Rollouts:
             return live
         primary = engines[rollout.primary]
 
-        def rescue() -> asyncio.Future[InferResult]:  # the front end's images are still there: not yet answered
+        def rescue() -> asyncio.Future[InferResult]:  # on the engine's copy of the images
             return primary.batcher.enqueue(_request(message, images, message.priority, message.timeout_ms or None))
 
-        return asyncio.get_running_loop().create_task(self._canary(live, beside, rescue))
+        return asyncio.get_running_loop().create_task(self._canary(live, beside, rescue, answer_v))
 
     async def _canary(
         self,
         live: asyncio.Future[InferResult],
         beside: asyncio.Future[InferResult] | None,
         rescue: Callable[[], asyncio.Future[InferResult]],
+        candidate: int,
     ) -> InferResult:
-        """A canary's answer: the candidate's, with what it failed answered by the primary (computed beside it for
-        the comparison, or queued now)."""
+        """A canary's answer: the candidate's (its ``version`` says so), with what it failed answered by the primary
+        (computed beside it for the comparison, or queued now; the primary's alone when the whole request failed)."""
         try:
             result = await asyncio.shield(live)
         except asyncio.CancelledError:
@@ -311,6 +314,7 @@ class Rollouts:
                 raise
             return await asyncio.shield(beside if beside is not None else rescue())  # the whole request failed
         failed = [i for i, e in enumerate(result.errors) if e is not None and not isinstance(e, BadInputError)]
+        result = dataclasses.replace(result, version=candidate)
         if not failed:
             return result
         try:

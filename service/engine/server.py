@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -39,6 +38,7 @@ from service.core.stream_metrics import StreamCollector
 from service.engine.batcher import InferRequest, InferResult
 from service.engine.model import ModelEngine, cuda_devices, engine_share
 from service.engine.ondemand import Residency
+from service.engine.pending import Release
 from service.engine.rollout import Rollouts
 from service.transport.messages import Catalog, Failed, ModelInfo, Query, Result, Snapshot, Stamps, Submit, WireError
 
@@ -201,23 +201,25 @@ class EngineServer:
                 self._submit_cold(peer, message, images)
                 return
             self.residency.hit(message.model)
+            released = self._releaser(peer, message.id)
             future = self.rollouts.submit(message, images) if message.route is not None else None
-            if future is None:
-                version = message.version
-                if message.route is not None:  # named no version: the one serving (a rollout may have chosen it)
-                    version = self.rollouts.version_for(message.model, version)
+            version = message.version
+            if message.route is not None:  # named no version: the one serving (a rollout may have chosen it)
+                version = self.rollouts.version_for(message.model, version)
+            if future is not None:  # a rollout computes on its own copy of the pixels: free at a cancel
+                future.add_done_callback(lambda f: released() if f.cancelled() else None)
+            else:
                 request = InferRequest(
                     request_id=message.request_id, model=message.model, version=version, images=images,
                     priority=message.priority, timeout_ms=message.timeout_ms or None,
                 )  # fmt: skip
-                released = self._releaser(peer, message.id)
                 future = self._engine(message.model, version).batcher.enqueue(request, on_released=released)
         except VisionServeError as exc:
             self.endpoint.send(peer, Failed(message.id, self._wire(exc, message.model)))
             return
         key = (peer, message.id)
         self._pending[key] = future
-        future.add_done_callback(lambda f: self._answer(key, message.model, f))
+        future.add_done_callback(lambda f: self._answer(key, message.model, f, released, version))
 
     def _submit_cold(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
         """A request for an on-demand model that is not resident: it waits for the model's one load, then queues."""
@@ -257,21 +259,25 @@ class EngineServer:
         key = (peer, message.id)
         task = asyncio.get_running_loop().create_task(cold())
         self._pending[key] = task
-        task.add_done_callback(lambda f: self._answer(key, message.model, f))
+        task.add_done_callback(lambda f: self._answer(key, message.model, f, released, message.version))
 
-    def _releaser(self, peer: bytes, number: int) -> Callable[..., None]:
-        """What a cancelled request calls once its pixels are read no more: the front end frees them on this
-        answer (it keeps them until the engine answers, since a batch may still read them)."""
-        return lambda why="cancelled": self.endpoint.send(peer, Failed(number, WireError.of(CancelledError(why))))
+    def _releaser(self, peer: bytes, number: int) -> Release:
+        """What a request cancelled (or failed while a batch read it) calls once its pixels are read no more: the
+        front end frees them on this answer (it keeps them until the engine answers, since a batch may read them)."""
+        return Release(lambda why: self.endpoint.send(peer, Failed(number, WireError.of(CancelledError(why)))))
 
-    def _answer(self, key: tuple[bytes, int], model: str, future: asyncio.Future[InferResult]) -> None:
+    def _answer(
+        self, key: tuple[bytes, int], model: str, future: asyncio.Future[InferResult], released: Release, version: int
+    ) -> None:
+        """Send the request's answer (``version``: the one that computed it, unless the result names another)."""
         self._pending.pop(key, None)
         peer, number = key
         if future.cancelled():
             return  # the front end asked for it and no longer waits; `released` answers once nothing reads it
         exc = future.exception()
         if exc is not None:
-            self.endpoint.send(peer, Failed(number, self._wire(exc, model)))
+            released.answered = True  # held: a batch still reads the pixels, `released` frees them when done
+            self.endpoint.send(peer, Failed(number, self._wire(exc, model), held=released.held))
             return
         result = future.result()
         errors = [None if e is None else WireError.of(e) for e in result.errors]
@@ -279,7 +285,7 @@ class EngineServer:
         stamps = Stamps(result.received, result.instance, result.batch, result.done)
         self.endpoint.send(peer, Result(number, logits.tobytes(), int(logits.shape[1]), errors if any(errors) else None,
                                         result.queue_s, result.compute_s, result.batch_sizes, stamps,
-                                        result.cold_start_s))  # fmt: skip
+                                        result.cold_start_s, result.version or version))  # fmt: skip
 
     def _wire(self, exc: BaseException, model: str) -> WireError:
         wire = WireError.of(exc)

@@ -191,7 +191,10 @@ class ModelSlot:
         timing.compute_s += result.compute_s
         timing.cold_start_s += result.cold_start_s
         timing.engine = result.stamps
-        return InferResult(logits, errors, result.queue_s, result.compute_s, list(result.batch_sizes))
+        timing.version = result.version
+        return InferResult(
+            logits, errors, result.queue_s, result.compute_s, list(result.batch_sizes), version=result.version
+        )
 
 
 class ServerState:

@@ -31,6 +31,7 @@ class Timing:
     decode_end: float = NOT_OBSERVED  # the last image decoded
     sent: float = NOT_OBSERVED  # the message to the engine sent (the pixels in shared memory)
     engine: Stamps | None = None  # the engine's stamps of the answer (the last batch, for a split request)
+    version: int = 0  # the version that answered, as the engine says (a canary's candidate); 0: the one asked
     answered: float = NOT_OBSERVED  # the answer read off the transport by this front end
 
     def mark_read(self) -> None:

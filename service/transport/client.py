@@ -145,7 +145,8 @@ class EngineClient:
     ) -> Answer:
         """Compute a uint8 batch [N, C, H, W] (or a list of [C, H, W] images, stacked straight into the arena).
         Raises the engine's error, 503 when it is down, 504 when it has said nothing within ``guard_s`` (a wedged
-        engine). The arena region is freed once the engine has answered (it may read it until then)."""
+        engine). The arena region is freed once the engine has answered (it may read it until then), or, after an
+        error answered while a batch still read it (``Failed.held``), once the engine says so."""
         if not self.up:
             raise OverloadedError(UNAVAILABLE)
         n, c, h, w = (len(images), *images[0].shape) if isinstance(images, list) else images.shape
@@ -230,12 +231,15 @@ class EngineClient:
     def _handle(self, message: Any) -> None:
         self._last_heard = time.monotonic()
         if isinstance(message, Result | Failed):
-            waiting = self._waiting.pop(message.id, None)
-            if waiting is not None:
+            waiting = self._waiting.get(message.id)
+            if waiting is None:
+                return
+            if not waiting.future.done():
                 waiting.answered = time.perf_counter()
+                waiting.future.set_result(message)
+            if not (isinstance(message, Failed) and message.held):  # else the engine still reads it: kept till told
+                del self._waiting[message.id]
                 self.arena.free(waiting.offset)
-                if not waiting.future.done():
-                    waiting.future.set_result(message)
         elif isinstance(message, Reply):
             query = self._queries.get(message.id)
             if query is not None and not query.done():

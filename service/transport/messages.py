@@ -129,6 +129,7 @@ class Result(msgspec.Struct, tag="result", array_like=True, frozen=True):
     batch_sizes: list[int]
     stamps: Stamps | None = None
     cold_start_s: float = 0.0  # the request waited this long for its model's load (0: it was resident)
+    version: int = 0  # the version that answered (a rollout's choice); 0: the one the front end asked
 
 
 class Answer(msgspec.Struct, frozen=True):
@@ -141,10 +142,12 @@ class Answer(msgspec.Struct, frozen=True):
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True, frozen=True):
-    """The whole request failed (rejected, deadline, shut down, unknown model...)."""
+    """The whole request failed (rejected, deadline, shut down, unknown model...). ``held``: a batch still reads
+    the request's pixels (a deadline passed while it computed); a second Failed says when they are free."""
 
     id: int
     error: WireError
+    held: bool = False
 
 
 class Reply(msgspec.Struct, tag="reply", array_like=True, frozen=True):

@@ -59,6 +59,15 @@ def top1(client: httpx.Client, i: int, version: int | None = None, **headers: st
     return 200, answer.json()["results"][0]["predictions"][0]["index"]
 
 
+def answered(client: httpx.Client, i: int) -> tuple[int, int, int]:
+    """(status, top-1 index, the version the answer names) of digit ``i`` classified by the model."""
+    answer = client.post("/v1/models/digits/classify", content=DIGITS.pngs[i], headers=PNG, params={"top_k": 1})
+    if answer.status_code != 200:
+        return answer.status_code, -1, -1
+    body = answer.json()
+    return 200, body["results"][0]["predictions"][0]["index"], body["version"]
+
+
 def rollout(client: httpx.Client, action: str = "", **body: Any) -> dict[str, Any]:
     path = "/v2/models/digits/rollout" + (f"/{action}" if action else "")
     answer = client.post(path, json=body, headers=ADMIN) if action or body else client.get(path)
@@ -105,9 +114,13 @@ def test_canary_fraction_holds_and_sticky_routing_sticks(permuted: launcher.Runn
     with permuted.client() as client:
         truth = {i: top1(client, i, version=1)[1] for i in range(len(DIGITS.pngs))}
         rollout(client, candidate=2, mode="canary", fraction=fraction, auto=False)
-        answers = [top1(client, i % 40) for i in range(n)]
-        by_candidate = sum(1 for i, (status, index) in enumerate(answers) if status == 200 and index != truth[i % 40])
-        assert all(status == 200 for status, _ in answers)
+        answers = [answered(client, i % 40) for i in range(n)]
+        by_candidate = sum(1 for i, (status, index, _) in enumerate(answers) if index != truth[i % 40])
+        assert all(status == 200 for status, _, _ in answers)
+        # Each answer names the version that computed it: the candidate's (permuted) answers 2, the primary's 1.
+        assert [v for _, _, v in answers] == [
+            2 if index != truth[i % 40] else 1 for i, (_, index, _) in enumerate(answers)
+        ]
         rollout(client, "abort", reason="next: sticky")
         # The candidate was unloaded by the abort; a new one for the sticky test.
         assert rollout(client)["state"] == "aborted"

@@ -52,8 +52,11 @@ def test_closed_loop_writes_json_csv_and_plots_with_the_server_split(server: Run
         assert srv["stages"]["compute"]["mean_ms"] > 0 and srv["stages"]["decode"]["p99_ms"] > 0
         # The stages sum to the server's own time per request (both from the same clock readings).
         assert sum(v["mean_ms"] for v in srv["stages"].values()) == pytest.approx(srv["mean_ms"]["request"], rel=0.02)
-        # The server counted about what the client measured (the scrapes and the window differ by requests in flight).
-        assert abs(srv["requests"]["success"] - s["requests"]) <= max(2 * s["concurrency"] + 2, 0.1 * s["requests"])
+        # The server counted about what the client measured. The scrapes are read at the window's edges by a thread of
+        # a busy client on a busy machine: each can land a few tens of ms late, which at ~450 answers/s moves the count
+        # by up to ~20% of a 1.5 s window (83 of 677 seen in CI). A count from the wrong span (the server's whole
+        # life, or a step's warm-up included) is off by far more.
+        assert abs(srv["requests"]["success"] - s["requests"]) <= max(2 * s["concurrency"] + 2, 0.25 * s["requests"])
     rows = list(csv.DictReader((tmp_path / "steps.csv").open()))
     assert [r["step"] for r in rows] == ["c=1", "c=4"] and float(rows[1]["p99_ms"]) > 0
     assert float(rows[1]["stage_compute_ms"]) > 0

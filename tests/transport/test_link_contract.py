@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from service.core.errors import BadInputError, NotFoundError, OverloadedError
+from service.core.errors import BadInputError, DeadlineExceededError, NotFoundError, OverloadedError
 from service.core.settings import ServerSettings
 from service.engine.server import EngineServer
 from service.frontend.link import EngineLink, SharedMemoryLinks
@@ -175,6 +175,16 @@ def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
                 await until(lambda: owner.regions() == 0, timeout_s=10)
                 assert (await slow_metrics(link))["visionserve_batches_total"] == batches + 1  # freed after it
 
+            # A deadline that passes while the request's batch computes: the 504 comes at the deadline, and its region
+            # stays reserved until that batch reads it no more (freed at once, another request could overwrite it).
+            batches = (await slow_metrics(link))["visionserve_batches_total"]
+            with pytest.raises(DeadlineExceededError):
+                await link.submit("slow", 1, one, timeout_ms=150, priority=0, request_id="r", guard_s=30)
+            if owner.regions is not None:
+                assert owner.regions() == 1  # answered, still read by its 300 ms batch
+                await until(lambda: owner.regions() == 0, timeout_s=10)
+                assert (await slow_metrics(link))["visionserve_batches_total"] == batches + 1  # freed after it
+
             with pytest.raises(BadInputError, match="unknown query"):
                 await link.query("nothing")
             rows = await link.query("stats")
@@ -186,5 +196,38 @@ def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
             index = await link.query("index")
             assert {(r["name"], r["state"]) for r in index} == {("digits", "READY"), ("slow", "READY")}
             assert msgspec.to_builtins(index) == index  # plain data, as MessagePack carries it
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_rollout_request_gives_its_region_back(repo: Path, tmp_path: Path) -> None:
+    """A request of a running rollout (a canary here, the primary computed beside it) computes on the engine's own
+    copy of its pixels: cancelled while both arms compute, its region is free at once, never kept for ever."""
+    rollout_repo = tmp_path / "repo"
+    shutil.copytree(repo / "slow", rollout_repo / "slow")
+    shutil.copytree(rollout_repo / "slow" / "1", rollout_repo / "slow" / "2")
+    (rollout_repo / "slow" / "config.toml").write_text(slow_config(delay_ms=300))
+    settings = ServerSettings(repository=str(rollout_repo), grpc_port=0)
+
+    async def scenario() -> None:
+        async with shared_memory_link(settings, tmp_path) as (link, owner):
+            await until(lambda: link.up and link.catalog is not None)
+            assert owner.regions is not None
+            started = await link.query(
+                "rollout", name="slow", action="start",
+                settings={"candidate": 2, "mode": "canary", "fraction": 1.0, "auto": False},
+            )  # fmt: skip
+            assert started["state"] == "running" and started["candidate"] == 2
+            one = np.zeros((1, 3, 224, 224), dtype=np.uint8)
+            computing = asyncio.ensure_future(submit(link, "slow", one, version=1, route="a"))
+            async with asyncio.timeout(30):
+                while (await slow_metrics(link))["visionserve_inflight_batches"] < 1:
+                    await asyncio.sleep(0.01)
+            computing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await computing
+            await until(lambda: owner.regions() == 0, timeout_s=10)
+            answer = await submit(link, "slow", one, version=1, route="b")  # and the rollout still answers
+            assert answer.result.classes > 0
 
     asyncio.run(scenario())

@@ -103,10 +103,11 @@ def _tensors(request: pb.ModelInferRequest) -> list[Tensor]:
 
 
 def _infer_response(
-    request: pb.ModelInferRequest, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray
+    request: pb.ModelInferRequest, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray, version: int
 ) -> pb.ModelInferResponse:
-    """Outputs always as ``raw_output_contents`` (what Triton answers, and what tritonclient reads first)."""
-    response = pb.ModelInferResponse(model_name=slot.name, model_version=str(slot.version.version), id=request.id)
+    """Outputs always as ``raw_output_contents`` (what Triton answers, and what tritonclient reads first);
+    ``version``: the one that answered."""
+    response = pb.ModelInferResponse(model_name=slot.name, model_version=str(version), id=request.id)
     _add_outputs(response, slot, wanted, logits)
     return response
 
@@ -217,7 +218,7 @@ class InferenceServicer:
                 server, slot, _tensors(request), timing, priority=priority, timeout_ms=timeout_ms, route=route
             )
             started = time.perf_counter()
-            response = _infer_response(request, slot, wanted, logits)
+            response = _infer_response(request, slot, wanted, logits, timing.version or slot.version.version)
             timing.postprocess_s += time.perf_counter() - started
         return response
 

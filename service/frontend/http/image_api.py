@@ -177,4 +177,4 @@ async def _classify(
             else:
                 results[i].predictions = [Prediction(**p) for p in preds[row]]  # type: ignore[arg-type]
         timing.postprocess_s += time.perf_counter() - started
-    return ClassifyResponse(model=slot.name, version=slot.version.version, results=results)
+    return ClassifyResponse(model=slot.name, version=timing.version or slot.version.version, results=results)

@@ -259,13 +259,19 @@ async def _infer_on(
     logits = await protocol.infer(server, slot, inputs, timing, priority=priority, timeout_ms=timeout_ms,
                                   route=route)  # fmt: skip
     started = time.perf_counter()
-    response = _encode_outputs(req, slot, wanted, logits, accepted_encoding(request))
+    version = timing.version or slot.version.version  # the one that answered (a canary's candidate)
+    response = _encode_outputs(req, slot, wanted, logits, accepted_encoding(request), version)
     timing.postprocess_s += time.perf_counter() - started
     return response
 
 
 def _encode_outputs(
-    req: V2Request, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray, encoding: str | None
+    req: V2Request,
+    slot: ModelSlot,
+    wanted: list[protocol.Wanted],
+    logits: np.ndarray,
+    encoding: str | None,
+    version: int,
 ) -> Response[Any]:
     outputs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -289,7 +295,7 @@ def _encode_outputs(
             else:
                 entry["data"] = logits.ravel().tolist()
         outputs.append(entry)
-    body: dict[str, Any] = {"model_name": slot.name, "model_version": str(slot.version.version), "outputs": outputs}
+    body: dict[str, Any] = {"model_name": slot.name, "model_version": str(version), "outputs": outputs}
     if req.id is not None:
         body["id"] = req.id
     header = msgspec.json.encode(body)
