@@ -29,7 +29,7 @@ from service.core.repository import ModelEntry
 from service.core.spec import encode_spec
 from service.core.status import EngineState
 from service.engine.model import cuda_devices, plan_devices
-from service.engine.residency import Accounts, NoRoom, give_back_memory, settled_used_bytes
+from service.engine.residency import Accounts, Charge, NoRoom, give_back_memory, settled_used_bytes
 from service.runtime import choose_backend
 from service.transport.messages import ModelInfo
 
@@ -151,6 +151,44 @@ class Residency:
     def release_extra(self, key: str) -> None:
         """The version charged under ``key`` left (a rollout decided)."""
         if self.accounts.release(key) is not None:
+            self._changed()
+
+    def decided(self, name: str, key: str, *, promoted: bool) -> Charge | None:
+        """A rollout of ``name`` decided; its candidate was charged under ``key``. Aborted: the candidate's charge
+        leaves, counted (``leaving``) until its version is closed. Promoted: the old primary leaves, so the model's
+        own charge covers both versions until that one is closed. Returns the charge leaving, for :meth:`close`."""
+        extra = self.accounts.release(key)
+        own = self.accounts.charges.get(name)
+        if extra is None:
+            return None
+        self._changed()
+        if promoted and own is not None:
+            self.accounts.charge(name, own.device, own.bytes + extra.bytes, pinned=own.pinned)
+            return own  # no longer in the accounts: what :meth:`close` may take off the model's charge
+        self.accounts.leaving.append(extra)
+        return extra
+
+    async def close(self, charge: Charge | None, close: Callable[[], Awaitable[None]]) -> None:
+        """Run ``close`` (the version leaving a decided rollout) and give back its ``charge``: the candidate's
+        whole, or off the promoted model's charge what closing the old primary measurably freed (at most its own
+        charge; nothing where a load ran meanwhile and the measure would mix the two: counted high, not low)."""
+        if charge is None:
+            await close()
+            return
+        starts = self._starts
+        before = await asyncio.to_thread(settled_used_bytes, charge.device)
+        try:
+            await close()
+        finally:
+            if any(c is charge for c in self.accounts.leaving):
+                self.accounts.leaving.remove(charge)
+            else:
+                after = await asyncio.to_thread(settled_used_bytes, charge.device)
+                alone = self._starts == starts and self._active_loads == 0
+                model = self.accounts.charges.get(charge.model)
+                if model is not None and alone:
+                    model.bytes -= min(charge.bytes, max(0, before - after))
+                    self.accounts.sizes[charge.model] = model.bytes
             self._changed()
 
     def loading(self) -> list[asyncio.Task[None]]:

@@ -39,6 +39,7 @@ from service.core.errors import BadInputError, ConfigError, NotFoundError, Visio
 from service.core.repository import ModelEntry
 from service.engine.batcher import InferRequest, InferResult
 from service.engine.comparison import Comparison, verdict
+from service.engine.residency import Charge
 
 if TYPE_CHECKING:
     from service.engine.model import ModelEngine
@@ -225,12 +226,12 @@ class Rollouts:
         rollout = self.by_model.get(name)
         if rollout is None or not rollout.running:
             raise BadInputError(f"model {name!r} has no rollout running")
-        await self._close(self._decide(rollout, decision, reason))
+        await self._close(*self._decide(rollout, decision, reason))
         return rollout.document()
 
-    def _decide(self, rollout: Rollout, decision: str, reason: str) -> ModelEngine | None:
+    def _decide(self, rollout: Rollout, decision: str, reason: str) -> tuple[ModelEngine | None, Charge | None]:
         """The decision, at once (no await: no request can slip between the decision and the new route); the
-        version leaving is returned for the caller to drain and close."""
+        version leaving and its memory charge are returned for the caller to drain and close."""
         name = rollout.model
         promote = decision == "promote"
         keep, leave = (rollout.candidate, rollout.primary) if promote else (rollout.primary, rollout.candidate)
@@ -242,14 +243,17 @@ class Rollouts:
         log.warning("model %s: v%s %s beside v%s: %s", name, rollout.candidate, rollout.state, rollout.primary, reason)
         server = self.server
         leaving = server.models.get(name, {}).pop(leave, None)
-        server.residency.release_extra(f"{name}@{leave}")
+        charge = server.residency.decided(name, f"{name}@{rollout.candidate}", promoted=promote)
         server._version += 1
         server.endpoint.announce()
-        return leaving
+        return leaving, charge
 
-    async def _close(self, leaving: ModelEngine | None) -> None:
-        if leaving is not None:
-            await leaving.close(self.server.settings.drain_timeout_s)  # its queued work is answered first
+    async def _close(self, leaving: ModelEngine | None, charge: Charge | None = None) -> None:
+        async def close() -> None:
+            if leaving is not None:
+                await leaving.close(self.server.settings.drain_timeout_s)  # its queued work is answered first
+
+        await self.server.residency.close(charge, close)  # its memory is counted until it is closed
 
     # ---- requests -------------------------------------------------------------------------------------------
     def version_for(self, name: str, asked: int) -> int:
@@ -364,7 +368,7 @@ class Rollouts:
     def _judge(self, rollout: Rollout) -> None:
         rollout.verdict, rollout.verdict_reason = verdict(rollout.comparison, rollout.config)
         if rollout.config.auto and rollout.verdict != "wait" and rollout.running:
-            self._spawn(self._close(self._decide(rollout, rollout.verdict, f"automatic: {rollout.verdict_reason}")))
+            self._spawn(self._close(*self._decide(rollout, rollout.verdict, f"automatic: {rollout.verdict_reason}")))
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
