@@ -15,9 +15,10 @@ import json
 import logging
 import struct
 from collections import deque
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import WebSocket, websocket
+from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
 from service.frontend.state import ServerState
@@ -138,7 +139,9 @@ class Session:
 
 
 @websocket(["/v1/models/{model:str}/stream", "/v1/models/{model:str}/versions/{version:str}/stream"])
-async def stream(socket: WebSocket[Any, Any, Any], model: str, version: str | None = None) -> None:
+async def stream(
+    socket: WebSocket[Any, Any, Any], model: FromPath[str], version: Annotated[str | None, PathParameter()] = None
+) -> None:
     """Frames in, an answer per frame out, newest frame first: docs/streams.md."""
     server: ServerState = socket.app.state.server
     await socket.accept()
