@@ -192,7 +192,8 @@ class FrameStream:
             "compute": round(timing.compute_s * 1000.0, 3),
         }
         raw = {"logits": result.logits[0]} if self.keep_raw else {}
-        self._answer(frame, "result", predictions=best, timings_ms=timings, **raw)
+        version = result.version or self.slot.version.version  # the one that answered (a canary's candidate)
+        self._answer(frame, "result", version=version, predictions=best, timings_ms=timings, **raw)
 
     # ---- answers ----------------------------------------------------------------------------------------------
     def _answer(self, frame: Frame, status: str, **fields: Any) -> None:

@@ -89,6 +89,7 @@ def test_supersede_and_expiry_are_counted_exactly(slow: launcher.RunningServer) 
     assert [i for i in range(10) if by_id[i]["status"] == "superseded"] == list(range(1, 9))
     assert all(by_id[i]["by"] == i + 1 for i in range(1, 9))
     assert by_id[9]["predictions"][0]["label"] == "3" and by_id[9]["age_ms"] > 0
+    assert by_id[9]["version"] == 1  # the version that answered
     assert [(a["id"], a["status"], a["stage"]) for a in late] == [("a", "expired", "queue"), ("b", "expired", "queue")]
     assert all(100 <= a["age_ms"] < 300 for a in late)  # answered at the bound, not when the batch ended
 

@@ -442,7 +442,8 @@ class StreamCall:
             return pb.ModelStreamInferResponse(error_message=f"frame {answer['id']}: {answer['error']}")
         assert self.stream is not None
         slot = self.stream.slot
-        response = pb.ModelInferResponse(model_name=slot.name, model_version=str(slot.version.version), id=answer["id"])
+        version = answer.get("version") or slot.version.version  # a result's: the version that answered
+        response = pb.ModelInferResponse(model_name=slot.name, model_version=str(version), id=answer["id"])
         if status == "result":
             frame: StreamFrame = answer["frame"]
             _add_outputs(response, slot, frame.wanted, answer["logits"][np.newaxis])
