@@ -87,10 +87,17 @@ class ModelSlot:
     def name(self) -> str:
         return self.version.model
 
+    def answered_by(self, version: int) -> ModelSlot:
+        """The slot of the version that answered (``version``, 0: this one): a rollout's canary answers for its
+        primary, and its requests are counted on its own version."""
+        if not version or version == self.version.version:
+            return self
+        return self._server.slots.get(self.name, {}).get(version, self)
+
     @contextlib.contextmanager
     def observe(self, timing: Timing, protocol: str = "http") -> Iterator[None]:
-        """Record one request's outcome and stage durations, once, however it ends; ``protocol``: http or grpc."""
-        recorder = self._recorders[protocol] if self._recorders is not None else None
+        """Record one request's outcome and stage durations, once, however it ends, on the version that answered;
+        ``protocol``: http or grpc."""
         outcome = "success"
         server = self._server
         server.requests_inflight += 1
@@ -103,6 +110,8 @@ class ModelSlot:
             server.requests_inflight -= 1
             if server.requests_inflight == 0 and server.draining and server.idle is not None:
                 server.idle.set()
+            recorders = self.answered_by(timing.version)._recorders
+            recorder = recorders[protocol] if recorders is not None else None
             if recorder is not None:
                 done = outcome == "success"
                 end = time.perf_counter()
@@ -157,7 +166,7 @@ class ModelSlot:
         except VisionServeError:
             self.stats.failure += 1
             raise
-        stats = self.stats
+        stats = self.answered_by(result.version).stats
         stats.success += 1
         stats.images += len(result.logits)
         stats.queue_ns += int(result.queue_s * 1e9)

@@ -116,11 +116,14 @@ def test_canary_fraction_holds_and_sticky_routing_sticks(permuted: launcher.Runn
         rollout(client, candidate=2, mode="canary", fraction=fraction, auto=False)
         answers = [answered(client, i % 40) for i in range(n)]
         by_candidate = sum(1 for i, (status, index, _) in enumerate(answers) if index != truth[i % 40])
+        counted = metric_value(permuted.url, "visionserve_requests_total", version="2", outcome="success")
         assert all(status == 200 for status, _, _ in answers)
-        # Each answer names the version that computed it: the candidate's (permuted) answers 2, the primary's 1.
+        # Each answer names the version that computed it: the candidate's (permuted) answers 2, the primary's 1;
+        # and it is counted on that version (the candidate's successes are the canary's answers).
         assert [v for _, _, v in answers] == [
             2 if index != truth[i % 40] else 1 for i, (_, index, _) in enumerate(answers)
         ]
+        assert counted == by_candidate
         rollout(client, "abort", reason="next: sticky")
         # The candidate was unloaded by the abort; a new one for the sticky test.
         assert rollout(client)["state"] == "aborted"
