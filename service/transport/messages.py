@@ -6,6 +6,10 @@ their message, and come back as the same exception on the other side.
 
     front end -> engine: Hello, Submit, Cancel, Query, Snapshot
     engine -> front end: Welcome, Result, Failed, Reply, Flush, Beat
+
+A Submit's region is the engine's to read until its answer: a Result or Failed frees it; a Failed with ``held``
+(a deadline passed while a batch read it) answers the caller at once and a second Failed frees it; a cancelled
+request's region is freed by the Failed(cancelled) sent once no batch reads it.
 """
 
 from __future__ import annotations
