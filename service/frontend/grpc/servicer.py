@@ -102,19 +102,10 @@ def _tensors(request: pb.ModelInferRequest) -> list[Tensor]:
     return tensors
 
 
-def _infer_response(
-    request: pb.ModelInferRequest, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray, version: int
-) -> pb.ModelInferResponse:
-    """Outputs always as ``raw_output_contents`` (what Triton answers, and what tritonclient reads first);
-    ``version``: the one that answered."""
-    response = pb.ModelInferResponse(model_name=slot.name, model_version=str(version), id=request.id)
-    _add_outputs(response, slot, wanted, logits)
-    return response
-
-
 def _add_outputs(
     response: pb.ModelInferResponse, slot: ModelSlot, wanted: list[protocol.Wanted], logits: np.ndarray
 ) -> None:
+    """Outputs always as ``raw_output_contents`` (what Triton answers, and what tritonclient reads first)."""
     for out in wanted:
         if out.k is not None:
             response.outputs.add(name=out.name, datatype="BYTES", shape=[logits.shape[0], out.k])
@@ -218,7 +209,9 @@ class InferenceServicer:
                 server, slot, _tensors(request), timing, priority=priority, timeout_ms=timeout_ms, route=route
             )
             started = time.perf_counter()
-            response = _infer_response(request, slot, wanted, logits, timing.version or slot.version.version)
+            version = timing.version or slot.version.version  # the one that answered (a canary's candidate)
+            response = pb.ModelInferResponse(model_name=slot.name, model_version=str(version), id=request.id)
+            _add_outputs(response, slot, wanted, logits)
             timing.postprocess_s += time.perf_counter() - started
         return response
 
