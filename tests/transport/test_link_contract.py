@@ -175,11 +175,12 @@ def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
                 await until(lambda: owner.regions() == 0, timeout_s=10)
                 assert (await slow_metrics(link))["visionserve_batches_total"] == batches + 1  # freed after it
 
-            # A deadline that passes while the request's batch computes: the 504 comes at the deadline, and its region
-            # stays reserved until that batch reads it no more (freed at once, another request could overwrite it).
+            # A deadline that passes while the request's batch computes (100 ms into its 300): the 504 comes at the
+            # deadline, and its region stays reserved until that batch reads it no more (freed at once, another
+            # request could overwrite it).
             batches = (await slow_metrics(link))["visionserve_batches_total"]
             with pytest.raises(DeadlineExceededError):
-                await link.submit("slow", 1, one, timeout_ms=150, priority=0, request_id="r", guard_s=30)
+                await link.submit("slow", 1, one, timeout_ms=100, priority=0, request_id="r", guard_s=30)
             if owner.regions is not None:
                 assert owner.regions() == 1  # answered, still read by its 300 ms batch
                 await until(lambda: owner.regions() == 0, timeout_s=10)
