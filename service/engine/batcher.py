@@ -264,6 +264,8 @@ class Batcher:
                 await self._wakeup.wait()
                 continue
             self._inflight += 1
+            for item in batch:  # read from here on: a deadline or cancel before the batch runs must not free them
+                item.pending.inflight += 1
             task = self._loop.create_task(self._execute(instance, batch, free_since))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -274,7 +276,6 @@ class Batcher:
         for item in items:
             item.pending.instance = free_since
             item.pending.batch = started
-            item.pending.inflight += 1
         outcome = Outcome()
         try:
 

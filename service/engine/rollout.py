@@ -263,14 +263,17 @@ class Rollouts:
 
     def submit(self, message: Submit, images: np.ndarray) -> asyncio.Future[InferResult] | None:
         """The answer's future for a request naming no version of a model with a running rollout; None when the
-        model has none running (the caller queues it as usual)."""
+        model has none running, or when the primary alone answers this one (the caller queues it as usual, on the
+        version serving)."""
         rollout = self.by_model.get(message.model)
         if rollout is None or not rollout.running:
+            return None
+        answer_v, other_v = rollout.arms(message.route or "")
+        if other_v is None and answer_v != rollout.candidate:
             return None
         engines = self.server.models[message.model]
         # Its own copy, read by each arm (and a canary's rescue) however long: the caller's buffer is free at a cancel.
         images = np.array(images, copy=True)
-        answer_v, other_v = rollout.arms(message.route or "")
         answer, other = engines[answer_v], engines.get(other_v) if other_v is not None else None
         shed = other is not None and _busy(answer, other)  # judged before the live images join the queue
         live = answer.batcher.enqueue(_request(message, images, message.priority, message.timeout_ms or None))
@@ -329,7 +332,8 @@ class Rollouts:
         for i in failed:
             if primary.errors[i] is None:
                 logits[i], errors[i] = primary.logits[i], None
-        return dataclasses.replace(result, logits=logits, errors=errors)
+        alone = len(failed) == len(errors) and all(e is None for e in errors)  # every row the primary's: it answered
+        return dataclasses.replace(result, logits=logits, errors=errors, version=0 if alone else candidate)
 
     async def _compare(
         self,

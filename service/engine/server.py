@@ -250,8 +250,11 @@ class EngineServer:
             try:
                 result = await queued
             except asyncio.CancelledError:
-                if queued.done() and not queued.cancelled():  # computed just as the cancel came: nothing reads it
-                    released()
+                if queued.done() and not queued.cancelled():  # answered just as the cancel came
+                    if released.held:  # failed while a batch read it: that batch's end sends the release
+                        released.answered = True
+                    else:
+                        released()
                 raise
             result.cold_start_s = waited
             return result
