@@ -153,14 +153,18 @@ class Residency:
         if self.accounts.release(key) is not None:
             self._changed()
 
-    def decided(self, name: str, key: str, *, promoted: bool) -> Charge | None:
-        """A rollout of ``name`` decided; its candidate was charged under ``key``. Aborted: the candidate's charge
-        leaves, counted (``leaving``) until its version is closed. Promoted: the old primary leaves, so the model's
-        own charge covers both versions until that one is closed. Returns the charge leaving, for :meth:`close`."""
+    def decided(self, name: str, key: str, *, promoted: bool, versions: int) -> Charge | None:
+        """A rollout of ``name`` decided; its candidate was charged under ``key`` (loaded for the rollout) or shares
+        the model's charge (loaded with it: ``versions`` loaded, the leaving one included). Aborted: the candidate's
+        own charge leaves, counted (``leaving``) until its version is closed. Promoted: the old primary leaves, so
+        the model's own charge covers both versions until that one is closed. Returns the charge leaving, or the
+        leaving version's share of the model's, for :meth:`close`."""
         extra = self.accounts.release(key)
         own = self.accounts.charges.get(name)
-        if extra is None:
-            return None
+        if extra is None:  # loaded with the model: what closing it frees comes off, at most its share
+            if own is None or versions < 2:
+                return None
+            return Charge(name, own.device, own.bytes // versions, own.pinned, own.loaded_at, own.last_used)
         self._changed()
         if promoted and own is not None:
             self.accounts.charge(name, own.device, own.bytes + extra.bytes, pinned=own.pinned)

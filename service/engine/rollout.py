@@ -243,7 +243,8 @@ class Rollouts:
         log.warning("model %s: v%s %s beside v%s: %s", name, rollout.candidate, rollout.state, rollout.primary, reason)
         server = self.server
         leaving = server.models.get(name, {}).pop(leave, None)
-        charge = server.residency.decided(name, f"{name}@{rollout.candidate}", promoted=promote)
+        versions = len(server.models.get(name, {})) + (leaving is not None)
+        charge = server.residency.decided(name, f"{name}@{rollout.candidate}", promoted=promote, versions=versions)
         server._version += 1
         server.endpoint.announce()
         return leaving, charge

@@ -211,6 +211,19 @@ def test_promote_and_abort_under_load_lose_nothing(permuted: launcher.RunningSer
     assert (after != truth[0]) == (action == "promote")
 
 
+@pytest.mark.parametrize("action", ["abort", "promote"])
+def test_a_decision_gives_back_what_the_version_leaving_held(permuted: launcher.RunningServer, action: str) -> None:
+    """Both versions loaded with the model share its one memory charge: what closing the version leaving measurably
+    freed comes off it (at most that version's share, half here), instead of staying charged for ever."""
+    with permuted.client() as client:
+        rollout(client, candidate=2, mode="shadow", fraction=1.0, auto=False)
+        during = metric_value(permuted.url, "visionserve_device_resident_bytes")
+        rollout(client, action, reason="done")
+        after = metric_value(permuted.url, "visionserve_device_resident_bytes")
+    print(f"\nboth versions loaded with the model, {action}: charged {during / 1e6:.1f} -> {after / 1e6:.1f} MB")
+    assert during - during // 2 <= after < during
+
+
 def test_a_restart_resumes_a_running_rollout_reset_and_keeps_a_decision(tmp_path: Path) -> None:
     repo = _repo(tmp_path / "repo")
     server = _start(repo, tmp_path / "server1.log")
