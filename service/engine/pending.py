@@ -34,6 +34,13 @@ class Release:
             return
         self.send(why)
 
+    def unanswered(self) -> None:
+        """No answer will go out (cancelled after its computation ended): free the pixels now, or, held, once the
+        batch still reading them is done."""
+        self.answered = True
+        if not self.held:
+            self.send("cancelled")
+
 
 class Pending:
     """One request in flight: its caller's future and the answers of its images so far."""

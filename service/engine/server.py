@@ -251,10 +251,7 @@ class EngineServer:
                 result = await queued
             except asyncio.CancelledError:
                 if queued.done() and not queued.cancelled():  # answered just as the cancel came
-                    if released.held:  # failed while a batch read it: that batch's end sends the release
-                        released.answered = True
-                    else:
-                        released()
+                    released.unanswered()
                 raise
             result.cold_start_s = waited
             return result
