@@ -79,6 +79,8 @@ class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
     best_val_accuracy: float | None = None
     resumed_from_epoch: int | None = None
     extensions: tuple[Extension, ...] = ()  # each extension of the run, in order; () for a run never extended
+    # What the run's own figures say is wrong with it, in words (validation far below training in its last epochs).
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,8 @@ def train_from_args(args: argparse.Namespace) -> TrainResult:
             f" and {rec.skipped_images - 5} more (the checkpoint's record lists them)" if rec.skipped_images > 5 else ""
         )
         print(f"skipped {rec.skipped_images} unreadable images: {shown}{more}")
+    for warning in rec.warnings:
+        print(f"warning: {warning}")
     if result.path:
         print(f"checkpoint written to {result.path}")
     if result.best_path:

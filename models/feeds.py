@@ -24,6 +24,24 @@ class Batch(NamedTuple):
     skipped: list[tuple[str, str]]
 
 
+def even_batches(count: int, batch_size: int) -> list[tuple[int, int]]:
+    """``count`` items cut into ``ceil(count / batch_size)`` batches whose sizes differ by at most one, as
+    ``(start, stop)`` spans: every item is seen every epoch, with as many steps as plain slicing, and no batch is a
+    small remainder. A last batch of one image (193 images at batch 32) trained BatchNorm on one image's statistics
+    at the peak learning rate every epoch: validation swung from 100% to 74.5% and a resumed run exported a model
+    that answered one class for everything (issue 41)."""
+    if count <= 0:
+        return []
+    batches = -(-count // batch_size)
+    base, extra = divmod(count, batches)
+    spans, start = [], 0
+    for b in range(batches):
+        stop = start + base + (1 if b < extra else 0)
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
 class Feed(Protocol):
     name: str
     labels: tuple[str, ...]
@@ -33,6 +51,7 @@ class Feed(Protocol):
     val_size: int
 
     def steps_per_epoch(self) -> int: ...
+    def readable_sizes(self, skipped: dict[str, str]) -> tuple[int, int]: ...
     def set_epoch(self, epoch: int) -> None: ...
     def train_batches(self) -> Iterator[Batch]: ...
     def val_batches(self) -> Iterator[Batch]: ...
@@ -76,13 +95,17 @@ class MemoryFeed:
         per_rank = -(-self.train_size // self.world)
         return -(-per_rank // self.batch_size)
 
+    def readable_sizes(self, skipped: dict[str, str]) -> tuple[int, int]:
+        """(train, val) images: held decoded, so the unreadable ones were left out before."""
+        return self.train_size, self.val_size
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def train_batches(self) -> Iterator[Batch]:
         order = torch.randperm(self.train_size, generator=self.generator)[self.rank :: self.world]
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start : start + self.batch_size]
+        for start, stop in even_batches(len(order), self.batch_size):
+            idx = order[start:stop]
             images = self.train_images[idx]
             if self.augmentation is not None and self.spec is not None:
                 images = augment_tensor(images, idx, self.spec, self.augmentation, self.seed, self.epoch)

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from models.augment import Augmentation, augment_pil
 from models.datasets import _FOLDER_LIMITS, IMAGE_EXTENSIONS
 from models.datasets import _split as stratified_split
-from models.feeds import Batch, MemoryFeed
+from models.feeds import Batch, MemoryFeed, even_batches
 from service.core.errors import DatasetError
 from service.core.preprocess import decode_opened, open_image
 from service.core.spec import ModelSpec
@@ -171,13 +171,27 @@ class EpochSampler(Sampler[tuple[int, int]]):
         return len(self.inner)
 
 
+class EvenBatches(Sampler[list[tuple[int, int]]]):
+    """The keys of ``sampler`` in batches of nearly equal size (:func:`models.feeds.even_batches`): the training
+    loader never ends an epoch on a remainder of one or two images."""
+
+    def __init__(self, sampler: EpochSampler, batch_size: int) -> None:
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        keys = list(self.sampler)
+        return (keys[start:stop] for start, stop in even_batches(len(keys), self.batch_size))
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+
 def _loader(
-    dataset: FolderImages, sampler: Sampler[tuple[int, int]], batch_size: int, workers: int, pin: bool, persistent: bool
+    dataset: FolderImages, sampler: EpochSampler, batch_size: int, workers: int, pin: bool, persistent: bool
 ) -> DataLoader[Batch]:
     return DataLoader(
         dataset,  # type: ignore[arg-type]
-        batch_size=batch_size,
-        sampler=sampler,
+        batch_sampler=EvenBatches(sampler, batch_size),
         num_workers=workers,
         collate_fn=collate,
         pin_memory=pin,
@@ -206,6 +220,7 @@ class StreamFeed:
     ) -> None:
         self.name, self.labels = f"folder:{index.root}", index.labels
         self.train_size, self.val_size = len(index.train.paths), len(index.val.paths)
+        self.train_paths, self.val_paths = frozenset(index.train.paths), frozenset(index.val.paths)
         self.workers, self.batch_size, self.world = workers, batch_size, world
         train = FolderImages(index.train, spec, augmentation, seed)
         val = FolderImages(index.val, spec, None, seed)
@@ -216,6 +231,13 @@ class StreamFeed:
 
     def steps_per_epoch(self) -> int:
         return len(self.train_loader)
+
+    def readable_sizes(self, skipped: dict[str, str]) -> tuple[int, int]:
+        """(train, val) images less the files found unreadable so far in each split (streamed files are only
+        found unreadable when read: an unreadable file was counted as a training or validation image)."""
+        return self.train_size - len(self.train_paths & skipped.keys()), self.val_size - len(
+            self.val_paths & skipped.keys()
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
