@@ -9,6 +9,8 @@ search ends (an interruption included).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,16 @@ from service.tune.candidates import Candidate, config_text
 
 Say = Callable[[str], None]
 READY_TIMEOUT_S = 120.0
+# A drill, not a setting: with this set to N, tune sends itself Ctrl-C (SIGINT to its process group, as a terminal
+# does) as soon as it has reported its N-th verification step. A test that waited for the step's line and then sent
+# the signal raced the end of the run: on a busy 2-core machine tune had finished before the signal came (exit 0
+# instead of 130). docs/testing.md, "Drills".
+DRILL_INTERRUPT_AFTER_STEP = "VISIONSERVE_DRILL_INTERRUPT_AFTER_STEP"
+
+
+def _drill_interrupt(steps_done: int) -> None:
+    if os.environ.get(DRILL_INTERRUPT_AFTER_STEP) == str(steps_done):
+        os.killpg(os.getpgrp(), signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,7 @@ def verify(
                 met = "meets" if result.steps[-1]["met"] else "misses"
                 say(f"  {rate:8.1f} req/s: p99 {outcome.latency_ms(99):8.1f} ms, "
                     f"{outcome.error_count} errors: {met} the target")  # fmt: skip
+                _drill_interrupt(len(result.steps))
                 return outcome
 
             found = search(step, target_p99_ms, start_rate=start_rate, max_steps=plan.max_steps,

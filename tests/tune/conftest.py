@@ -49,14 +49,14 @@ def processes_mentioning(text: str) -> list[int]:
 class TuneProcess:
     """``python -m service.cli tune ARGS`` running; a context manager that always leaves nothing running."""
 
-    def __init__(self, args: list[str], folder: Path) -> None:
+    def __init__(self, args: list[str], folder: Path, env: dict[str, str] | None = None) -> None:
         self.work = folder / "work"  # TMPDIR: tune's candidate repositories and server logs go under it
         self.work.mkdir(parents=True)
         self.stdout_path = folder / "tune.stdout"
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         # COLUMNS: rich wraps its stderr lines at 80 columns when not on a terminal, splitting what a test reads.
-        env = {**os.environ, "TMPDIR": str(self.work), "COLUMNS": "240", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "TMPDIR": str(self.work), "COLUMNS": "240", "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.stdout_path, "wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "service.cli", "tune", "--no-progress", *args],
