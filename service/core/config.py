@@ -6,8 +6,11 @@ Bad values are refused at startup with a message that names the file, the field 
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,68 +79,148 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
 
 
-# field -> (check, what is allowed); checked after msgspec has checked the types.
-_RULES: dict[str, tuple[Any, str]] = {
-    "instances": (lambda v: v >= 1, "an integer >= 1"),
-    "threads": (lambda v: v >= 0, "an integer >= 0 (0: the runtime's default)"),
-    "max_batch_size": (lambda v: v >= 1, "an integer >= 1"),
-    "max_queue_delay_ms": (lambda v: v >= 0, "a number >= 0"),
-    "max_queue_size": (lambda v: v >= 1, "an integer >= 1"),
-    "default_timeout_ms": (lambda v: v >= 0, "a number >= 0 (0: no timeout)"),
-    "device": (lambda v: bool(_DEVICE.match(v)), "auto, cpu, cuda or cuda:N"),
-    "instance_stuck_after_s": (lambda v: v >= 0, "a number >= 0 (0: never declared stuck)"),
-    "unhealthy_after_failed_batches": (lambda v: v >= 1, "an integer >= 1"),
-}
-_FAULT_RULES: dict[str, tuple[Any, str]] = {
-    "delay_ms": (lambda v: v >= 0, "a number >= 0"),
-    "image_delay_ms": (lambda v: v >= 0, "a number >= 0"),
-    "hang_at_batch": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
-    "fail_after_batches": (lambda v: v >= -1, "an integer >= 0 (-1: never)"),
-    "load_delay_ms": (lambda v: v >= 0, "a number >= 0"),
-    "load_error": (lambda v: isinstance(v, str), "a message (empty: none)"),
-    "resident_bytes": (lambda v: v >= 0, "an integer >= 0 (0: the measured size)"),
-    "versions": (lambda v: all(x >= 1 for x in v), "a list of version numbers >= 1 (empty: every version)"),
-}
-ROLLOUT_RULES: dict[str, tuple[Any, str]] = {
-    "candidate": (lambda v: v >= 0, "a version number >= 1 (0: no rollout)"),
-    "fraction": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
-    "min_samples": (lambda v: v >= 1, "an integer >= 1"),
-    "min_agreement": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
-    "confidence": (lambda v: 0.5 <= v < 1, "a number in [0.5, 1)"),
-    "abort_min_samples": (lambda v: v >= 1, "an integer >= 1"),
-    "max_latency_ratio": (lambda v: v > 0, "a number > 0"),
-    "max_error_rate": (lambda v: 0 <= v <= 1, "a number between 0 and 1"),
-    "shadow_timeout_ms": (lambda v: v > 0, "a number > 0"),
-}
+@dataclass(frozen=True)
+class Setting:
+    """What one config.toml field allows, said once: the check (after msgspec has checked the type), the words that
+    name what is allowed in a refusal, and its comment in the written template ("" for a table's fields, which the
+    template lists by name)."""
 
-_ALLOWED_TEXT = {
-    "backend": "auto, onnxruntime, torchscript, aoti or noop",
-    "fallback": "cpu or none",
-    "precision": "fp32, fp16, bf16 (GPU only), int8 (model.int8.onnx, from `export --int8`) or auto (the fastest "
-    "gated artifact for the device)",
-    "queue_full_status": "503 or 429",
-    "batch_policy": "delay or adaptive",
-    "conv_algo_search": "heuristic, exhaustive or default",
-    "residency": "pinned or on_demand",
-    "warmup": "true or false",
-    "preferred_batch_sizes": "a list of integers",
-    "faults": "a table with delay_ms, image_delay_ms, hang_at_batch, fail_after_batches, load_delay_ms, load_error, "
-    "resident_bytes, versions",
-    "rollout": "a table with candidate, mode, fraction, sticky_header, auto, min_samples, min_agreement, confidence, "
-    "abort_min_samples, max_latency_ratio, max_error_rate, shadow_timeout_ms",
-    **{k: v[1] for k, v in _RULES.items()},
-}
+    allowed: str
+    doc: str = ""
+    check: Callable[[Any], bool] | None = None
 
 
-def _check_rules(settings: Any, rules: dict[str, tuple[Any, str]], source: str, prefix: str = "") -> None:
-    for field, (check, allowed) in rules.items():
+def _at_least(low: float) -> Callable[[Any], bool]:
+    return lambda v: v >= low
+
+
+# One entry per field of each struct, in the template's order; the import-time check below keeps them in step.
+SETTINGS: dict[str, Setting] = {
+    "backend": Setting(
+        "auto, onnxruntime, torchscript, aoti or noop",
+        "auto (the fastest measured runtime for the "
+        "device among the files present: service/runtime/factory.py) | onnxruntime | torchscript | aoti "
+        "(AOTInductor) | noop (a drill: no model work, nonsense answers; measures the server's own capacity)",
+    ),
+    "device": Setting(
+        "auto, cpu, cuda or cuda:N",
+        "auto (cuda when a usable GPU exists, else cpu) | cpu | cuda | cuda:N",
+        lambda v: bool(_DEVICE.match(v)),
+    ),
+    "fallback": Setting("cpu or none", "cpu: keep serving from CPU when the GPU fails | none: fail instead"),
+    "precision": Setting(
+        "fp32, fp16, bf16 (GPU only), int8 (model.int8.onnx, from `export --int8`) or auto (the "
+        "fastest gated artifact for the device)",
+        "fp32 | fp16 | bf16 (GPU only) | int8 (model.int8.onnx from "
+        "`export --int8`, onnxruntime; on CUDA only with its TensorRT or CUDA execution provider) | auto (int8 where "
+        "it passed export's accuracy and speed gates on this device type, else fp16 on CUDA where the runtime has "
+        "it, else fp32; metadata says which is served)",
+    ),
+    "instances": Setting("an integer >= 1", "runtime instances per device", _at_least(1)),
+    "threads": Setting(
+        "an integer >= 0 (0: the runtime's default)",
+        "intra-op threads per instance (CPU); 0: the "
+        "runtime's default (onnxruntime and torch: one per core). instances x threads above the cores "
+        "oversubscribes them",
+        _at_least(0),
+    ),
+    "intra_op_spinning": Setting(
+        "true or false",
+        "onnxruntime: intra-op threads spin-wait for work between "
+        "parallel sections (true: lower tails under load, measured) or sleep (false: CPU left to other work, a "
+        "wake-up per section)",
+    ),
+    "conv_algo_search": Setting(
+        "heuristic, exhaustive or default",
+        "onnxruntime on CUDA: how cuDNN picks "
+        "convolution algorithms. exhaustive (its own default) times every one on each new input shape: each batch "
+        "size not seen in warm-up pays it while serving; heuristic asks cuDNN's heuristics, no timing",
+    ),
+    "max_batch_size": Setting("an integer >= 1", "images in one batch at most", _at_least(1)),
+    "max_queue_delay_ms": Setting(
+        "a number >= 0", "how long the oldest queued image may wait for a fuller batch", _at_least(0)
+    ),
+    "batch_policy": Setting(
+        "delay or adaptive",
+        "adaptive: with an instance idle, wait (never past "
+        "max_queue_delay_ms) only while the measured batch costs and arrival rate say that waiting for the next "
+        'image costs the queued ones less than it saves it; on a CPU that is at once (docs/performance.md, "Where '
+        'each request waits"); from a backlog, batches stop at the knee of the measured costs (README, "The '
+        'engine") | delay: wait for a preferred or full batch up to max_queue_delay_ms even with an instance '
+        "idle, as Triton does",
+    ),
+    "preferred_batch_sizes": Setting("a list of integers", "dispatch at once when one of these sizes is reached"),
+    "max_queue_size": Setting("an integer >= 1", "images queued before requests are refused", _at_least(1)),
+    "queue_full_status": Setting("503 or 429", "503 or 429, with Retry-After"),
+    "default_timeout_ms": Setting(
+        "a number >= 0 (0: no timeout)", "0: no deadline unless the request sets one", _at_least(0)
+    ),
+    "warmup": Setting("true or false", "run every batch-size bucket once before reporting ready"),
+    "instance_stuck_after_s": Setting(
+        "a number >= 0 (0: never declared stuck)",
+        "a batch unanswered this long: its instance is abandoned and replaced (0: never)",
+        _at_least(0),
+    ),
+    "unhealthy_after_failed_batches": Setting(
+        "an integer >= 1", "this many batches in a row failing every image: the model reports not ready", _at_least(1)
+    ),
+    "residency": Setting(
+        "pinned or on_demand",
+        "pinned: loaded at start and kept | on_demand: loaded by its first "
+        "request, evicted (least recently used, never while it has work) when a load needs room within serve's "
+        "--memory-budget",
+    ),
+    "faults": Setting(
+        "a table of " + ", ".join(Faults.__struct_fields__),
+        'fault drills only (docs/testing.md, "Drills"; README, "Reliability")',
+    ),
+    "rollout": Setting(
+        "a table of " + ", ".join(RolloutConfig.__struct_fields__),
+        "a candidate version beside the serving one (docs/rollouts.md)",
+    ),
+}
+FAULT_SETTINGS: dict[str, Setting] = {
+    "delay_ms": Setting("a number >= 0", check=_at_least(0)),
+    "image_delay_ms": Setting("a number >= 0", check=_at_least(0)),
+    "hang_at_batch": Setting("an integer >= 0 (-1: never)", check=_at_least(-1)),
+    "fail_after_batches": Setting("an integer >= 0 (-1: never)", check=_at_least(-1)),
+    "load_delay_ms": Setting("a number >= 0", check=_at_least(0)),
+    "load_error": Setting("a message (empty: none)", check=lambda v: isinstance(v, str)),
+    "resident_bytes": Setting("an integer >= 0 (0: the measured size)", check=_at_least(0)),
+    "versions": Setting(
+        "a list of version numbers >= 1 (empty: every version)", check=lambda v: min(v, default=1) >= 1
+    ),
+}
+ROLLOUT_SETTINGS: dict[str, Setting] = {
+    "candidate": Setting("a version number >= 1 (0: no rollout)", check=_at_least(0)),
+    "mode": Setting("shadow or canary"),
+    "fraction": Setting("a number between 0 and 1", check=lambda v: 0 <= v <= 1),
+    "sticky_header": Setting("a header name (empty: at random)"),
+    "auto": Setting("true or false"),
+    "min_samples": Setting("an integer >= 1", check=_at_least(1)),
+    "min_agreement": Setting("a number between 0 and 1", check=lambda v: 0 <= v <= 1),
+    "confidence": Setting("a number in [0.5, 1)", check=lambda v: 0.5 <= v < 1),
+    "abort_min_samples": Setting("an integer >= 1", check=_at_least(1)),
+    "max_latency_ratio": Setting("a number > 0", check=lambda v: v > 0),
+    "max_error_rate": Setting("a number between 0 and 1", check=lambda v: 0 <= v <= 1),
+    "shadow_timeout_ms": Setting("a number > 0", check=lambda v: v > 0),
+}
+
+for _struct, _declared in ((ModelConfig, SETTINGS), (Faults, FAULT_SETTINGS), (RolloutConfig, ROLLOUT_SETTINGS)):
+    if tuple(_declared) != _struct.__struct_fields__:  # a field added to one and not the other fails at import
+        raise AssertionError(f"{_struct.__name__}'s fields and their settings differ: {_struct.__struct_fields__}")
+
+
+def _check_rules(settings: Any, declared: dict[str, Setting], source: str, prefix: str = "") -> None:
+    for field, setting in declared.items():
         value = getattr(settings, field)
-        if isinstance(value, bool) or not check(value):
-            raise ConfigError(f"{prefix}{field} must be {allowed}, got {value!r} ({source})")
+        if setting.check is not None and (isinstance(value, bool) or not setting.check(value)):
+            raise ConfigError(f"{prefix}{field} must be {setting.allowed}, got {value!r} ({source})")
 
 
 def _fail(field: str, value: Any, source: str) -> ConfigError:
-    return ConfigError(f"{field} must be {_ALLOWED_TEXT.get(field, 'valid')}, got {value!r} ({source})")
+    allowed = SETTINGS[field].allowed if field in SETTINGS else "valid"
+    return ConfigError(f"{field} must be {allowed}, got {value!r} ({source})")
 
 
 def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
@@ -155,9 +238,9 @@ def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
         match = re.search(r"at `\$\.(\w+)", str(exc))
         field = match.group(1) if match else "?"
         raise _fail(field, raw.get(field), source) from exc
-    _check_rules(config, _RULES, source)
-    _check_rules(config.faults, _FAULT_RULES, source, prefix="faults.")
-    _check_rules(config.rollout, ROLLOUT_RULES, source, prefix="rollout.")
+    _check_rules(config, SETTINGS, source)
+    _check_rules(config.faults, FAULT_SETTINGS, source, prefix="faults.")
+    _check_rules(config.rollout, ROLLOUT_SETTINGS, source, prefix="rollout.")
     for size in config.preferred_batch_sizes:
         if not 1 <= size <= config.max_batch_size:
             raise ConfigError(
@@ -183,51 +266,54 @@ def load_config(path: str | Path) -> ModelConfig:
     return parse_config(raw, source=str(path))
 
 
-DEFAULT_CONFIG_TOML = """\
-# Serving settings for this model (all optional; these are the defaults).
-backend = "auto"              # auto (the fastest measured runtime for the device among the files present:
-                              # service/runtime/factory.py) | onnxruntime | torchscript | aoti (AOTInductor)
-                              # | noop (no model work, nonsense answers: measures the server's own capacity)
-device = "auto"               # auto (cuda when a usable GPU exists, else cpu) | cpu | cuda | cuda:N
-fallback = "cpu"              # cpu: keep serving from CPU when the GPU fails | none: fail instead
-precision = "fp32"            # fp32 | fp16 | bf16 (GPU only) | int8 (model.int8.onnx from `export --int8`,
-                              # onnxruntime; on CUDA only with its TensorRT or CUDA execution provider) | auto
-                              # (int8 where it passed export's accuracy and speed gates on this device type, else
-                              # fp16 on CUDA where the runtime has it, else fp32; metadata says which is served)
-instances = 1                 # runtime instances per device
-threads = 0                   # intra-op threads per instance (CPU); 0: the runtime's default (onnxruntime and
-                              # torch: one per core). instances x threads above the cores oversubscribes them
-intra_op_spinning = true      # onnxruntime: intra-op threads spin-wait for work between parallel sections (true:
-                              # lower tails under load, measured) or sleep (false: CPU left to other work, a
-                              # wake-up per section)
-conv_algo_search = "heuristic"  # onnxruntime on CUDA: how cuDNN picks convolution algorithms. exhaustive (its
-                              # own default) times every one on each new input shape: each batch size not seen in
-                              # warm-up pays it while serving; heuristic asks cuDNN's heuristics, no timing
-max_batch_size = {max_batch_size}
-max_queue_delay_ms = 2.0      # how long the oldest queued image may wait for a fuller batch
-batch_policy = "adaptive"     # adaptive: with an instance idle, wait (never past max_queue_delay_ms) only while
-                              # the measured batch costs and arrival rate say that waiting for the next image costs
-                              # the queued ones less than it saves it; on a CPU that is at once (docs/performance.md,
-                              # "Where each request waits"); from a backlog, batches stop at the knee of the
-                              # measured costs (README, "The engine") | delay: wait for a preferred or full batch
-                              # up to max_queue_delay_ms even with an instance idle, as Triton does
-preferred_batch_sizes = []    # dispatch at once when one of these sizes is reached
-max_queue_size = 1024         # images queued before requests are refused
-queue_full_status = 503       # 503 or 429, with Retry-After
-default_timeout_ms = 0        # 0: no deadline unless the request sets one
-warmup = true                 # run every batch-size bucket once before reporting ready
-instance_stuck_after_s = 60   # a batch unanswered this long: its instance is abandoned and replaced (0: never)
-unhealthy_after_failed_batches = 3  # this many batches in a row failing every image: the model reports not ready
-residency = "pinned"          # pinned: loaded at start and kept | on_demand: loaded by its first request, evicted
-                              # (least recently used, never while it has work) when a load needs room within
-                              # serve's --memory-budget
-# [faults]                    # fault drills only (README, "Reliability"): delay_ms, hang_at_batch,
-                              # fail_after_batches, load_delay_ms, load_error, resident_bytes, versions
-# [rollout]                   # a candidate version beside the serving one (docs/rollouts.md): candidate = N,
-                              # mode = "shadow" | "canary", fraction = 0.1, sticky_header, auto, min_samples,
-                              # min_agreement, confidence, abort_min_samples, max_latency_ratio, max_error_rate
-"""
+def toml_value(value: Any) -> str:
+    """A value as TOML writes it: the one writer of config.toml's values (strings escaped as JSON's, which TOML's
+    basic strings read the same)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, float):
+        return f"{value:g}" if value != int(value) else f"{value:.1f}"
+    return str(value)
+
+
+_COMMENT_AT = 30  # the column where a template line's comment starts
+_WIDTH = 118
+
+
+def _commented(assignment: str, doc: str) -> list[str]:
+    """``assignment`` with ``doc`` as its comment, wrapped into lines aligned at ``_COMMENT_AT``."""
+    first = _WIDTH - max(_COMMENT_AT, len(assignment) + 2) - 2
+    words, lines, line = doc.split(), list[str](), ""
+    for word in words:
+        limit = first if not lines else _WIDTH - _COMMENT_AT - 2
+        if line and len(line) + 1 + len(word) > limit:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    lines.append(line)
+    lines = [line.replace("\0", " ") for line in lines]
+    head = f"{assignment:<{_COMMENT_AT - 1}} #" if len(assignment) < _COMMENT_AT - 1 else f"{assignment}  #"
+    out = [f"{head} {lines[0]}"]
+    out += [f"{'':<{_COMMENT_AT}}# {rest}" for rest in lines[1:]]
+    return out
 
 
 def default_config_text(max_batch_size: int = 32) -> str:
-    return DEFAULT_CONFIG_TOML.format(max_batch_size=max_batch_size)
+    """Export's config.toml: every setting at its default (``max_batch_size`` as export measured it), each with its
+    comment, and the two tables named; derived from :data:`SETTINGS`, so it lists every field."""
+    defaults = msgspec.to_builtins(ModelConfig(max_batch_size=max_batch_size))
+    lines = ["# Serving settings for this model (all optional; these are the defaults)."]
+    for field, setting in SETTINGS.items():
+        if field in ("faults", "rollout"):
+            table = FAULT_SETTINGS if field == "faults" else ROLLOUT_SETTINGS
+            # "\0" holds each "name = value" on one line when the comment wraps.
+            names = ", ".join(f"{k}\0=\0{toml_value(v)}" for k, v in defaults[field].items() if k in table)
+            lines += _commented(f"# [{field}]", f"{setting.doc}: {names}")
+        else:
+            lines += _commented(f"{field} = {toml_value(defaults[field])}", setting.doc)
+    return "\n".join(lines) + "\n"

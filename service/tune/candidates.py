@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from service.core.config import ModelConfig, default_config_text, parse_config
+from service.core.config import ModelConfig, default_config_text, parse_config, toml_value
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,18 +117,6 @@ def preferred_sizes(kind: str, max_batch_size: int) -> tuple[int, ...]:
 _LINE = re.compile(r"^(?P<key>[a-z_]+)(?P<eq>\s*=\s*)(?P<value>\S.*?)(?P<comment>\s+#.*)?$")
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, float):
-        return f"{value:g}" if value != int(value) else f"{value:.1f}"
-    return str(value)
-
-
 def config_text(config: ModelConfig, header: str = "") -> str:
     """``config`` as a complete, commented ``config.toml`` (export's file with each value replaced)."""
     values = msgspec.to_builtins(config)
@@ -138,14 +126,14 @@ def config_text(config: ModelConfig, header: str = "") -> str:
     for line in default_config_text(config.max_batch_size).splitlines():
         match = _LINE.match(line)
         if match and match["key"] in values:
-            new = f"{match['key']}{match['eq']}{_toml_value(values.pop(match['key']))}"
+            new = f"{match['key']}{match['eq']}{toml_value(values.pop(match['key']))}"
             line = f"{new:<29} {match['comment'].lstrip()}" if match["comment"] else new
         lines.append(line)
-    lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]  # settings export's file does not name
+    lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]  # settings export's file does not name
     if faults != msgspec.to_builtins(ModelConfig().faults):
-        lines += ["", "[faults]", *(f"{k} = {_toml_value(v)}" for k, v in faults.items())]
+        lines += ["", "[faults]", *(f"{k} = {toml_value(v)}" for k, v in faults.items())]
     if rollout != msgspec.to_builtins(ModelConfig().rollout):
-        lines += ["", "[rollout]", *(f"{k} = {_toml_value(v)}" for k, v in rollout.items())]
+        lines += ["", "[rollout]", *(f"{k} = {toml_value(v)}" for k, v in rollout.items())]
     text = "\n".join(lines) + "\n"
     if parse_config(tomllib.loads(text), source="tuned config.toml") != config:  # never write what would not load
         raise ValueError("the tuned config.toml does not read back as the configuration it was made from")
