@@ -3,44 +3,88 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from service.core.errors import ConfigError
 
+MiB, KiB = 1024 * 1024, 1024
+
+
+def flag(help: str, *, name: str = "", unit: int = 1, choices: tuple[str, ...] = ()) -> msgspec.Meta:
+    """A setting's ``visionserve serve`` flag, declared on the field itself: its help, its name when it is not the
+    field's (``--max-body-mb`` for ``max_body_bytes``), the unit the flag counts in (bytes per MiB) and its choices.
+    The default is the field's own: the flag, the help and the settings cannot disagree (service/serve.py)."""
+    return msgspec.Meta(description=help, extra={"flag": name, "unit": unit, "choices": choices})
+
 
 class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
-    repository: str = "model_repository"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    grpc_port: int = 8001  # the Open Inference Protocol over gRPC; 0: off
-    max_body_bytes: int = 64 * 1024 * 1024
-    max_images_per_request: int = 64
-    max_pixels: int = 40_000_000
-    admin_token: str | None = None
-    drain_timeout_s: float = 10.0
-    log_format: Literal["text", "json"] = "text"
-    decode_workers: int | None = None
-    large_image_pixels: int = 4_000_000  # decoded pixels past which an image takes the large-image lane
-    metrics: bool = True
-    strict_readiness: bool = False  # ready only while every model version of the repository is loaded
-    engine_timeout_s: float = 120.0  # a request the engine has not answered by then is a 504 (a wedged engine)
+    """Server-wide settings; each field with its flag (:func:`flag`), in ``visionserve serve --help``'s order."""
+
+    repository: Annotated[str, flag("model repository folder")] = "model_repository"
+    host: Annotated[str, flag("address to bind")] = "127.0.0.1"
+    port: Annotated[int, flag("port to bind (0: any free port)")] = 8000
+    grpc_port: Annotated[int, flag("gRPC (Open Inference Protocol) port; 0: no gRPC")] = 8001
+    engine_timeout_s: Annotated[float, flag("a request the engine has not answered by then is a 504")] = 120.0
+    admin_token: Annotated[str | None, flag("enables /v2/repository/* for 'Authorization: Bearer TOKEN'")] = None
+    max_body_bytes: Annotated[int, flag("largest request body (MiB)", name="--max-body-mb", unit=MiB)] = 64 * MiB
+    max_images_per_request: Annotated[int, flag("most images in one request", name="--max-images")] = 64
+    max_pixels: Annotated[int, flag("most pixels in one image")] = 40_000_000
+    large_image_pixels: Annotated[
+        int,
+        flag(
+            "images that decode to more pixels than this are decoded in a lane of their own (half the decode "
+            "workers, a short bounded queue, 503 past it), so that they never hold up small ones"
+        ),
+    ] = 4_000_000
+    decode_workers: Annotated[
+        int | None, flag("decoding threads per model version in each front end; default: one per core")
+    ] = None
+    drain_timeout_s: Annotated[float, flag("how long SIGTERM waits for queued work")] = 10.0
     # Slow and hostile clients (service/frontend/http/connection.py): a request head over max_header_bytes is a 431;
     # a head not complete header_timeout_s after the connection opened or the request began is a 408; a body that
     # stalls for body_timeout_s, or averages under min_body_bytes_per_s after it, is a 408.
-    max_header_bytes: int = 64 * 1024
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 10.0
-    min_body_bytes_per_s: int = 1024
-    stream_send_timeout_s: float = 10.0  # a stream's answer not taken by its client this long: the client is cut off
+    max_header_bytes: Annotated[
+        int, flag("largest request head (request line and headers), KiB; 431", name="--max-header-kb", unit=KiB)
+    ] = 64 * KiB
+    header_timeout_s: Annotated[
+        float,
+        flag("a request head must arrive within this of the connection opening or the request starting; else 408"),
+    ] = 10.0
+    stream_send_timeout_s: Annotated[
+        float, flag("a stream's answer its client has not taken within this: the client is cut off (close 1008)")
+    ] = 10.0
+    body_timeout_s: Annotated[
+        float, flag("a request body that stalls this long, or is slower than --min-body-bytes-per-s after it, is a 408")
+    ] = 10.0
+    min_body_bytes_per_s: Annotated[
+        int, flag("slowest average a request body may arrive at once --body-timeout-s has passed (0: no minimum)")
+    ] = 1024
+    log_format: Annotated[
+        Literal["text", "json"], flag("json: one access-log line per request", choices=("text", "json"))
+    ] = "text"
+    metrics: Annotated[bool, flag("turn /metrics and its recording off", name="--no-metrics")] = True
     # Many models per device (service/engine/ondemand.py): the memory budget per device ("" = 70% of the machine's
     # memory, 90% of each GPU's; "2GB" for every device; "cpu=8GB,cuda:0=60GB"), the youngest a model may be
     # evicted at (the guard against churn), how many loads run at once, and how long a request waits for a load.
-    memory_budget: str = ""
-    min_residency_s: float = 1.0
-    max_parallel_loads: int = 2
-    cold_start_limit_s: float = 60.0
+    memory_budget: Annotated[
+        str,
+        flag(
+            "memory for models per device: 2GB for each, or cpu=8GB,cuda:0=60GB; empty: 70% of the machine's "
+            'memory, 90% of each GPU\'s (models with residency = "on_demand" are loaded and evicted within it)'
+        ),
+    ] = ""
+    min_residency_s: Annotated[float, flag("a model loaded more recently is not evicted (churn guard)")] = 1.0
+    max_parallel_loads: Annotated[int, flag("on-demand loads of different models at once")] = 2
+    cold_start_limit_s: Annotated[float, flag("longest a request waits for its model's load")] = 60.0
+    strict_readiness: Annotated[
+        bool,
+        flag(
+            "/v2/health/ready stays false while any model version of the repository failed to load (Triton's "
+            "name); off: ready once the engines serve what did load"
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         positive = ("max_body_bytes", "max_images_per_request", "max_pixels", "max_header_bytes", "large_image_pixels")
@@ -62,6 +106,8 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("header_timeout_s", "body_timeout_s", "stream_send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.decode_workers is not None and self.decode_workers < 1:
+            raise ConfigError(f"decode_workers must be an integer >= 1, got {self.decode_workers}")
         if self.min_body_bytes_per_s < 0:
             raise ConfigError(f"min_body_bytes_per_s must be >= 0, got {self.min_body_bytes_per_s}")
         if self.drain_timeout_s < 0:
