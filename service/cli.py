@@ -21,7 +21,7 @@ __all__ = ["build_parser", "comma_floats", "comma_ints", "main", "size_pair"]
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("models.commands", "train a model on digits, a folder of images, or synthetic data [and export it]"),
     "models": ("models.commands", "list the architectures (and the repository's models)"),
-    "serve": ("service.serve", "serve the repository's models over HTTP"),
+    "serve": ("service.commands", "serve the repository's models over HTTP"),
     "bench": ("service.bench.commands", "measure the engine in-process, or a served scenario against its targets"),
     "loadtest": ("loadtest.commands", "load a server over HTTP and report throughput and latency"),
     "classify": (

@@ -2,7 +2,8 @@
 wrong import fails here, not in review.
 
     frontend -> transport -> core          engine -> transport, runtime -> core
-    supervisor, cli, commands, tune: on top of everything (tune drives runtimes, the load tester and `serve`)
+    supervisor, cli, commands, tune, bench: on top of everything (tune and bench drive runtimes, the engine, the load
+    tester and `serve`)
     models -> core;  export -> core, runtime;  loadtest -> core at most
     client -> core (and runtime, in its in-process module alone)
 """
@@ -16,7 +17,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ROOMS = ("service.frontend", "service.engine", "service.transport", "service.runtime", "service.core", "service.client")
-TOP = ("service.supervisor", "service.cli", "service.commands", "service.tune", "service.inprocess", "service.launcher")
+TOP = (
+    "service.supervisor",
+    "service.cli",
+    "service.commands",
+    "service.tune",
+    "service.bench",
+    "service.inprocess",
+    "service.launcher",
+)
 
 # room -> the service rooms it may import (besides itself)
 ALLOWED = {
@@ -97,7 +106,7 @@ def test_the_server_never_needs_the_model_zoo_or_export() -> None:
     for path in modules("service"):
         if path.name in ("cli.py", "commands.py"):  # the command line dispatches to every package, lazily
             continue
-        if path.parent.name == "tune":  # a tool on top, beside the command line: it runs the load tester
+        if {"tune", "bench"} & set(path.relative_to(ROOT / "service").parts):  # tools on top: they run the load tester
             continue
         bad = reaches(imports(path), "models", "export", "loadtest")
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

@@ -1,4 +1,4 @@
-"""``visionserve serve``'s flags are derived from ServerSettings' fields (service/serve.py): every setting has its
+"""``visionserve serve``'s flags are derived from ServerSettings' fields (service/commands.py): every setting has its
 flag, each flag's default is the setting's default in the flag's unit, and the flags fill the settings."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
+from service.commands import add_serve_arguments, setting_flags, settings_from
 from service.core.errors import ConfigError
 from service.core.settings import ServerSettings
-from service.serve import add_serve_arguments, setting_flags, settings_from
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ MiB, KiB = 1024 * 1024, 1024
 def flag(help: str, *, name: str = "", unit: int = 1, choices: tuple[str, ...] = ()) -> msgspec.Meta:
     """A setting's ``visionserve serve`` flag, declared on the field itself: its help, its name when it is not the
     field's (``--max-body-mb`` for ``max_body_bytes``), the unit the flag counts in (bytes per MiB) and its choices.
-    The default is the field's own: the flag, the help and the settings cannot disagree (service/serve.py)."""
+    The default is the field's own: the flag, the help and the settings cannot disagree (service/commands.py)."""
     return msgspec.Meta(description=help, extra={"flag": name, "unit": unit, "choices": choices})
 
 

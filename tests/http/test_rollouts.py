@@ -1,5 +1,5 @@
 """Rollouts against real server processes (docs/rollouts.md): the shipped digits model as version 1 and a derived
-candidate as version 2 (scripts/rollout/candidates.py), driven through the admin API with httpx.
+candidate as version 2 (service/bench/rollout/candidates.py), driven through the admin API with httpx.
 
 The candidate is version 1 with its labels permuted, so every answer says which version gave it: a live answer
 equal to version 1's was computed by version 1.
@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.rollout.candidates import DIGITS_VERSION, copy_version, held_out_digits, permute_labels
 from service import launcher
+from service.bench.rollout.candidates import DIGITS_VERSION, copy_version, held_out_digits, permute_labels
 from tests.http.conftest import ADMIN_TOKEN, metric_value, stop_server
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -87,7 +87,7 @@ def test_int8_without_the_artifact_is_refused_at_load(int8_server: RunningServer
 
 
 def test_bench_measures_int8(int8_repo: Path) -> None:
-    from service.engine.bench import BenchOptions, run_bench
+    from service.bench.engine import BenchOptions, run_bench
 
     options = BenchOptions(
         model="digits", repository=str(int8_repo), device="cpu", precision="int8", batch_sizes=(1, 4), seconds=0.1,

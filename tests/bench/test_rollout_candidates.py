@@ -1,4 +1,4 @@
-"""The candidates scripts/rollout_bench.py derives from a served version disagree with it by what they promise,
+"""The candidates ``visionserve bench rollout`` derives from a served version disagree with it by what they promise,
 measured with onnxruntime on the held-out digits the server's own preprocessing makes: a copy agrees on every image,
 a label permutation on none, a calibrated bias on the asked fraction. The primary is the shipped digits model
 (examples/model_repository/digits/1), trained, so that agreement means something (docs/FACTS: on initial weights
@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
+from service.bench.rollout import candidates
 from service.core.repository import read_version
 from service.core.spec import load_spec, write_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))  # as when run: the bench imports its package rollout beside it
-try:
-    from rollout import candidates
-finally:
-    sys.path.remove(str(ROOT / "scripts"))
 
 PRIMARY = candidates.DIGITS_VERSION
 

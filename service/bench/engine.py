@@ -152,13 +152,9 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
 
 def _bench_config(config: ModelConfig, options: BenchOptions) -> ModelConfig:
     """The model's config with what the bench's flags override."""
-    overrides: dict[str, Any] = {"max_batch_size": max(options.batch_sizes), "warmup": True}
-    if options.device != "auto":
-        overrides["device"] = options.device
-    if options.backend:
-        overrides["backend"] = options.backend
-    if options.precision:
-        overrides["precision"] = options.precision
+    wanted = {"device": options.device if options.device != "auto" else None}
+    wanted |= {"backend": options.backend, "precision": options.precision}
+    overrides = {k: v for k, v in wanted.items() if v} | {"max_batch_size": max(options.batch_sizes), "warmup": True}
     return msgspec.structs.replace(config, **overrides)
 
 
@@ -245,12 +241,7 @@ def compare_backends(options: BenchOptions, backends: Sequence[str], say: Say | 
     say = say or (lambda _m: None)
     entry = ModelRepository(options.repository).model(options.model)
     version = entry.latest
-    overrides: dict[str, Any] = {"max_batch_size": max(options.batch_sizes)}
-    if options.device != "auto":
-        overrides["device"] = options.device
-    if options.precision:
-        overrides["precision"] = options.precision
-    config = msgspec.structs.replace(entry.config, **overrides)
+    config = _bench_config(entry.config, replace(options, backend=None))
     devices, _degraded, _note = plan_devices(config, cuda_devices())
     device = devices[0]
     runtimes: dict[str, RuntimeLike] = {}
@@ -283,9 +274,8 @@ def compare_backends(options: BenchOptions, backends: Sequence[str], say: Say | 
     rest = tuple(f for f in options.figures if f != "engine")
     for backend in backends:
         run: dict[str, Any] = {"runtime": backend, "device": device, "engine_images_per_s": rates[backend]}
-        if rest:
-            run.update({k: v for k, v in run_bench(replace(options, backend=backend, figures=rest), say).items()
-                        if k not in ("engine_images_per_s", "runtime")})  # fmt: skip
+        more = run_bench(replace(options, backend=backend, figures=rest), say) if rest else {}
+        run.update({k: v for k, v in more.items() if k not in ("engine_images_per_s", "runtime")})
         runs.append(run)
     fastest: dict[str, str] = {}
     ratios: dict[str, dict[str, float]] = {b: {} for b in backends}

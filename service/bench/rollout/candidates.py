@@ -23,14 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from service.bench.kit import ROOT
 from service.core.repository import FP16_FILES, INT8_FILES, MODEL_FILES
 from service.core.spec import load_spec, write_spec
 
-ROOT = Path(__file__).resolve().parents[2]
 DIGITS_VERSION = ROOT / "examples" / "model_repository" / "digits" / "1"
 SPEC_FILE = "spec.json"
-ONNX_FILES = tuple(name for table in (MODEL_FILES, FP16_FILES, INT8_FILES) for fmt, name in table.items()
-                   if fmt == "onnx")  # fmt: skip
+ONNX_FILES = tuple(
+    name for table in (MODEL_FILES, FP16_FILES, INT8_FILES) for fmt, name in table.items() if fmt == "onnx"
+)
 OTHER_FILES = tuple(name for table in (MODEL_FILES, FP16_FILES) for fmt, name in table.items() if fmt != "onnx")
 BATCH = 64  # images per onnxruntime run
 
@@ -184,12 +185,13 @@ def logits(version_dir: str | Path, images_uint8: np.ndarray, batch: int = BATCH
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(Path(version_dir) / "model.onnx"), options,
-                                   providers=["CPUExecutionProvider"])  # fmt: skip
+    session = ort.InferenceSession(str(Path(version_dir) / "model.onnx"), options, providers=["CPUExecutionProvider"])
     first = session.get_inputs()[0]
     batch = first.shape[0] if isinstance(first.shape[0], int) else batch
-    parts = [session.run(None, {first.name: np.ascontiguousarray(images_uint8[i : i + batch])})[0]
-             for i in range(0, len(images_uint8), batch)]  # fmt: skip
+    parts = [
+        session.run(None, {first.name: np.ascontiguousarray(images_uint8[i : i + batch])})[0]
+        for i in range(0, len(images_uint8), batch)
+    ]
     return np.concatenate(parts).astype(np.float32)
 
 

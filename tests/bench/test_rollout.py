@@ -1,4 +1,4 @@
-"""scripts/rollout_bench.py runs end to end with tiny sizes against real servers and writes every figure it prints.
+"""``visionserve bench rollout`` runs end to end with tiny sizes against real servers and writes every figure it prints.
 The latency values are not judged (seconds on a shared machine say nothing about them); that each is there and
 positive is, and so are the outcomes a rollout promises whatever the machine: a permuted candidate aborted at its
 first chance, a promotion through the admin API that loses no request."""
@@ -25,8 +25,8 @@ def positive(value: Any) -> bool:
 @pytest.mark.slow
 def test_rollout_bench_writes_every_target(tmp_path: Path) -> None:
     out = tmp_path / "rollout.json"
-    command = [sys.executable, "scripts/rollout_bench.py", "--work", str(tmp_path / "work"), "--out", str(out),
-               "--capacity", "150", "--rounds", "1", "--window-s", "1", "--detect-samples", "60",
+    command = [sys.executable, "-m", "service.cli", "bench", "rollout", "--work", str(tmp_path / "work"), "--out",
+               str(out), "--capacity", "150", "--rounds", "1", "--window-s", "1", "--detect-samples", "60",
                "--detect-max-samples", "200", "--promote-s", "3"]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: a target missed

@@ -1,5 +1,5 @@
-"""The cold start of one model in parts: the project's runtime in this process, the first request to a server, and
-Triton's explicit load of the same file."""
+"""``bench many-models``: the cold start of one model in parts: the project's runtime in this process, the first
+request to a server, and Triton's explicit load of the same file."""
 
 from __future__ import annotations
 
@@ -40,8 +40,14 @@ def cold_in_process(version: Path, max_batch_size: int, repeats: int) -> dict[st
         warm_up(runtime, max_batch_size)
         t3 = time.perf_counter()
         runtime.close()
-        runs.append({"read_ms": 1000 * (t1 - t0), "build_ms": 1000 * (t2 - t1), "warmup_ms": 1000 * (t3 - t2),
-                     "total_ms": 1000 * (t3 - t0)})  # fmt: skip
+        runs.append(
+            {
+                "read_ms": 1000 * (t1 - t0),
+                "build_ms": 1000 * (t2 - t1),
+                "warmup_ms": 1000 * (t3 - t2),
+                "total_ms": 1000 * (t3 - t0),
+            }
+        )
     later = runs[1:] or runs
     median = {k: statistics.median(r[k] for r in later) for k in runs[0]}
     return {"file_bytes": size, "first": runs[0], "median_later": median, "runs": runs}
@@ -52,8 +58,12 @@ def cold_served(server: launcher.RunningServer, model: str, body: bytes) -> dict
     figures: dict[str, Any] = {}
     for which in ("first", "second"):
         started = time.perf_counter()
-        r = httpx.post(f"{server.url}/v1/models/{model}/classify", content=body,
-                       headers={"Content-Type": "image/jpeg"}, timeout=120)  # fmt: skip
+        r = httpx.post(
+            f"{server.url}/v1/models/{model}/classify",
+            content=body,
+            headers={"Content-Type": "image/jpeg"},
+            timeout=120,
+        )
         r.raise_for_status()
         figures[f"{which}_request_ms"] = 1000 * (time.perf_counter() - started)
         figures[f"{which}_cold_start_ms"] = cold_start_ms(r.headers.get("server-timing"))
@@ -96,42 +106,33 @@ def triton_load(args: argparse.Namespace, version: Path, work: Path) -> dict[str
     if not found:
         return {"ran": False, "why": f"no Triton under {peers}/.venv-triton: run ../shared/peers/peers.sh setup"}
     tdir = found[-1]
-    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
     run = (work / "triton").resolve()  # tritonserver runs in it: every path it is given must be absolute
-    shutil.rmtree(run, ignore_errors=True)
-    import onnx
-
-    from service.core.spec import load_spec
-    from service.runtime import bucket_sizes
-
-    spec = load_spec(version / "spec.json")
-    graph_input = onnx.load(str(version / "model.onnx"), load_external_data=False).graph.input[0].name
-    (run / "models" / "cold" / "1").mkdir(parents=True)
-    (run / "models" / "cold" / "1" / "model.py").write_text(TRITON_MODEL.format(
-        onnx=(version / "model.onnx").resolve(), buckets=list(bucket_sizes(args.cold_max_batch_size)),
-        input=graph_input, size=spec.input.height, site=sysconfig.get_paths()["purelib"]))  # fmt: skip
-    (run / "models" / "cold" / "config.pbtxt").write_text(
-        'name: "cold"\nbackend: "python"\nmax_batch_size: 0\n'
-        'input [ { name: "IMAGE" data_type: TYPE_UINT8 dims: [ -1 ] } ]\n'
-        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
-        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-    )
-    backends = run / "backends" / "python"
-    backends.mkdir(parents=True)
-    for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
-        shutil.copy2(tdir / "backends" / "python" / f, backends / f)
-    shutil.copy2(tdir / "python_backend_stubs" / pyver / "triton_python_backend_stub", backends)
+    _triton_folder(run, tdir, version, args.cold_max_batch_size)
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([sysconfig.get_config_var("LIBDIR"),
-                                              str(tdir.parents[1] / "nvidia_pytriton.libs")])  # fmt: skip
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        [sysconfig.get_config_var("LIBDIR"), str(tdir.parents[1] / "nvidia_pytriton.libs")]
+    )
     env["PATH"] = os.pathsep.join([str(peers / ".venv-triton" / "bin"), env.get("PATH", "")])
     port = launcher.free_port()
     log = (run / "triton.log").open("wb")
-    process = subprocess.Popen([str(tdir / "bin" / "tritonserver"), f"--model-repository={run / 'models'}",
-                                f"--backend-directory={run / 'backends'}", "--model-control-mode=explicit",
-                                f"--http-port={port}", "--http-address=127.0.0.1", "--allow-grpc=false",
-                                "--allow-metrics=false", "--exit-timeout-secs=5"], stdout=log,
-                               stderr=subprocess.STDOUT, env=env, cwd=run, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        [
+            str(tdir / "bin" / "tritonserver"),
+            f"--model-repository={run / 'models'}",
+            f"--backend-directory={run / 'backends'}",
+            "--model-control-mode=explicit",
+            f"--http-port={port}",
+            "--http-address=127.0.0.1",
+            "--allow-grpc=false",
+            "--allow-metrics=false",
+            "--exit-timeout-secs=5",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=run,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -147,8 +148,11 @@ def triton_load(args: argparse.Namespace, version: Path, work: Path) -> dict[str
         load_ms = 1000 * (time.perf_counter() - started)
         if r.status_code != 200:
             return {"ran": False, "why": f"the load answered {r.status_code}: {r.text[:300]}"}
-        parts = [line for line in (run / "triton.log").read_text(errors="replace").splitlines()
-                 if "visionserve-bench" in line]  # fmt: skip
+        parts = [
+            line
+            for line in (run / "triton.log").read_text(errors="replace").splitlines()
+            if "visionserve-bench" in line
+        ]
         figures = dict(kv.split("=") for kv in parts[-1].split()[1:]) if parts else {}
         return {"ran": True, "load_ms": load_ms, **{k: float(v) for k, v in figures.items()}}
     finally:
@@ -158,3 +162,37 @@ def triton_load(args: argparse.Namespace, version: Path, work: Path) -> dict[str
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # the stub, its child, with it
         log.close()
+
+
+def _triton_folder(run: Path, tdir: Path, version: Path, max_batch_size: int) -> None:
+    """Triton's model repository (a Python model timing its session's build and warm-up) and backends in ``run``."""
+    pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    shutil.rmtree(run, ignore_errors=True)
+    import onnx
+
+    from service.core.spec import load_spec
+    from service.runtime import bucket_sizes
+
+    spec = load_spec(version / "spec.json")
+    graph_input = onnx.load(str(version / "model.onnx"), load_external_data=False).graph.input[0].name
+    (run / "models" / "cold" / "1").mkdir(parents=True)
+    (run / "models" / "cold" / "1" / "model.py").write_text(
+        TRITON_MODEL.format(
+            onnx=(version / "model.onnx").resolve(),
+            buckets=list(bucket_sizes(max_batch_size)),
+            input=graph_input,
+            size=spec.input.height,
+            site=sysconfig.get_paths()["purelib"],
+        )
+    )
+    (run / "models" / "cold" / "config.pbtxt").write_text(
+        'name: "cold"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "IMAGE" data_type: TYPE_UINT8 dims: [ -1 ] } ]\n'
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+    )
+    backends = run / "backends" / "python"
+    backends.mkdir(parents=True)
+    for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(tdir / "backends" / "python" / f, backends / f)
+    shutil.copy2(tdir / "python_backend_stubs" / pyver / "triton_python_backend_stub", backends)

@@ -2,7 +2,7 @@
 arenas and messages, between sender processes (the front ends' client end) and one engine process (the engine's
 end, answering each Submit at once with ten logits: no batcher, no model).
 
-    .venv/bin/python scripts/transport_bench.py --senders 1,4 --inflight 1,4 --seconds 5
+    visionserve bench transport --senders 1,4 --inflight 1,4 --seconds 5
 
 Prints, per configuration, round trips per second (all senders together) and the round trip's median and p99 in
 microseconds. Each sender copies the image into its arena for every request, as a front end does.
@@ -15,19 +15,18 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from service.bench.kit import Flag, ms
 from service.core.arguments import comma_ints
 from service.transport import shm
 from service.transport.client import EngineClient
-from service.transport.messages import Catalog, Query, Result, Snapshot, Submit
+from service.transport.messages import Catalog, Result, Snapshot, Submit
 from service.transport.server import EngineEndpoint
 
 CLASSES = 10
@@ -48,7 +47,7 @@ class _Echo:
     def cancel(self, peer: bytes, request: int) -> None:
         pass
 
-    async def query(self, peer: bytes, message: Query) -> Any:
+    async def query(self, peer: bytes, call: Any) -> Any:  # every query: the catalog is all a sender asks
         return Catalog([], {}, {}, 1)
 
     def catalog_version(self) -> int:
@@ -127,27 +126,21 @@ def measure(senders: int, inflight: int, seconds: float) -> dict[str, float]:
         engine.join(10)
         for name in names:
             shm.unlink(name)
-    latencies = np.concatenate([np.asarray(r[1]) for r in results]) * 1e6
-    return {
-        "senders": senders,
-        "inflight_per_sender": inflight,
-        "round_trips_per_s": float(sum(r[0] for r in results)),
-        "median_us": float(np.median(latencies)),
-        "p99_us": float(np.percentile(latencies, 99)),
-    }
+    latencies = [s for r in results for s in r[1]]
+    rate = float(sum(r[0] for r in results))
+    row = {"senders": senders, "inflight_per_sender": inflight, "round_trips_per_s": rate}
+    return row | {"median_us": 1000 * ms(latencies, 0.5), "p99_us": 1000 * ms(latencies, 0.99)}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--senders", type=comma_ints, default=(1, 4), help="sender processes (default: 1,4)")
-    p.add_argument("--inflight", type=comma_ints, default=(1, 4), help="requests in flight per sender (default: 1,4)")
-    p.add_argument("--seconds", type=float, default=5.0, help="measuring time per configuration (default: 5)")
-    p.add_argument("--json", action="store_true", help="print JSON lines (default: a table)")
-    return p
+FLAGS: list[Flag] = [
+    ("--senders", (1, 4), "sender processes", comma_ints),
+    ("--inflight", (1, 4), "requests in flight per sender", comma_ints),
+    ("--seconds", 5.0, "measuring time per configuration"),
+    ("--json", False, "print JSON lines (off: a table)"),
+]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     print(f"transport round trips, one {'x'.join(map(str, SHAPE[1:]))} uint8 image each, {os.cpu_count()} cores")
     for senders in args.senders:
         for inflight in args.inflight:
@@ -161,7 +154,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ Folders are generated with scripts/make_folder_dataset.py (500x375 JPEGs) under 
 4N-image folder hard-links the N images four times (the file count is what matters for memory). Prints a line
 per run, the load average around each section (other users of the machine skew the figures), and a JSON line.
 
-    python scripts/train_bench.py --only throughput,rss
+    visionserve bench train --only throughput,rss
 """
 
 from __future__ import annotations
@@ -22,35 +22,31 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from service import launcher
+from service.bench.kit import ROOT, Flag
 
-ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("throughput", "loader", "rss", "finetune")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"sections, comma-separated (default: all: {SECTIONS})")
-    p.add_argument(
-        "--work", default="/tmp/visionserve-train-bench", help="folders and checkpoints (default: %(default)s)"
-    )
-    p.add_argument("--images", type=int, default=5000, help="images in the main folder (default: 5000)")
-    p.add_argument("--arch", default="mobilenet_v3_small", help="architecture (default: mobilenet_v3_small)")
-    p.add_argument("--input-size", type=int, default=64, help="input size (default: 64)")
-    p.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
-    p.add_argument("--workers", type=int, default=None, help="DataLoader workers for N (default: train's own default)")
-    p.add_argument("--batches", type=int, default=40, help="throughput and rss: batches per run (default: 40)")
-    p.add_argument("--loader-images", type=int, default=500, help="loader: images in the small folder (default: 500)")
-    p.add_argument("--loader-epochs", type=int, default=3, help="loader: epochs (default: 3)")
-    p.add_argument("--pretrain-images", type=int, default=1000, help="finetune: folder A images (default: 1000)")
-    p.add_argument("--pretrain-epochs", type=int, default=6, help="finetune: epochs on folder A (default: 6)")
-    p.add_argument("--finetune-images", type=int, default=500, help="finetune: folder B images (default: 500)")
-    p.add_argument("--finetune-epochs", type=int, default=6, help="finetune: epochs on folder B (default: 6)")
-    return p
+FLAGS: list[Flag] = [
+    ("--only", ",".join(SECTIONS), "sections, comma-separated"),
+    ("--work", "/tmp/visionserve-train-bench", "folders and checkpoints"),
+    ("--images", 5000, "images in the main folder"),
+    ("--arch", "mobilenet_v3_small", "architecture"),
+    ("--input-size", 64, "input size"),
+    ("--batch-size", 32, "batch size"),
+    ("--workers", None, "DataLoader workers for N (default: train's own default)", int),
+    ("--batches", 40, "throughput and rss: batches per run"),
+    ("--loader-images", 500, "loader: images in the small folder"),
+    ("--loader-epochs", 3, "loader: epochs"),
+    ("--pretrain-images", 1000, "finetune: folder A images"),
+    ("--pretrain-epochs", 6, "finetune: epochs on folder A"),
+    ("--finetune-images", 500, "finetune: folder B images"),
+    ("--finetune-epochs", 6, "finetune: epochs on folder B"),
+]
 
 
 def loadavg() -> str:
@@ -59,21 +55,11 @@ def loadavg() -> str:
 
 def make_folder(path: Path, images: int, classes: int = 10, offset: int = 0, seed: int = 0) -> Path:
     if not path.is_dir():
-        cmd = [
-            sys.executable,
-            str(ROOT / "scripts" / "make_folder_dataset.py"),
-            "--out",
-            str(path),
-            "--images",
-            str(images),
-            "--classes",
-            str(classes),
-            "--class-offset",
-            str(offset),
-            "--seed",
-            str(seed),
-        ]
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        sizes = {"--images": images, "--classes": classes, "--class-offset": offset, "--seed": seed}
+        flags = [str(word) for pair in sizes.items() for word in pair]
+        subprocess.run(
+            [sys.executable, "scripts/make_folder_dataset.py", "--out", str(path), *flags], check=True, cwd=ROOT
+        )
     return path
 
 
@@ -110,26 +96,9 @@ def train(
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One ``visionserve train`` run; its record (and with ``measure`` its peak memory)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "train",
-        "--no-progress",
-        "--arch",
-        args.arch,
-        "--input-size",
-        str(args.input_size),
-        "--batch-size",
-        str(args.batch_size),
-        "--dataset",
-        f"folder:{folder}",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-        *extra,
-    ]
+    sizes = ["--arch", args.arch, "--input-size", str(args.input_size), "--batch-size", str(args.batch_size)]
+    where = ["--dataset", f"folder:{folder}", "--device", "cpu", "--out", str(out)]
+    cmd = [sys.executable, "-m", "service.cli", "train", "--no-progress", *sizes, *where, *extra]
     started = time.perf_counter()
     result: dict[str, Any] = {}
     with tempfile.TemporaryFile() as err:  # a file: a pipe nobody reads while it runs could fill and stall it
@@ -201,18 +170,8 @@ def rss(args: argparse.Namespace, folder: Path, work: Path) -> dict[str, Any]:
     big = linked_copies(folder, work / f"linked{4 * args.images}", 4)
     rows = {}
     for name, path in ((str(args.images), folder), (str(4 * args.images), big)):
-        run = train(
-            args,
-            path,
-            work / f"rss{name}.pt",
-            "--epochs",
-            "1",
-            "--loader",
-            "stream",
-            "--limit-batches",
-            str(args.batches),
-            measure=True,
-        )
+        extra = ("--epochs", "1", "--loader", "stream", "--limit-batches", str(args.batches))
+        run = train(args, path, work / f"rss{name}.pt", *extra, measure=True)
         rows[name] = {"maxrss_mb": run["maxrss_mb"], "tree_peak_mb": run["tree_peak_mb"]}
         print(
             f"  {name} images: peak RSS {run['maxrss_mb']:.0f} MB (largest process), "
@@ -241,8 +200,7 @@ def finetune(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"curves": curves, "target": target, "epochs_to_target": reach}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(ROOT))
     wanted = [s.strip() for s in args.only.split(",") if s.strip()]
     if any(s not in SECTIONS for s in wanted):
@@ -259,21 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for section in wanted:
         print(f"{section} (load average before: {loadavg()})", flush=True)
-        if section == "throughput":
+        if section in ("throughput", "rss"):
             assert folder is not None
-            summary[section] = throughput(args, folder, work)
-        elif section == "loader":
-            summary[section] = loader(args, work)
-        elif section == "rss":
-            assert folder is not None
-            summary[section] = rss(args, folder, work)
+            summary[section] = (throughput if section == "throughput" else rss)(args, folder, work)
         else:
-            summary[section] = finetune(args, work)
+            summary[section] = (loader if section == "loader" else finetune)(args, work)
         summary[section]["loadavg_after"] = loadavg()
         print(f"  (load average after: {loadavg()})", flush=True)
     print(json.dumps(summary))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``visionserve bench --json`` prints every promised figure (a smoke run; the numbers live in docs/)."""
+"""``visionserve bench --json`` (the engine) prints every promised figure (a smoke run; the numbers live in docs/)."""
 
 from __future__ import annotations
 

@@ -30,19 +30,18 @@ Writes every figure as JSON (``--out``) and each run's streams_over_time.png, re
 ``--work``/runs. Exit code 0 when every target is met, 1 when one is missed, 2 on a usage error. About 5 minutes
 with the defaults on 2 cores::
 
-    .venv/bin/python scripts/stream_bench.py --out runs/stream-bench/result.json
-    .venv/bin/python scripts/stream_bench.py --quick --out /tmp/sb.json   # under a minute
+    visionserve bench stream --out runs/stream-bench/result.json
+    visionserve bench stream --quick --out /tmp/sb.json   # under a minute
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shutil
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,92 +49,70 @@ from loadtest.inputs import payloads
 from loadtest.openloop import percentile
 from loadtest.plots import streams_over_time
 from loadtest.pool import WorkerPool
-from loadtest.step import StepBounds, StepSpec, run_step
+from loadtest.step import StepSpec, run_step
 from loadtest.stream_command import measure
 from loadtest.stream_report import all_frames, in_window, summarise, write_files
 from loadtest.streams import StreamPlan, preflight
 from service import launcher
-from service.core.arguments import HelpFormatter, size_pair
+from service.bench.kit import (
+    COUNT,
+    EXAMPLES,
+    POSITIVE,
+    VERDICT,
+    Flag,
+    bounds,
+    closed_loop,
+    conclude,
+    config_toml,
+    header,
+    repository,
+    settle,
+    sized,
+    workspace,
+)
+from service.core.arguments import integer_in, size_pair
 from service.core.samples import image_files, photo_like_jpegs
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "model_repository" / "digits"
-VERDICT = {True: "PASS", False: "MISS"}
-FULL = {"duration": 60.0, "other_duration": 15.0, "window": 15.0, "capacity_s": 5.0, "warmup": 2.0}
-QUICK = {"duration": 6.0, "other_duration": 4.0, "window": 2.0, "capacity_s": 2.0, "warmup": 0.5}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-
-    def sized(flag: str, what: str) -> None:
-        key = flag.lstrip("-").replace("-", "_")
-        p.add_argument(flag, type=float, default=None, help=f"{what} (default: {FULL[key]:g}; {QUICK[key]:g} with "
-                       "--quick)")  # fmt: skip
-
-    p.add_argument("--quick", action="store_true", help="short runs, a smoke test of under a minute (default: off)")
-    p.add_argument("--models", default="paced,digits", help="which of paced and digits to run, comma-separated "
-                   "(default: %(default)s)")  # fmt: skip
-    p.add_argument("--streams", type=int, default=16, help="streams in every run (default: %(default)s)")
-    sized("--duration", "seconds of target (a)'s run")
-    sized("--other-duration", "seconds of each run of targets (b) and (c), and of the one-shot run")
-    sized("--window", "target (a): seconds of its first and last windows")
-    sized("--capacity-s", "seconds of the closed-loop capacity run")
-    sized("--warmup", "seconds before each run's measured window (sent, not counted)")
-    p.add_argument("--drain", type=float, default=10.0, help="seconds after a run for answers still owed "
-                   "(default: %(default)s)")  # fmt: skip
-    p.add_argument("--max-age-ms", type=float, default=500.0, help="every stream's max_age_ms (default: %(default)s)")
-    p.add_argument("--probe-load", type=float, default=3.0, help="capacity: the streams probe's load as a multiple "
-                   "of the closed-loop figure (default: %(default)s)")  # fmt: skip
-    p.add_argument("--overload", type=float, default=2.0, help="target (a): load as a multiple of capacity "
-                   "(default: %(default)s)")  # fmt: skip
-    p.add_argument("--light", type=float, default=0.5, help="target (b): load as a share of capacity "
-                   "(default: %(default)s)")  # fmt: skip
-    p.add_argument("--fast-factor", type=float, default=10.0, help="target (c): the fast stream's rate over the "
-                   "others' (default: %(default)s)")  # fmt: skip
-    p.add_argument("--fairness-load", type=float, default=1.5, help="target (c): each other stream's rate as a "
-                   "multiple of an even share of capacity (default: %(default)s)")  # fmt: skip
-    p.add_argument("--age-compute-ratio", type=float, default=3.0, help="target (a): age p99 at most this x the "
-                   "batch compute time (default: %(default)s)")  # fmt: skip
-    p.add_argument("--flat-ratio", type=float, default=1.5, help="target (a): the last window's age p99 at most "
-                   "this x the first's (default: %(default)s)")  # fmt: skip
-    p.add_argument("--p50-tolerance", type=float, default=0.10, help="target (b): age p50 at most 1 + this x the "
-                   "one-shot latency p50 (default: %(default)s)")  # fmt: skip
-    p.add_argument("--fair-tolerance", type=float, default=0.10, help="target (c): the others' answered rate "
-                   "within this share of their fair share (default: %(default)s)")  # fmt: skip
-    p.add_argument("--paced-batch", type=int, default=8, help="paced: max_batch_size (default: %(default)s)")
-    p.add_argument("--paced-config", default="", help="paced: more config.toml lines, ';'-separated, e.g. "
-                   "'batch_policy = \"delay\"; max_queue_delay_ms = 5' (default: none)")  # fmt: skip
-    p.add_argument("--paced-delay-ms", type=float, default=50.0, help="paced: [faults] delay_ms, each batch's "
-                   "fixed compute time (default: %(default)s)")  # fmt: skip
-    p.add_argument("--images", default=None, help="folder of images the frames cycle through (default: generated "
-                   "JPEGs of --image-size)")  # fmt: skip
-    p.add_argument("--image-size", type=size_pair, default=(500, 375), help="generated JPEGs: WIDTHxHEIGHT "
-                   "(default: 500x375)")  # fmt: skip
-    p.add_argument("--workers", type=int, default=1, help="the server's front ends (default: %(default)s)")
-    p.add_argument("--work", default="runs/stream-bench", help="repository, logs and each run's files "
-                   "(default: %(default)s)")  # fmt: skip
-    p.add_argument("--out", default=None, help="write every figure as JSON here (default: none)")
-    return p
-
-
-def settle(args: argparse.Namespace) -> argparse.Namespace:
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    return args
+EXAMPLE = EXAMPLES / "model_repository" / "digits"
+SIZES = {
+    "duration": (60.0, 6.0, "seconds of target (a)'s run"),
+    "other_duration": (15.0, 4.0, "seconds of each run of targets (b) and (c), and of the one-shot run"),
+    "window": (15.0, 2.0, "target (a): seconds of its first and last windows"),
+    "capacity_s": (5.0, 2.0, "seconds of the closed-loop capacity run"),
+    "warmup": (2.0, 0.5, "seconds before each run's measured window (sent, not counted)"),
+}
+FLAGS: list[Flag] = [
+    ("--quick", False, "short runs, a smoke test of under a minute"),
+    ("--models", "paced,digits", "which of paced and digits to run, comma-separated"),
+    ("--streams", 16, "streams in every run, >= 2 (fairness needs a fast stream and others)", integer_in(2, 10**6)),
+    *sized(SIZES),
+    ("--drain", 10.0, "seconds after a run for answers still owed"),
+    ("--max-age-ms", 500.0, "every stream's max_age_ms", POSITIVE),
+    ("--probe-load", 3.0, "capacity: the streams probe's load as a multiple of the closed-loop figure", POSITIVE),
+    ("--overload", 2.0, "target (a): load as a multiple of capacity", POSITIVE),
+    ("--light", 0.5, "target (b): load as a share of capacity", POSITIVE),
+    ("--fast-factor", 10.0, "target (c): the fast stream's rate over the others'", POSITIVE),
+    ("--fairness-load", 1.5, "target (c): each other stream's rate, a multiple of an even share", POSITIVE),
+    ("--age-compute-ratio", 3.0, "target (a): age p99 at most this x the batch compute time", POSITIVE),
+    ("--flat-ratio", 1.5, "target (a): the last window's age p99 at most this x the first's", POSITIVE),
+    ("--p50-tolerance", 0.10, "target (b): age p50 at most 1 + this x the one-shot latency p50"),
+    ("--fair-tolerance", 0.10, "target (c): the others' answered rate within this share of their fair share"),
+    ("--paced-batch", 8, "paced: max_batch_size", COUNT),
+    ("--paced-config", "", "paced: more config.toml lines, ';'-separated (default: none)"),
+    ("--paced-delay-ms", 50.0, "paced: [faults] delay_ms, each batch's fixed compute time", POSITIVE),
+    ("--images", None, "folder of images the frames cycle through (default: generated JPEGs of --image-size)"),
+    ("--image-size", (500, 375), "generated JPEGs: WIDTHxHEIGHT", size_pair),
+    ("--workers", 1, "the server's front ends"),
+    ("--work", "runs/stream-bench", "repository, logs and each run's files"),
+    ("--out", None, "write every figure as JSON here (default: none)"),
+]
 
 
 def usage_error(args: argparse.Namespace) -> str | None:
-    models = args.models.split(",")
-    if not models or any(m not in ("paced", "digits") for m in models):
+    if any(m not in ("paced", "digits") for m in args.models.split(",")):
         return f"--models takes paced and digits, comma-separated; got {args.models!r}"
-    if args.streams < 2 or args.paced_batch < 1:
-        return "--streams must be >= 2 (fairness needs a fast stream and others), --paced-batch >= 1"
-    positive = (args.duration, args.other_duration, args.window, args.capacity_s, args.probe_load, args.overload,
-                args.light, args.fast_factor, args.fairness_load, args.age_compute_ratio, args.flat_ratio,
-                args.paced_delay_ms, args.max_age_ms)  # fmt: skip
-    if min(positive) <= 0 or min(args.warmup, args.drain, args.p50_tolerance, args.fair_tolerance) < 0:
-        return "durations, loads, factors, ratios and delays must be > 0; warm-up, drain and tolerances >= 0"
+    if min(args.duration, args.other_duration, args.window, args.capacity_s) <= 0 or min(args.warmup, args.drain) < 0:
+        return "durations must be > 0; warm-up and drain >= 0"
     if 2 * args.window > args.duration:
         return f"--window ({args.window:g} s) must fit twice in --duration ({args.duration:g} s)"
     return None
@@ -143,63 +120,78 @@ def usage_error(args: argparse.Namespace) -> str | None:
 
 def make_repository(work: Path, args: argparse.Namespace) -> Path:
     """``digits`` as shipped and ``paced``, its copy slow by its config."""
-    repo = work / "repository"
-    shutil.rmtree(repo, ignore_errors=True)
-    repo.mkdir(parents=True)
-    shutil.copytree(EXAMPLE, repo / "digits")
-    shutil.copytree(EXAMPLE, repo / "paced")
     extra = "".join(f"{line.strip()}\n" for line in args.paced_config.split(";") if line.strip())
-    (repo / "paced" / "config.toml").write_text(
-        f"max_batch_size = {args.paced_batch}\n{extra}[faults]\ndelay_ms = {args.paced_delay_ms:g}\n"
-    )
-    return repo
+    paced = config_toml({"max_batch_size": args.paced_batch}) + extra
+    paced += config_toml(faults={"delay_ms": args.paced_delay_ms})
+    models = {"digits": (EXAMPLE / "config.toml").read_text(), "paced": paced}
+    return repository(work / "repository", {name: ({1: EXAMPLE / "1"}, config) for name, config in models.items()})
 
 
 # ---- the runs -----------------------------------------------------------------------------------------------------
 def capacity(url: str, model: str, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     """The higher of closed-loop images/s with as many clients as streams and the streams probe's answered/s."""
-    bounds = StepBounds(url=url, warmup_s=args.warmup, duration_s=args.capacity_s, drain_s=args.drain,
-                        timeout_s=30.0, max_requests=10**8)  # fmt: skip
-    with WorkerPool(1, payloads(model, images)) as pool:
-        step = run_step(pool, StepSpec("closed", concurrency=args.streams), bounds, model)
+    step = closed_loop(model, images, args.streams, bounds(url, args.warmup, args.capacity_s, drain_s=args.drain))
     server = step.server or {}
     closed = step.images_per_s
     probe, _ = streams(url, model, "probe", args.probe_load * closed / args.streams, args.capacity_s, images, args)
     answered = probe["total"]["answered_per_s"]
-    return {"images_per_s": max(closed, answered), "closed_loop_per_s": closed, "probe_answered_per_s": answered,
-            "probe_fps": probe["total_fps"], "clients": args.streams, "errors": step.errors,
-            "latency_p50_ms": step.latency_ms(50), "compute_ms": server.get("mean_ms", {}).get("compute", math.nan),
-            "mean_batch_size": server.get("mean_batch_size", math.nan)}  # fmt: skip
+    return {
+        "images_per_s": max(closed, answered),
+        "closed_loop_per_s": closed,
+        "probe_answered_per_s": answered,
+        "probe_fps": probe["total_fps"],
+        "clients": args.streams,
+        "errors": step.errors,
+        "latency_p50_ms": step.latency_ms(50),
+        "compute_ms": server.get("mean_ms", {}).get("compute", math.nan),
+        "mean_batch_size": server.get("mean_batch_size", math.nan),
+    }
 
 
 def one_shot(url: str, model: str, rate: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     """The load tester's open loop at ``rate`` (constant arrivals): latency from each scheduled send."""
-    bounds = StepBounds(url=url, warmup_s=args.warmup, duration_s=args.other_duration, drain_s=args.drain,
-                        timeout_s=30.0, max_requests=10**8)  # fmt: skip
+    where = bounds(url, args.warmup, args.other_duration, drain_s=args.drain)
     with WorkerPool(1, payloads(model, images)) as pool:
-        step = run_step(pool, StepSpec("open", rate=rate, arrival="constant"), bounds, model)
-    return {"rate": rate, "requests": step.requests, "errors": step.errors, "latency_p50_ms": step.latency_ms(50),
-            "latency_p99_ms": step.latency_ms(99), "client_limited": step.client_limited}  # fmt: skip
+        step = run_step(pool, StepSpec("open", rate=rate, arrival="constant"), where, model)
+    return {
+        "rate": rate,
+        "requests": step.requests,
+        "errors": step.errors,
+        "latency_p50_ms": step.latency_ms(50),
+        "latency_p99_ms": step.latency_ms(99),
+        "client_limited": step.client_limited,
+    }
 
 
-def streams(url: str, model: str, label: str, fps: float, duration_s: float, images: list[bytes],
-            args: argparse.Namespace, fps_first: float | None = None) -> tuple[dict[str, Any], Any]:  # fmt: skip
+def streams(
+    url: str,
+    model: str,
+    label: str,
+    fps: float,
+    duration_s: float,
+    images: list[bytes],
+    args: argparse.Namespace,
+    fps_first: float | None = None,
+) -> tuple[dict[str, Any], Any]:
     """One streams run; its report (and files under WORK/runs/MODEL-LABEL) and its frames."""
-    plan = StreamPlan(url=url, model=model, streams=args.streams, fps=fps, max_age_ms=args.max_age_ms,
-                      fps_first=fps_first, duration_s=duration_s, warmup_s=args.warmup, drain_s=args.drain)  # fmt: skip
+    plan = StreamPlan(url=url, model=model, streams=args.streams, fps=fps, max_age_ms=args.max_age_ms)
+    plan = replace(plan, fps_first=fps_first, duration_s=duration_s, warmup_s=args.warmup, drain_s=args.drain)
     run, server = measure(plan, images)
     report = summarise(run, server)
     folder = Path(args.work) / "runs" / f"{model}-{label}"
     write_files(report, folder)
-    streams_over_time(report, folder / "streams_over_time.png", f"{model} {label}: {args.streams} streams, "
-                      f"{plan.total_fps:.4g} frames/s")  # fmt: skip
+    title = f"{model} {label}: {args.streams} streams, {plan.total_fps:.4g} frames/s"
+    streams_over_time(report, folder / "streams_over_time.png", title)
     return report, run
 
 
 def client(report: dict[str, Any]) -> dict[str, Any]:
     """The load process's share of a core, its send lag p99 and why it may have set the pace (empty: it did not)."""
-    return {"cpu": report["client_cpu"], "send_lag_p99_ms": report["total"]["send_lag_ms"]["p99"],
-            "limited": report["client_limited"]}  # fmt: skip
+    return {
+        "cpu": report["client_cpu"],
+        "send_lag_p99_ms": report["total"]["send_lag_ms"]["p99"],
+        "limited": report["client_limited"],
+    }
 
 
 def _client_note(c: dict[str, Any]) -> str:
@@ -238,15 +230,28 @@ def target_overload(url: str, model: str, cap: float, images: list[bytes], args:
     age_p99 = report["total"]["age_ms"]["p99"]
     accounting = report["accounting"]
     return {
-        "fps": fps, "total_fps": report["total_fps"], "duration_s": args.duration, "total": report["total"],
-        "accounting": accounting, "client": client(report), "server_frames": (report["server"] or {}).get(
-            "stream_frames"), "compute_ms": compute_ms, "compute_source": source,
-        "age": {"p99_ms": age_p99, "bound_ms": args.age_compute_ratio * compute_ms,
-                "passed": age_p99 <= args.age_compute_ratio * compute_ms},
-        "flat": {"first_p99_ms": first, "last_p99_ms": last, "ratio": last / first if first else math.nan,
-                 "passed": last <= args.flat_ratio * first},
+        "fps": fps,
+        "total_fps": report["total_fps"],
+        "duration_s": args.duration,
+        "total": report["total"],
+        "accounting": accounting,
+        "client": client(report),
+        "server_frames": (report["server"] or {}).get("stream_frames"),
+        "compute_ms": compute_ms,
+        "compute_source": source,
+        "age": {
+            "p99_ms": age_p99,
+            "bound_ms": args.age_compute_ratio * compute_ms,
+            "passed": age_p99 <= args.age_compute_ratio * compute_ms,
+        },
+        "flat": {
+            "first_p99_ms": first,
+            "last_p99_ms": last,
+            "ratio": last / first if first else math.nan,
+            "passed": last <= args.flat_ratio * first,
+        },
         "accounted": {"passed": bool(accounting["ok"])},
-    }  # fmt: skip
+    }
 
 
 def target_light(url: str, model: str, cap: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
@@ -257,13 +262,22 @@ def target_light(url: str, model: str, cap: float, images: list[bytes], args: ar
     drops = {"superseded": t["superseded"], "expired": t["expired"], "errors": t["errors"], "lost": t["lost"]}
     ratio = t["age_ms"]["p50"] / single["latency_p50_ms"]
     return {
-        "fps": fps, "total_fps": report["total_fps"], "duration_s": args.other_duration, "total": t,
-        "accounting": report["accounting"], "one_shot": single, "client": client(report),
+        "fps": fps,
+        "total_fps": report["total_fps"],
+        "duration_s": args.other_duration,
+        "total": t,
+        "accounting": report["accounting"],
+        "one_shot": single,
+        "client": client(report),
         "drops": drops | {"passed": not any(drops.values()) and report["accounting"]["ok"]},
-        "p50": {"age_p50_ms": t["age_ms"]["p50"], "stream_latency_p50_ms": t["latency_ms"]["p50"],
-                "one_shot_p50_ms": single["latency_p50_ms"], "ratio": ratio,
-                "passed": ratio <= 1 + args.p50_tolerance},
-    }  # fmt: skip
+        "p50": {
+            "age_p50_ms": t["age_ms"]["p50"],
+            "stream_latency_p50_ms": t["latency_ms"]["p50"],
+            "one_shot_p50_ms": single["latency_p50_ms"],
+            "ratio": ratio,
+            "passed": ratio <= 1 + args.p50_tolerance,
+        },
+    }
 
 
 def target_fairness(url: str, model: str, cap: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
@@ -279,20 +293,32 @@ def target_fairness(url: str, model: str, cap: float, images: list[bytes], args:
     worst = max(others, key=lambda r: abs(r["answered_per_s"] / (shares[r["stream"]] or math.nan) - 1))
     deviation = got / share - 1 if share else math.nan
     return {
-        "fps": fps, "fast_fps": fast, "duration_s": args.other_duration, "accounting": report["accounting"],
+        "fps": fps,
+        "fast_fps": fast,
+        "duration_s": args.other_duration,
+        "accounting": report["accounting"],
         "client": client(report),
-        "fast": {"answered_per_s": rows[0]["answered_per_s"], "fair_share_per_s": shares[0],
-                 "answered_fraction": rows[0]["answered_fraction"], "superseded": rows[0]["superseded"]},
-        "others": {"answered_per_s": got, "fair_share_per_s": share, "deviation": deviation,
-                   "answered_fraction": sum(r["answered_fraction"] for r in others) / len(others),
-                   "fair_fraction": share / fps, "worst_stream": worst["stream"],
-                   "worst_deviation": worst["answered_per_s"] / (shares[worst["stream"]] or math.nan) - 1},
+        "fast": {
+            "answered_per_s": rows[0]["answered_per_s"],
+            "fair_share_per_s": shares[0],
+            "answered_fraction": rows[0]["answered_fraction"],
+            "superseded": rows[0]["superseded"],
+        },
+        "others": {
+            "answered_per_s": got,
+            "fair_share_per_s": share,
+            "deviation": deviation,
+            "answered_fraction": sum(r["answered_fraction"] for r in others) / len(others),
+            "fair_fraction": share / fps,
+            "worst_stream": worst["stream"],
+            "worst_deviation": worst["answered_per_s"] / (shares[worst["stream"]] or math.nan) - 1,
+        },
         "passed": abs(deviation) <= args.fair_tolerance,
-    }  # fmt: skip
+    }
 
 
 # ---- printing -----------------------------------------------------------------------------------------------------
-def _v(passed: bool) -> str:
+def _verdict(passed: bool) -> str:
     return VERDICT[bool(passed)]
 
 
@@ -307,25 +333,25 @@ def print_model(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
         f"for {a['duration_s']:g} s: answered {a['total']['answered_per_s']:.1f}/s "
         f"({100 * a['total']['answered_fraction']:.0f}%); {_client_note(a['client'])}",
         f"      age p99 {age['p99_ms']:.1f} ms <= {args.age_compute_ratio:g} x compute {a['compute_ms']:.1f} ms "
-        f"({a['compute_source']}) = {age['bound_ms']:.1f} ms: {_v(age['passed'])}",
+        f"({a['compute_source']}) = {age['bound_ms']:.1f} ms: {_verdict(age['passed'])}",
         f"      flat: age p99 first {args.window:g} s {flat['first_p99_ms']:.1f} ms, last {flat['last_p99_ms']:.1f} "
-        f"ms (x{flat['ratio']:.2f} <= {args.flat_ratio:g}): {_v(flat['passed'])}",
+        f"ms (x{flat['ratio']:.2f} <= {args.flat_ratio:g}): {_verdict(flat['passed'])}",
         f"      accounted: {acc['sent']} sent = {acc['answered']} answered + {acc['superseded']} superseded + "
         f"{acc['expired']} expired + {acc['errors']} errors; {acc['lost']} lost, {acc['unexpected']} unexpected: "
-        f"{_v(a['accounted']['passed'])}",
+        f"{_verdict(a['accounted']['passed'])}",
         f"  (b) {100 * args.light:g}% of capacity: {args.streams} streams x {b['fps']:.2f} fps = "
         f"{b['total_fps']:.1f} fps for {b['duration_s']:g} s; one-shot open loop at the same rate; "
         f"{_client_note(b['client'])}",
         f"      drops: {drops['superseded']} superseded, {drops['expired']} expired, {drops['errors']} errors, "
-        f"{drops['lost']} lost: {_v(drops['passed'])}",
+        f"{drops['lost']} lost: {_verdict(drops['passed'])}",
         f"      age p50 {p50['age_p50_ms']:.1f} ms vs one-shot latency p50 {p50['one_shot_p50_ms']:.1f} ms "
-        f"(x{p50['ratio']:.2f} <= {1 + args.p50_tolerance:g}): {_v(p50['passed'])} [the streams' client latency "
+        f"(x{p50['ratio']:.2f} <= {1 + args.p50_tolerance:g}): {_verdict(p50['passed'])} [the streams' client latency "
         f"p50: {p50['stream_latency_p50_ms']:.1f} ms]",
         f"  (c) fairness: stream 0 at {c['fast_fps']:.0f} fps, {args.streams - 1} at {c['fps']:.1f} fps for "
         f"{c['duration_s']:g} s: the others answered {others['answered_per_s']:.2f}/s each (fraction "
         f"{100 * others['answered_fraction']:.0f}%) vs a fair share {others['fair_share_per_s']:.2f}/s "
         f"({100 * others['fair_fraction']:.0f}%): {100 * others['deviation']:+.1f}% (within "
-        f"{100 * args.fair_tolerance:g}%): {_v(c['passed'])}",
+        f"{100 * args.fair_tolerance:g}%): {_verdict(c['passed'])}",
         f"      worst other stream {others['worst_stream']}: {100 * others['worst_deviation']:+.1f}%; the fast stream "
         f"{c['fast']['answered_per_s']:.2f}/s (fair {c['fast']['fair_share_per_s']:.2f}/s), "
         f"{c['fast']['superseded']} superseded; {_client_note(c['client'])}",
@@ -335,29 +361,21 @@ def print_model(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
 
 def passed(r: dict[str, Any]) -> bool:
     a, b = r["overload"], r["light"]
-    return all((a["age"]["passed"], a["flat"]["passed"], a["accounted"]["passed"], b["drops"]["passed"],
-                b["p50"]["passed"], r["fairness"]["passed"]))  # fmt: skip
+    judged = (a["age"], a["flat"], a["accounted"], b["drops"], b["p50"], r["fairness"])
+    return all(x["passed"] for x in judged)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = settle(build_parser().parse_args(argv))
-    error = usage_error(args)
-    if error is not None:
-        print(error, file=sys.stderr)
+def main(args: argparse.Namespace) -> int:
+    work = workspace(args, usage_error(settle(args, SIZES)))
+    if work is None:
         return 2
     began = time.perf_counter()
-    work = Path(args.work)
     images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
     repo = make_repository(work, args)
-    results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
-        "streams": args.streams, "max_age_ms": args.max_age_ms, "image_size": list(args.image_size),
-        "paced": {"max_batch_size": args.paced_batch, "delay_ms": args.paced_delay_ms},
-        "limits": {k: getattr(args, k) for k in ("overload", "light", "fast_factor", "fairness_load",
-                                                  "age_compute_ratio", "flat_ratio", "p50_tolerance",
-                                                  "fair_tolerance", "window")},
-        "models": {},
-    }  # fmt: skip
+    limits = "overload light fast_factor fairness_load age_compute_ratio flat_ratio p50_tolerance fair_tolerance window"
+    results = header(streams=args.streams, max_age_ms=args.max_age_ms, image_size=list(args.image_size))
+    results["paced"] = {"max_batch_size": args.paced_batch, "delay_ms": args.paced_delay_ms}
+    results |= {"limits": {k: getattr(args, k) for k in limits.split()}, "models": {}}
     with launcher.start(repo, "--workers", str(args.workers), log=work / "server.log", ready_timeout_s=300) as server:
         for model in args.models.split(","):
             problem = preflight(StreamPlan(url=server.url, model=model, streams=1, fps=1.0), images[0])
@@ -373,14 +391,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["models"][model] = r
             print_model(model, r, args)
     results["passed"] = all(r["passed"] for r in results["models"].values())
-    results["wall_s"] = time.perf_counter() - began
-    print(f"verdict: {'every target met' if results['passed'] else 'a target missed'} ({results['wall_s']:.0f} s)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
-        print(f"wrote {args.out}")
-    return 0 if results["passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return conclude(results, began, args.out)

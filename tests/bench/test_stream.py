@@ -1,10 +1,9 @@
-"""scripts/stream_bench.py runs end to end on its quick sizes against a real server and writes every figure it
+"""``visionserve bench stream`` runs end to end on its quick sizes against a real server and writes every figure it
 prints. The figures are not judged (seconds on a shared machine say nothing about them); that each is there and
 consistent is, and so is what holds on any machine: every frame accounted for, and the max-min fair shares."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -14,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from service.bench.stream import fair_shares
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,19 +23,15 @@ def positive(value: Any) -> bool:
 
 
 def test_fair_shares_fill_the_small_demands_first_and_split_the_rest_evenly() -> None:
-    spec = importlib.util.spec_from_file_location("stream_bench", ROOT / "scripts" / "stream_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.fair_shares([100.0, 10.0, 10.0], 30.0) == [10.0, 10.0, 10.0]
-    shares = bench.fair_shares([100.0, 2.0, 10.0], 30.0)
+    assert fair_shares([100.0, 10.0, 10.0], 30.0) == [10.0, 10.0, 10.0]
+    shares = fair_shares([100.0, 2.0, 10.0], 30.0)
     assert shares == [18.0, 2.0, 10.0] and sum(shares) == 30.0
 
 
 @pytest.mark.slow
 def test_stream_bench_writes_every_target(tmp_path: Path) -> None:
     out = tmp_path / "streams.json"
-    command = [sys.executable, "scripts/stream_bench.py", "--quick", "--models", "paced", "--streams", "4",
+    command = [sys.executable, "-m", "service.cli", "bench", "stream", "--quick", "--models", "paced", "--streams", "4",
                "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: a target missed

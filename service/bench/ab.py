@@ -16,12 +16,12 @@ one starts first alternates), since one pair of processes can sit a few percent 
 (docs/performance.md, "The cost of metrics")::
 
     # metrics on against off; leave --b-flags out for the A/A control
-    .venv/bin/python scripts/ab.py --model digits --b-flags=--no-metrics --rounds 24 --concurrency 8 \\
+    visionserve bench ab --model digits --b-flags=--no-metrics --rounds 24 --concurrency 8 \\
         --duration-s 4 --warmup-s 1 --pin --together --restart-every 1
     # HTTP binary v2 against gRPC, otherwise the same server
-    .venv/bin/python scripts/ab.py --model resnet18 --a-protocol v2 --b-protocol grpc --rounds 3 --duration-s 10
+    visionserve bench ab --model resnet18 --a-protocol v2 --b-protocol grpc --rounds 3 --duration-s 10
     # a server started as a Ray replica starts its own, against the Ray Serve proxy in front of one
-    .venv/bin/python scripts/ab.py --a-flags="--workers 1" --b-url http://127.0.0.1:8000
+    visionserve bench ab --a-flags="--workers 1" --b-url http://127.0.0.1:8000
 
 A flag value that begins with "--" needs "=" (``--b-flags=--no-metrics``). Exit code 0; 1 when a side answered a
 request with an error (its figures are then suspect); 2 on a usage error.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import random
@@ -49,52 +48,48 @@ from loadtest.inputs import PROTOCOLS, payloads
 from loadtest.pool import WorkerPool
 from loadtest.step import StepBounds, StepSpec, run_step
 from service import launcher
+from service.bench.kit import COUNT, POSITIVE, Flag, bounds, write_json
 from service.core.arguments import size_pair
 from service.core.samples import image_files, photo_like_jpegs
 
 FIGURES = ("requests_per_s", "images_per_s", "p50_ms", "p99_ms", "server_cpu_ms_per_request")
-RATIOS = {"requests_per_s": "throughput (requests/s)", "p50_ms": "p50 latency", "p99_ms": "p99 latency",
-          "server_cpu_ms_per_request": "server CPU per request"}  # fmt: skip
+RATIOS = {
+    "requests_per_s": "throughput (requests/s)",
+    "p50_ms": "p50 latency",
+    "p99_ms": "p99 latency",
+    "server_cpu_ms_per_request": "server CPU per request",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repository", default="model_repository", help="both sides' repository (default: %(default)s)")
-    p.add_argument("--model", default="digits", help="model to load (default: %(default)s)")
-    p.add_argument("--protocol", choices=PROTOCOLS, default="image", help="both sides' API (default: %(default)s)")
-    for side in ("a", "b"):
-        name = side.upper()
-        p.add_argument(f"--{side}-flags", default="", help=f"side {name}: more `visionserve serve` flags, one "
-                       "string (default: none)")  # fmt: skip
-        p.add_argument(f"--{side}-repository", default=None, help=f"side {name}: its own repository "
-                       "(default: --repository)")  # fmt: skip
-        p.add_argument(f"--{side}-protocol", choices=PROTOCOLS, default=None, help=f"side {name}: its own API "
-                       "(default: --protocol)")  # fmt: skip
-        p.add_argument(f"--{side}-url", default=None, help=f"side {name}: a running server to load instead of "
-                       "starting one; image or v2 protocol only (default: none, start one)")  # fmt: skip
-        p.add_argument(
-            f"--{side}-python",
-            default=None,
-            help=f"side {name}: the interpreter that runs its server, "
-            "e.g. another virtual environment's (default: this one's)",
-        )
-    p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients per side (default: %(default)s)")
-    p.add_argument("--duration-s", type=float, default=5.0, help="measured seconds per step (default: %(default)s)")
-    p.add_argument("--warmup-s", type=float, default=1.0, help="seconds per step before measuring "
-                   "(default: %(default)s)")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=6, help="steps per side, alternating (default: %(default)s)")
-    p.add_argument("--images", default=None, help="folder of images to send (default: generated JPEGs)")
-    p.add_argument("--image-size", type=size_pair, default=(500, 375), metavar="WxH", help="generated JPEGs' size "
-                   "(default: 500x375)")  # fmt: skip
-    p.add_argument("--images-per-request", type=int, default=1, help="images in each request (default: %(default)s)")
-    p.add_argument("--processes", type=int, default=1, help="load processes per side (default: %(default)s)")
-    p.add_argument("--together", action="store_true", help="load both sides at the same moment (default: in turn)")
-    p.add_argument("--pin", action="store_true", help="started servers on the last CPU, the load on the others "
-                   "(default: off)")  # fmt: skip
-    p.add_argument("--restart-every", type=int, default=0, metavar="K", help="start both servers afresh every K "
-                   "rounds (default: 0, never)")  # fmt: skip
-    p.add_argument("--json", default=None, help="write every figure to this file (default: none)")
-    return p
+SIDE_FLAGS: list[Flag] = [
+    ("flags", "", "more `visionserve serve` flags, one string (default: none)"),
+    ("repository", None, "its own repository (default: --repository)"),
+    ("protocol", None, "its own API (default: --protocol)", PROTOCOLS),
+    ("url", None, "a running server to load instead of starting one; image or v2 protocol only (default: none)"),
+    ("python", None, "the interpreter that runs its server, e.g. another virtual environment's (default: this one's)"),
+]
+FLAGS: list[Flag] = [
+    ("--repository", "model_repository", "both sides' repository"),
+    ("--model", "digits", "model to load"),
+    ("--protocol", "image", "both sides' API", PROTOCOLS),
+    *(
+        (f"--{side}-{name}", default, f"side {side.upper()}: {text}", *kind)
+        for side in "ab"
+        for name, default, text, *kind in SIDE_FLAGS
+    ),
+    ("--concurrency", 8, "closed-loop clients per side", COUNT),
+    ("--duration-s", 5.0, "measured seconds per step", POSITIVE),
+    ("--warmup-s", 1.0, "seconds per step before measuring"),
+    ("--rounds", 6, "steps per side, alternating", COUNT),
+    ("--images", None, "folder of images to send (default: generated JPEGs)"),
+    ("--image-size", (500, 375), "generated JPEGs' size", size_pair),
+    ("--images-per-request", 1, "images in each request", COUNT),
+    ("--processes", 1, "load processes per side", COUNT),
+    ("--together", False, "load both sides at the same moment (off: in turn)"),
+    ("--pin", False, "started servers on the last CPU, the load on the others"),
+    ("--restart-every", 0, "start both servers afresh every K rounds (0: never)"),
+    ("--json", None, "write every figure to this file (default: none)"),
+]
 
 
 @dataclass
@@ -118,8 +113,7 @@ class Side:
         url = self.server.url if self.server else str(self.url)
         grpc = self.server.grpc_target if self.server and self.protocol == "grpc" else ""
         # No reads of /metrics: with metrics off on one side they would cost the other side only.
-        return StepBounds(url=url, warmup_s=args.warmup_s, duration_s=args.duration_s, drain_s=10.0, timeout_s=30.0,
-                          max_requests=10**8, grpc_target=grpc, scrape=False)  # fmt: skip
+        return bounds(url, args.warmup_s, args.duration_s, grpc_target=grpc, scrape=False)
 
 
 def measure(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, pid: int | None) -> dict[str, Any]:
@@ -130,10 +124,16 @@ def measure(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, pi
     step = run_step(pool, spec, bounds, model)
     answered = pool.completed() - answered
     cpu_ms = 1000 * (launcher.tree_cpu_s(pid) - cpu_s) / max(1, answered) if pid else None
-    return {"requests_per_s": step.requests_per_s, "images_per_s": step.images_per_s, "p50_ms": step.latency_ms(50),
-            "p99_ms": step.latency_ms(99), "errors": step.errors, "client_limited": step.client_limited,
-            "server_cpu_ms_per_request": cpu_ms,
-            "mean_batch_size": step.server.get("mean_batch_size") if step.server else None}  # fmt: skip
+    return {
+        "requests_per_s": step.requests_per_s,
+        "images_per_s": step.images_per_s,
+        "p50_ms": step.latency_ms(50),
+        "p99_ms": step.latency_ms(99),
+        "errors": step.errors,
+        "client_limited": step.client_limited,
+        "server_cpu_ms_per_request": cpu_ms,
+        "mean_batch_size": step.server.get("mean_batch_size") if step.server else None,
+    }
 
 
 @contextlib.contextmanager
@@ -155,9 +155,13 @@ def start(sides: Sequence[Side], block: int, logs: Path, cpus: set[int] | None) 
         with on_cpus(cpus):
             for side in order:
                 if side.url is None:
-                    side.server = launcher.launch(side.repository, *side.flags, log=logs / f"{side.name}-{block}.log",
-                                                  grpc_port=0 if side.protocol == "grpc" else None,
-                                                  python=side.python)  # fmt: skip
+                    side.server = launcher.launch(
+                        side.repository,
+                        *side.flags,
+                        log=logs / f"{side.name}-{block}.log",
+                        grpc_port=0 if side.protocol == "grpc" else None,
+                        python=side.python,
+                    )
         for side in order:
             if side.server is not None:
                 launcher.wait_ready(side.server)
@@ -205,9 +209,12 @@ def summarise(sides: Sequence[Side]) -> dict[str, Any]:
 def _cells(step: dict[str, Any]) -> str:
     cpu = step["server_cpu_ms_per_request"]
     errors = sum(step["errors"].values())
-    return (f"{step['requests_per_s']:8.1f} req/s, p50 {step['p50_ms']:7.2f} ms, p99 {step['p99_ms']:7.2f} ms"
-            + (f", {cpu:.3f} CPU ms/req" if cpu is not None else "") + (f", {errors} errors" if errors else "")
-            + (" (client-limited)" if step.get("client_limited") else ""))  # fmt: skip
+    return (
+        f"{step['requests_per_s']:8.1f} req/s, p50 {step['p50_ms']:7.2f} ms, p99 {step['p99_ms']:7.2f} ms"
+        + (f", {cpu:.3f} CPU ms/req" if cpu is not None else "")
+        + (f", {errors} errors" if errors else "")
+        + (" (client-limited)" if step.get("client_limited") else "")
+    )
 
 
 def report(sides: Sequence[Side], summary: dict[str, Any]) -> None:
@@ -230,18 +237,20 @@ def parse_sides(args: argparse.Namespace) -> list[Side]:
         url = getattr(args, f"{side}_url")
         if url is not None and protocol == "grpc":
             raise ValueError(f"--{side}-url takes the image or v2 protocol: gRPC is for servers started here")
-        sides.append(Side(side.upper(), getattr(args, f"{side}_repository") or args.repository,
-                          shlex.split(getattr(args, f"{side}_flags")), protocol,
-                          url.rstrip("/") if url else None, getattr(args, f"{side}_python")))  # fmt: skip
+        sides.append(
+            Side(
+                side.upper(),
+                getattr(args, f"{side}_repository") or args.repository,
+                shlex.split(getattr(args, f"{side}_flags")),
+                protocol,
+                url.rstrip("/") if url else None,
+                getattr(args, f"{side}_python"),
+            )
+        )
     return sides
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if min(args.concurrency, args.rounds, args.images_per_request, args.processes) < 1 or args.duration_s <= 0:
-        print("--concurrency, --rounds, --images-per-request and --processes must be >= 1, --duration-s > 0",
-              file=sys.stderr)  # fmt: skip
-        return 2
+def main(args: argparse.Namespace) -> int:
     try:
         sides = parse_sides(args)
         images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
@@ -257,8 +266,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         start(sides, 0, logs, server_cpus)
         stack.callback(stop, sides)
-        pools = {s.name: stack.enter_context(WorkerPool(args.processes, payloads(
-            args.model, images, protocol=s.protocol, per_request=args.images_per_request))) for s in sides}  # fmt: skip
+        pools = {
+            s.name: stack.enter_context(
+                WorkerPool(
+                    args.processes,
+                    payloads(args.model, images, protocol=s.protocol, per_request=args.images_per_request),
+                )
+            )
+            for s in sides
+        }
         for side in sides:
             command = shlex.join(side.server.command) if side.server else "(running)"
             print(f"{side.name}: {side.describe()}\n   {command}", flush=True)
@@ -282,19 +298,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             for side in sides:
                 side.steps.append(done[side.name])
             ratio = ratio_of(done["A"]["requests_per_s"], done["B"]["requests_per_s"])
-            print(f"round {k + 1:>2}: A {_cells(done['A'])} | B {_cells(done['B'])} | B/A "
-                  + (f"{ratio:.4f}" if ratio is not None else "-"), flush=True)  # fmt: skip
+            print(
+                f"round {k + 1:>2}: A {_cells(done['A'])} | B {_cells(done['B'])} | B/A "
+                + (f"{ratio:.4f}" if ratio is not None else "-"),
+                flush=True,
+            )
     summary = summarise(sides)
     report(sides, summary)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
-        results = {"config": config, "sides": {s.name: {"describe": s.describe(), "rounds": s.steps} for s in sides},
-                   "cpus": os.cpu_count(), **summary}  # fmt: skip
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-        print(f"wrote {args.json}")
+        results = {
+            "config": config,
+            "sides": {s.name: {"describe": s.describe(), "rounds": s.steps} for s in sides},
+            "cpus": os.cpu_count(),
+            **summary,
+        }
+        write_json(args.json, results)
     return 1 if any(summary["medians"][s.name]["errors"] for s in sides) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

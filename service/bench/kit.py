@@ -1,0 +1,233 @@
+"""What every scenario stands on, written once: flags declared as a table, scratch repositories, the closed-loop step
+and the rate search that measure capacity (the load tester's), the open loop, one sampler thread, one percentile
+(0..1, nearest rank: the load tester's), one results header and verdict, and one JSON writer (NaN, a percentile of
+nothing, written as null)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from loadtest.inputs import Payload, payloads
+from loadtest.openloop import Record, Request, percentile, run_open_loop
+from loadtest.pool import WorkerPool
+from loadtest.slo import SloSearch, search
+from loadtest.step import StepBounds, StepResult, StepSpec, run_step
+from service.core.arguments import integer_in, number_in
+from service.core.config import toml_value
+
+__all__ = ["VERDICT", "Sampler", "add_flags", "closed_loop", "config_toml", "json_safe", "ms", "percentile"]
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+VERDICT = {True: "PASS", False: "MISS", None: "----"}
+T = TypeVar("T")
+# Flag types that refuse a bad value at the edge, in argparse's usage error (exit code 2).
+COUNT = integer_in(1, 10**9)
+POSITIVE = number_in(0, 1e12, above=True)
+SHARE = number_in(0, 1, above=True)
+Flag = tuple[Any, ...]  # (flag, default, help[, type, or a tuple of choices])
+
+
+def add_flags(p: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
+    """Each ``(flag, default, help[, kind])`` as an argument: the default's type unless ``kind`` names one (a tuple:
+    the choices); False makes a switch. The help states the default (service.core.arguments.HelpFormatter adds it
+    where the text does not say it)."""
+    for name, default, text, *kind in flags:
+        if default is False:
+            p.add_argument(name, action="store_true", help=f"{text} (default: off)")
+        elif kind and isinstance(kind[0], tuple):
+            p.add_argument(name, default=default, choices=kind[0], help=text)
+        else:
+            kind = kind or [str if default is None else type(default)]
+            p.add_argument(name, default=default, type=kind[0], help=text)
+
+
+def sized(sizes: Mapping[str, tuple[Any, Any, str]]) -> list[Flag]:
+    """Flags whose default depends on ``--quick``: ``key: (full, quick, help)``; :func:`settle` fills them in."""
+    return [
+        (f"--{key.replace('_', '-')}", None, f"{text} (default: {full}; {quick} with --quick)", type(full))
+        for key, (full, quick, text) in sizes.items()
+    ]
+
+
+def settle(args: argparse.Namespace, sizes: Mapping[str, tuple[Any, Any, str]]) -> argparse.Namespace:
+    for key, (full, quick, _) in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    return args
+
+
+def refused(*checks: tuple[bool, str]) -> bool:
+    """Print what is wrong with the flags (each ``(wrong, why)``); whether anything is."""
+    wrong = [why for bad, why in checks if bad]
+    if wrong:
+        print("; ".join(wrong), file=sys.stderr)
+    return bool(wrong)
+
+
+def workspace(args: argparse.Namespace, error: str | None) -> Path | None:
+    """``--work`` with its logs folder made, or None after printing ``error`` (a usage error: exit code 2)."""
+    if error is not None:
+        print(error, file=sys.stderr)
+        return None
+    (Path(args.work) / "logs").mkdir(parents=True, exist_ok=True)
+    return Path(args.work)
+
+
+def ms(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` in seconds, in milliseconds."""
+    return 1000 * percentile(values, q)
+
+
+def json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: str | Path, results: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(json_safe(results), indent=1, default=str))
+    print(f"wrote {path}")
+
+
+def header(**fields: Any) -> dict[str, Any]:
+    """A results record's first fields: when, the command line, then ``fields``."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), **fields}
+
+
+def conclude(results: dict[str, Any], began: float, out: str | Path | None) -> int:
+    """The verdict line (``results["passed"]``), the JSON at ``out``; the exit code (1: a target missed)."""
+    results["wall_s"] = time.perf_counter() - began
+    if results["passed"] is not None:
+        met = "every target met" if results["passed"] else "a target missed"
+        print(f"verdict: {met} ({results['wall_s']:.0f} s)")
+    if out:
+        write_json(out, results)
+    return 0 if results["passed"] is not False else 1
+
+
+def config_toml(settings: Mapping[str, Any] | None = None, **tables: Mapping[str, Any] | None) -> str:
+    """A config.toml of ``settings`` and ``[table]`` sections (one left out when None)."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in (settings or {}).items()]
+    for name, table in tables.items():
+        if table is not None:
+            lines += [f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in table.items())]
+    return "".join(line + "\n" for line in lines)
+
+
+def _link(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # the same file, no more disk: a scenario builds dozens of repositories of one model
+    except OSError:
+        shutil.copy2(src, dst)  # another file system
+
+
+def repository(root: Path, models: Mapping[str, tuple[Mapping[int, Path], str]]) -> Path:
+    """A fresh repository at ``root``: each model's versions (number -> a version folder, hard-linked) and its
+    config.toml text. Returns ``root``."""
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    for name, (versions, config) in models.items():
+        for number, source in versions.items():
+            shutil.copytree(source, root / name / str(number), copy_function=_link)
+        (root / name / "config.toml").write_text(config)
+    return root
+
+
+def bounds(url: str, warmup_s: float, duration_s: float, **more: Any) -> StepBounds:
+    options: dict[str, Any] = {"drain_s": 10.0, "timeout_s": 30.0, "max_requests": 10**8} | more
+    return StepBounds(url=url, warmup_s=warmup_s, duration_s=duration_s, **options)
+
+
+def closed_loop(model: str, images: Sequence[bytes], clients: int, where: StepBounds) -> StepResult:
+    """One closed-loop step of the load tester (one process): ``clients`` clients sending ``images`` to ``model``."""
+    with WorkerPool(1, payloads(model, list(images))) as pool:
+        return run_step(pool, StepSpec("closed", concurrency=clients), where, model)
+
+
+def step_line(result: StepResult) -> str:
+    limited = f", client-limited ({'; '.join(result.client_limited)})" if result.client_limited else ""
+    return (
+        f"p50 {result.latency_ms(50):7.2f} ms, p99 {result.latency_ms(99):7.2f} ms, errors {result.errors or 0}"
+        + limited
+    )
+
+
+def rate_search(model: str, bodies: list[Payload], p99_ms: float, where: StepBounds, **options: Any) -> SloSearch:
+    """Capacity: the load tester's search for the highest open-loop rate with p99 within ``p99_ms`` and no error,
+    each step printed."""
+    with WorkerPool(1, bodies) as pool:
+
+        def step(rate: float) -> StepResult:
+            result = run_step(pool, StepSpec("open", rate=rate, arrival="constant"), where, model)
+            print(f"  {rate:8.1f} req/s: served {result.requests_per_s:8.1f}/s, {step_line(result)}", flush=True)
+            return result
+
+        return search(step, p99_ms, **options)
+
+
+def open_loop(url: str, requests: Sequence[Request], rate: float, duration_s: float, **more: Any) -> list[Record]:
+    """The load tester's open loop: ``requests`` in turn at a constant ``rate`` for ``duration_s``, every record."""
+    return asyncio.run(run_open_loop(url, requests, rate=rate, duration_s=duration_s, **more))
+
+
+def latency(records: Sequence[Record]) -> dict[str, Any]:
+    """Counts, outcomes and p50/p99 (ms, from each scheduled send) of the requests answered 200."""
+    ok = [r.latency_s for r in records if r.outcome == "200"]
+    outcomes = dict(Counter(r.outcome for r in records))
+    return {"count": len(records), "ok": len(ok), "outcomes": outcomes, "p50_ms": ms(ok, 0.5), "p99_ms": ms(ok, 0.99)}
+
+
+class Sampler(threading.Thread, Generic[T]):
+    """``read()`` every ``period_s`` on a thread of its own (the caller's thread sends the load), kept as
+    ``(seconds since start, value)``; an exception of ``errors`` is counted by its class name, not raised."""
+
+    def __init__(
+        self, read: Callable[[], T], period_s: float, errors: tuple[type[Exception], ...] = (), at_once: bool = True
+    ) -> None:
+        super().__init__(name="sampler", daemon=True)
+        self.read, self.period_s, self.errors, self.at_once = read, period_s, errors, at_once
+        self.started_s = time.perf_counter()
+        self.samples: list[tuple[float, T]] = []
+        self.failures: Counter[str] = Counter()
+        self.halt = threading.Event()
+
+    def sample(self) -> None:
+        try:
+            self.samples.append((time.perf_counter() - self.started_s, self.read()))
+        except self.errors as exc:
+            self.failures[type(exc).__name__] += 1
+
+    def run(self) -> None:
+        if self.at_once:
+            self.sample()
+        while not self.halt.wait(self.period_s):
+            self.sample()
+
+    def latest(self, default: T) -> T:
+        return self.samples[-1][1] if self.samples else default
+
+    def finish(self, last: bool = True) -> list[tuple[float, T]]:
+        """Stop; with ``last``, one more sample: the figure at the end of the load."""
+        self.halt.set()
+        self.join()
+        if last:
+            self.sample()
+        return self.samples
