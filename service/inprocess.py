@@ -34,8 +34,20 @@ from service.engine.server import EngineServer
 from service.frontend.http.app import create_app as create_http_app
 from service.frontend.link import EngineLink, LinkOwner
 from service.frontend.server import uvicorn_options
-from service.transport.client import BEAT_S, UNAVAILABLE
-from service.transport.messages import ENCODER, Answer, Catalog, Failed, Query, Result, Snapshot, Submit, WireError
+from service.transport.client import BEAT_S, UNAVAILABLE, ControlCalls
+from service.transport.messages import (
+    ENCODER,
+    Answer,
+    Catalog,
+    CatalogQuery,
+    ControlQuery,
+    Failed,
+    Result,
+    Snapshot,
+    Submit,
+    WireError,
+    query_name,
+)
 
 PEER = b"in-process"  # the one front end's name on the engine's side
 
@@ -55,7 +67,7 @@ class InProcessEngine:
         """Nothing is shared between its link and others (the link closes its engine)."""
 
 
-class InProcessLink:
+class InProcessLink(ControlCalls):
     """An :class:`~service.frontend.link.EngineLink` to an engine in this process, and that engine's endpoint."""
 
     name = "in-process"
@@ -147,21 +159,21 @@ class InProcessLink:
             raise answer.error.exception()
         return Answer(answer, sent, answered)
 
-    async def query(self, what: str, timeout_s: float = 30.0, **args: Any) -> Any:
+    async def call(self, query: ControlQuery, timeout_s: float = 30.0) -> Any:
         """A control call, answered as across processes: the value as MessagePack carries it, the error as the
         project's exception."""
-        if not self.up and what != "catalog":
+        if not self.up and not isinstance(query, CatalogQuery):
             raise OverloadedError(UNAVAILABLE)
         try:
-            value = await asyncio.wait_for(self.engine.query(PEER, Query(next(self._ids), what, args)), timeout_s)
+            value = await asyncio.wait_for(self.engine.query(PEER, query), timeout_s)
         except TimeoutError:
-            raise OverloadedError(f"the engine did not answer {what!r} within {timeout_s:g} s") from None
+            raise OverloadedError(f"the engine did not answer {query_name(query)!r} within {timeout_s:g} s") from None
         except Exception as exc:
             raise WireError.of(exc).exception() from exc
         return msgspec.msgpack.decode(ENCODER.encode(value))
 
     async def refresh(self) -> None:
-        catalog = msgspec.convert(await self.query("catalog"), Catalog)
+        catalog = await self.fetch_catalog()
         self.catalog = catalog
         self._catalog_version = catalog.version
         self.up = True

@@ -65,6 +65,15 @@ def plan_devices(config: ModelConfig, available: list[str]) -> tuple[list[str], 
     return ["cpu"], True, f"{reason}: serving on CPU (fallback)"
 
 
+def home_device(config: ModelConfig, gpus: list[str] | None) -> str:
+    """The device a model's memory is charged to: the first it is planned on (``gpus``: this engine's usable
+    GPUs, None for every usable one), the CPU where no plan can be made."""
+    try:
+        return plan_devices(config, gpus if gpus is not None else cuda_devices())[0][0]
+    except VisionServeError:
+        return "cpu"
+
+
 def engine_share(config: ModelConfig, mine: list[str], machine: list[str], *, primary: bool) -> list[str] | None:
     """The GPUs this engine offers ``config``'s model, or None when another engine serves it.
 

@@ -17,10 +17,11 @@ least recently used evicted for a load (the accounts and the choice are :mod:`se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import msgspec
 
@@ -28,13 +29,10 @@ from service.core.errors import DeadlineExceededError, MemoryBudgetError, Vision
 from service.core.repository import ModelEntry
 from service.core.spec import encode_spec
 from service.core.status import EngineState
-from service.engine.model import cuda_devices, plan_devices
 from service.engine.residency import Accounts, Charge, NoRoom, give_back_memory, settled_used_bytes
+from service.engine.table import ModelTable
 from service.runtime import choose_backend
-from service.transport.messages import ModelInfo
-
-if TYPE_CHECKING:
-    from service.engine.server import EngineServer
+from service.transport.messages import ModelInfo, VersionKey
 
 log = logging.getLogger("visionserve.engine")
 # A model's size before its first exclusive measurement, over its files' size: resnet18 in onnxruntime on the CPU
@@ -43,11 +41,28 @@ ESTIMATE_OVER_FILE = 1.25
 
 
 class Residency:
-    """The engine server's resident models beyond the pinned ones: loads on demand, evictions, and the numbers."""
+    """The engine's resident models beyond the pinned ones: loads on demand, evictions, and the numbers. Handed the
+    model ``table``, the loader (``load``: every version of an entry into the table), where a model's memory lives
+    (``place``), and whether this is the primary engine (it shows the CPU's row)."""
 
-    def __init__(self, server: EngineServer, budgets: dict[str, int], *, min_residency_s: float,
-                 max_parallel_loads: int, cold_start_limit_s: float) -> None:  # fmt: skip
-        self.server = server
+    def __init__(
+        self,
+        table: ModelTable,
+        load: Callable[[ModelEntry], Awaitable[None]],
+        budgets: dict[str, int],
+        *,
+        place: Callable[[ModelEntry], str],
+        primary: bool = True,
+        drain_timeout_s: float = 30.0,
+        min_residency_s: float = 1.0,
+        max_parallel_loads: int = 1,
+        cold_start_limit_s: float = 30.0,
+    ) -> None:
+        self.table = table
+        self._load_versions = load
+        self._place = place
+        self.primary = primary
+        self.drain_timeout_s = drain_timeout_s
         self.accounts = Accounts(budgets, min_residency_s=min_residency_s)
         self.cold_start_limit_s = cold_start_limit_s
         self.on_demand: dict[str, ModelEntry] = {}  # every on-demand model, resident or not
@@ -67,7 +82,7 @@ class Residency:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def resident(self, name: str) -> bool:
-        return name in self.server.models
+        return name in self.table.models
 
     def hit(self, name: str) -> None:
         self.hits[name] = self.hits.get(name, 0) + 1
@@ -112,8 +127,7 @@ class Residency:
         """Work queued, in flight, or waiting for its load: such a model is never evicted."""
         if self._waiting.get(name) or name in self._loading:
             return True
-        engines = self.server.models.get(name, {}).values()
-        return any(e.batcher.queue_depth or e.batcher.inflight_batches for e in engines)
+        return self.table.busy(name)
 
     # ---- loading and evicting -------------------------------------------------------------------------------
     def offer(self, entry: ModelEntry) -> None:
@@ -129,7 +143,7 @@ class Residency:
         task.add_done_callback(self._loaded)
         await task
 
-    async def load_extra(self, key: str, entry: ModelEntry, load: Callable[[], Awaitable[None]]) -> None:
+    async def load_extra(self, key: VersionKey, entry: ModelEntry, load: Callable[[], Awaitable[None]]) -> None:
         """Another version of a resident model (a rollout's candidate), charged under ``key`` as a pinned model:
         room is made as for any load, and what the load measurably took stays charged until
         :meth:`release_extra`."""
@@ -148,12 +162,12 @@ class Residency:
             self.accounts.charge(key, device, max(after - before, need), pinned=True)
         self._changed()
 
-    def release_extra(self, key: str) -> None:
+    def release_extra(self, key: VersionKey) -> None:
         """The version charged under ``key`` left (a rollout decided)."""
         if self.accounts.release(key) is not None:
             self._changed()
 
-    def decided(self, name: str, key: str, *, promoted: bool, versions: int) -> Charge | None:
+    def decided(self, name: str, key: VersionKey, *, promoted: bool, versions: int) -> Charge | None:
         """A rollout of ``name`` decided; its candidate was charged under ``key`` (loaded for the rollout) or shares
         the model's charge (loaded with it: ``versions`` loaded, the leaving one included). Aborted: the candidate's
         own charge leaves, counted (``leaving``) until its version is closed. Promoted: the old primary leaves, so
@@ -195,6 +209,33 @@ class Residency:
                     self.accounts.sizes[charge.model] = model.bytes
             self._changed()
 
+    @contextlib.asynccontextmanager
+    async def replacing(self, name: str) -> AsyncIterator[None]:
+        """``name`` is loaded again (the repository API) while its old copy, out of the table, still closes: that
+        copy's charge is counted as leaving until the block ends, and the new load is charged as its own."""
+        charge = self.accounts.release(name)
+        if charge is not None:
+            self.accounts.leaving.append(charge)
+        try:
+            yield
+        finally:
+            if charge is not None:
+                self.accounts.leaving.remove(charge)
+
+    def reoffer(self, entry: ModelEntry) -> None:
+        """``entry`` was loaded again: on demand from now on, or pinned, as its config now says."""
+        if entry.config.residency == "on_demand":
+            self.offer(entry)
+        else:
+            self.on_demand.pop(entry.name, None)
+
+    def unloaded(self, name: str) -> None:
+        """A pinned model was unloaded by request: its charges (its rollout candidate's too) go, counted."""
+        self.accounts.release(name)
+        for key in [k for k in self.accounts.charges if isinstance(k, VersionKey) and k.name == name]:
+            self.release_extra(key)
+        self.count_eviction(name, "unload")
+
     def loading(self) -> list[asyncio.Task[None]]:
         """The loads in progress."""
         return list(self._loading.values())
@@ -219,17 +260,15 @@ class Residency:
             starts, overlapped = self._starts, self._active_loads > 1
             try:
                 before = await asyncio.to_thread(settled_used_bytes, device)
-                await self.server._load(entry)
+                await self._load_versions(entry)
                 after = await asyncio.to_thread(settled_used_bytes, device)
                 overlapped = overlapped or self._active_loads > 1 or self._starts != starts  # another ran meanwhile
             finally:
                 self._active_loads -= 1
-                if name not in self.server.models:
+                if name not in self.table.models:
                     self.accounts.release(name)
-        if name not in self.server.models:
-            reason_text = self.server.errors.get(name) or "; ".join(
-                e for k, e in self.server.errors.items() if k.startswith(f"{name}/")
-            )
+        if name not in self.table.models:
+            reason_text = self.table.load_error(name)
             self.why_not[name] = f"failed to load: {reason_text}"
             raise VisionServeError(f"model {name!r} failed to load: {reason_text or 'see the log'}")
         measured = drill or max(after - before, _files_bytes(entry))
@@ -244,9 +283,10 @@ class Residency:
         self.loads[(name, reason)] = self.loads.get((name, reason), 0) + 1
         log.info("model %s resident on %s: %.1f MB%s", name, device, size / 1e6, " (estimated)" if overlapped else "")
 
-    async def _make_room(self, name: str, device: str, need: int) -> None:
-        """Evict what the accounts choose so that ``need`` bytes fit; wait for a young model to come of age (within
-        the cold-start limit); refuse with 503 when nothing may go."""
+    async def _make_room(self, key: str | VersionKey, device: str, need: int) -> None:
+        """Evict what the accounts choose so that ``need`` bytes fit for ``key`` (a model, or one version of it);
+        wait for a young model to come of age (within the cold-start limit); refuse with 503 when nothing may go."""
+        name = str(key)
         give_up = time.monotonic() + self.cold_start_limit_s
         while True:
             try:
@@ -255,7 +295,8 @@ class Residency:
                 if exc.wait_s is not None and time.monotonic() + exc.wait_s < give_up:
                     await asyncio.sleep(exc.wait_s)
                     continue
-                self.why_not[name] = f"refused: {exc}"
+                if isinstance(key, str):
+                    self.why_not[key] = f"refused: {exc}"
                 self._changed()
                 raise MemoryBudgetError(f"model {name!r} cannot be loaded: {exc}") from None
             if not victims:
@@ -268,7 +309,7 @@ class Residency:
         """Take ``name`` out of memory. The accounts never choose a busy model; an unload asked for by the
         repository API may find one busy, and its queued work is finished first (``close`` drains it). Its memory
         stays counted until it is closed (a draining model still holds it)."""
-        engines = self.server.models.pop(name, None)
+        engines = self.table.models.pop(name, None)
         if engines is None:
             return  # not resident: a reservation of a load in progress is that load's to keep or release
         charge = self.accounts.release(name)
@@ -280,7 +321,7 @@ class Residency:
         self._changed()
         try:
             for engine in engines.values():
-                await engine.close(self.server.settings.drain_timeout_s)
+                await engine.close(self.drain_timeout_s)
             await asyncio.to_thread(give_back_memory)
         finally:
             if charge is not None:
@@ -289,19 +330,14 @@ class Residency:
         log.info("model %s %s", name, why)
 
     def _changed(self) -> None:
-        """The catalog changed (resident or not, and why): front ends re-read it now, not at the next beat."""
-        self.server._version += 1
-        self.server.endpoint.announce()
+        """The catalog changed (resident or not, and why)."""
+        self.table.changed()
 
     def count_eviction(self, name: str, reason: str) -> None:
         self.evictions[(name, reason)] = self.evictions.get((name, reason), 0) + 1
 
     def _device(self, entry: ModelEntry) -> str:
-        gpus = self.server.gpus if self.server.gpus is not None else cuda_devices()
-        try:
-            return plan_devices(entry.config, gpus)[0][0]
-        except VisionServeError:
-            return "cpu"
+        return self._place(entry)
 
     # ---- what it shows --------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -310,9 +346,9 @@ class Residency:
         del self.cold_starts[: len(cold)]
         charges = [*self.accounts.charges.values(), *self.accounts.leaving]
         # One engine per GPU: the CPU's row comes from the primary alone (unless another holds a model there).
-        devices = sorted({c.device for c in charges} | ({"cpu"} if self.server.primary else set()))
+        devices = sorted({c.device for c in charges} | ({"cpu"} if self.primary else set()))
         used = {d: sum(c.bytes for c in charges if c.device == d) for d in devices}
-        resident = [c for c in list(self.accounts.charges.values()) if c.model in self.server.models]
+        resident = [c for c in list(self.accounts.charges.values()) if c.model in self.table.models]
         return {
             "resident": [(c.model, c.device, c.bytes) for c in resident],
             "devices": [(d, used[d], self.accounts.budget(d)) for d in devices],
@@ -322,9 +358,9 @@ class Residency:
 
     def describe(self, name: str) -> dict[str, Any]:
         """What metadata and the index say of ``name``'s residency."""
-        charge = self.accounts.charges.get(name) if name in self.server.models else None
-        entry = self.on_demand.get(name) or self.server.configs.get(name)
-        resident = name in self.server.models
+        resident = name in self.table.models
+        charge = self.accounts.charges.get(name) if resident else None
+        entry = self.on_demand.get(name) or self.table.configs.get(name)
         return {
             "residency": entry.config.residency if entry is not None else "pinned",
             "resident": resident,
@@ -338,7 +374,7 @@ class Residency:
         their requests here (where the first one loads them)."""
         rows = []
         for name, entry in sorted(self.on_demand.items()):
-            if name in self.server.models:
+            if name in self.table.models:
                 continue
             devices = (self._device(entry),)
             for number, version in sorted(entry.versions.items()):

@@ -17,29 +17,56 @@ DEFAULT_PRIORITY = 0
 
 
 class Release:
-    """How a request's sender learns that no batch reads its pixels any more (the shared-memory front end frees its
-    region then, not before): called once, for a request cancelled, or answered with an error (a deadline) while a
-    batch still read them. ``held``: the error's answer must say that a release follows; ``answered``: it was sent."""
+    """When a request's shared-memory region is free again, decided here for every path (plain, on-demand, rollout)
+    and every end (answered, cancelled, expired, held). The front end frees the region on the request's answer, so
+    that answer must not free it while a batch still reads the pixels; where no answer frees it, ``send`` does
+    (a ``Failed(cancelled)``), once and only once nothing reads them any more. Three events decide:
 
-    __slots__ = ("answered", "held", "send")
+    - :meth:`reading`: the batcher resolved the request (an error, or its caller went away) while a batch still
+      reads its pixels; :meth:`unread`: the last such batch is done.
+    - :meth:`answered`: the answer goes out. A result, or an error while no batch reads the pixels, frees the region
+      itself; an error while one does says ``held``, and the release follows once it is read.
+    - :meth:`cancelled`: no answer goes out (the caller went away): released once nothing reads the pixels, at once
+      where nothing does (never queued, queued on the engine's own copy, or its batch already done).
+    """
+
+    __slots__ = ("_owed", "_reading", "_send", "_settled")
 
     def __init__(self, send: Callable[[str], None]) -> None:
-        self.send = send
-        self.held = False
-        self.answered = False
+        self._send = send
+        self._reading = False
+        self._owed = False  # nothing else frees the region: a release is sent once no batch reads it
+        self._settled = False  # answered or cancelled: the first end decides
 
-    def __call__(self, why: str = "cancelled") -> None:
-        if self.held and not self.answered:  # read no more before the error went out: that answer frees it alone
-            self.held = False
+    def reading(self) -> None:
+        """The request is resolved while a batch still reads its pixels."""
+        self._reading = True
+
+    def unread(self) -> None:
+        """No batch reads the pixels any more."""
+        self._reading = False
+        if self._owed:
+            self._owed = False
+            self._send("cancelled")
+
+    def answered(self, *, error: bool) -> bool:
+        """The request's answer (``error``: a failure) goes out now: whether it must say ``held`` (a release
+        follows it)."""
+        if self._settled:
+            return False
+        self._settled = True
+        held = error and self._reading
+        self._owed = held
+        return held
+
+    def cancelled(self) -> None:
+        """No answer will go out: release the region once nothing reads it (now, where nothing does)."""
+        if self._settled:
             return
-        self.send(why)
-
-    def unanswered(self) -> None:
-        """No answer will go out (cancelled after its computation ended): free the pixels now, or, held, once the
-        batch still reading them is done."""
-        self.answered = True
-        if not self.held:
-            self.send("cancelled")
+        self._settled = True
+        self._owed = True
+        if not self._reading:
+            self.unread()
 
 
 class Pending:
@@ -62,7 +89,7 @@ class Pending:
         self.batch_sizes: list[int] = []
         self.timer: asyncio.TimerHandle | None = None
         self.inflight = 0  # batches computing (or retrying) any of its images: they read its pixels until done
-        # called once when a cancelled (or failed early) request's pixels are read by no batch any more
+        # told when the request is resolved while a batch reads its pixels, and when no batch reads them any more
         self.on_released: Release | None = None
 
     def abandon_if_cancelled(self, future: asyncio.Future[InferResult]) -> None:
@@ -71,16 +98,19 @@ class Pending:
             self.done = True
             if self.timer is not None:
                 self.timer.cancel()
-            self.release_if_unread()
+            self._resolved_while_read()
 
     def release_if_unread(self) -> None:
-        """Say once (``on_released``) that a cancelled request's pixels, or those of one failed while a batch read
-        them, are no longer read: at once when none of its images is in a batch, else when the last such batch is
-        done."""
+        """A batch that read its pixels is done: when it was the last one and the request is resolved, tell
+        ``on_released`` (which decides whether a release is owed)."""
         released = self.on_released
-        if self.inflight == 0 and released is not None and (self.future.cancelled() or released.held):
+        if self.inflight == 0 and released is not None and self.done:
             self.on_released = None
-            released()
+            released.unread()
+
+    def _resolved_while_read(self) -> None:
+        if self.inflight > 0 and self.on_released is not None:
+            self.on_released.reading()
 
     def finish(self, error: VisionServeError | None = None) -> None:
         """Resolve the caller exactly once (later calls do nothing)."""
@@ -92,8 +122,7 @@ class Pending:
         if self.future.done():  # the caller went away
             return
         if error is not None:
-            if self.inflight > 0 and self.on_released is not None:  # a batch still reads its pixels: said later
-                self.on_released.held = True
+            self._resolved_while_read()  # a deadline while its batch computes: the answer says held
             self.future.set_exception(error)
         else:
             self.future.set_result(

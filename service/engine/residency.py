@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from service.transport.messages import VersionKey
+
 UNLIMITED = 2**62
 
 
@@ -85,9 +87,9 @@ def give_back_memory() -> None:
 
 @dataclass
 class Charge:
-    """One resident model on its device."""
+    """One resident model on its device; or one version of it (a rollout's candidate), by its key."""
 
-    model: str
+    model: str | VersionKey
     device: str
     bytes: int
     pinned: bool
@@ -109,9 +111,10 @@ class Accounts:
     def __init__(self, budgets: dict[str, int], *, min_residency_s: float = 1.0) -> None:
         self.budgets = budgets
         self.min_residency_s = min_residency_s
-        self.charges: dict[str, Charge] = {}
+        self.charges: dict[str | VersionKey, Charge] = {}
         self.leaving: list[Charge] = []  # evicted or replaced, still closing: their memory is not free yet
-        self.sizes: dict[str, int] = {}  # the last measured size of each model, resident or not (for estimates)
+        # the last measured size of each model, resident or not (for estimates)
+        self.sizes: dict[str | VersionKey, int] = {}
 
     def budget(self, device: str) -> int:
         return budget_for(self.budgets, device)
@@ -120,12 +123,12 @@ class Accounts:
         held = [*self.charges.values(), *self.leaving]
         return sum(c.bytes for c in held if c.device == device)
 
-    def charge(self, model: str, device: str, size: int, *, pinned: bool) -> None:
+    def charge(self, model: str | VersionKey, device: str, size: int, *, pinned: bool) -> None:
         now = time.monotonic()
         self.charges[model] = Charge(model, device, size, pinned, now, now)
         self.sizes[model] = size
 
-    def release(self, model: str) -> Charge | None:
+    def release(self, model: str | VersionKey) -> Charge | None:
         return self.charges.pop(model, None)
 
     def touch(self, model: str) -> None:
@@ -146,8 +149,8 @@ class Accounts:
         chosen: list[str] = []
         young: list[float] = []
         for charge in sorted(self.charges.values(), key=lambda c: c.last_used):
-            if charge.device != device or charge.pinned or busy(charge.model):
-                continue
+            if charge.device != device or charge.pinned or not isinstance(charge.model, str) or busy(charge.model):
+                continue  # a version's own charge (a rollout's candidate) is pinned too
             age = now - charge.loaded_at
             if age < self.min_residency_s:
                 young.append(self.min_residency_s - age)

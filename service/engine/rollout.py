@@ -21,95 +21,55 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-import os
-import random
 import time
-import zlib
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import msgspec
 import numpy as np
 
-from service.core.config import RolloutConfig, parse_config
-from service.core.errors import BadInputError, ConfigError, NotFoundError, VisionServeError
-from service.core.repository import ModelEntry
+from service.core.config import RolloutConfig
+from service.core.errors import (
+    BadInputError,
+    DeadlineExceededError,
+    NotFoundError,
+    OverloadedError,
+    VisionServeError,
+)
+from service.core.repository import ModelEntry, ModelRepository
 from service.engine.batcher import InferRequest, InferResult
-from service.engine.comparison import Comparison, verdict
+from service.engine.comparison import verdict
+from service.engine.model import ModelEngine
+from service.engine.ondemand import Residency
 from service.engine.residency import Charge
-
-if TYPE_CHECKING:
-    from service.engine.model import ModelEngine
-    from service.engine.server import EngineServer
-    from service.transport.messages import Submit
+from service.engine.rollout_record import STATE_FILE, Rollout, none_document, read_state, rollout_config, write_state
+from service.engine.table import ModelTable
+from service.transport.messages import RolloutQuery, Submit, VersionKey
 
 log = logging.getLogger("visionserve.rollout")
 
-STATE_FILE = "rollout.json"
 SHADOW_PRIORITY = 1 << 30  # after every live request of any priority
-_EFFECTIVE_SMOOTHING = 0.05  # weight of the newest sample in the effective fraction's moving average
-
-
-class Rollout:
-    """One model's rollout: its versions, settings, comparison and decision."""
-
-    def __init__(self, model: str, primary: int, candidate: int, config: RolloutConfig, labels: list[str]) -> None:
-        self.model = model
-        self.primary = primary
-        self.candidate = candidate
-        self.config = config
-        self.comparison = Comparison(labels, confidence=config.confidence)
-        self.state = "running"
-        self.reason = ""
-        self.started_unix = time.time()
-        self.decided_unix: float | None = None
-        self.verdict, self.verdict_reason = "wait", "no samples yet"
-        self.done_share = 1.0  # moving average of sampled requests whose comparison was not shed
-
-    @property
-    def running(self) -> bool:
-        return self.state == "running"
-
-    def arms(self, route: str) -> tuple[int, int | None]:
-        """(the version that answers, the version computed beside it for the comparison, or None)."""
-        cfg = self.config
-        if cfg.mode == "canary":
-            draw = zlib.crc32(route.encode()) / 2**32 if route and cfg.sticky_header else random.random()
-            return (self.candidate, self.primary) if draw < cfg.fraction else (self.primary, None)
-        return (self.primary, self.candidate) if random.random() < cfg.fraction else (self.primary, None)
-
-    def sampled(self, done: bool) -> None:
-        self.done_share += _EFFECTIVE_SMOOTHING * ((1.0 if done else 0.0) - self.done_share)
-
-    def document(self) -> dict[str, Any]:
-        """What ``GET /v2/models/{m}/rollout`` answers (docs/rollouts.md)."""
-        cfg = self.config
-        policy = {k: getattr(cfg, k) for k in ("min_samples", "min_agreement", "confidence", "abort_min_samples",
-                                               "max_latency_ratio", "max_error_rate", "shadow_timeout_ms")}  # fmt: skip
-        return {
-            "model": self.model, "state": self.state, "mode": cfg.mode, "primary": self.primary,
-            "serving": self.candidate if self.state == "promoted" else self.primary,
-            "candidate": self.candidate, "fraction": cfg.fraction,
-            "effective_fraction": cfg.fraction * self.done_share if self.running else 0.0,
-            "sticky_header": cfg.sticky_header, "auto": cfg.auto, "reason": self.reason,
-            "started_unix": self.started_unix, "decided_unix": self.decided_unix,
-            "verdict": self.verdict, "verdict_reason": self.verdict_reason, "policy": policy,
-            "comparison": self.comparison.summary(),
-        }  # fmt: skip
-
-
-def none_document(model: str, serving: int | None) -> dict[str, Any]:
-    return {"model": model, "state": "none", "serving": serving}
 
 
 class Rollouts:
-    """Every model's rollout on one engine, and the version that serves requests naming none."""
+    """Every model's rollout on one engine, and the version that serves requests naming none. Handed the model
+    ``table``, the memory accounts (``residency``), the ``repository`` (a candidate not loaded yet is read from it)
+    and the loader of one version (``make_engine``)."""
 
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
+    def __init__(
+        self,
+        table: ModelTable,
+        residency: Residency,
+        repository: ModelRepository,
+        make_engine: Callable[[ModelEntry, int], Awaitable[ModelEngine]],
+        *,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self.table = table
+        self.residency = residency
+        self.repository = repository
+        self.make_engine = make_engine
+        self.drain_timeout_s = drain_timeout_s
         self.by_model: dict[str, Rollout] = {}
         self.serving: dict[str, int] = {}  # model -> the version requests without one get (where not the highest)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -118,7 +78,7 @@ class Rollouts:
     def retired(self, entry: ModelEntry) -> set[int]:
         """Versions a decided rollout took out of service (a promoted candidate's old primary, an aborted
         candidate): not loaded again after a restart or a reload."""
-        record = _read_state(entry.path)
+        record = read_state(entry.path)
         if record is None or record.get("state") not in ("promoted", "aborted"):
             return set()
         if record["state"] == "promoted":
@@ -128,10 +88,10 @@ class Rollouts:
     def loaded(self, entry: ModelEntry) -> None:
         """``entry`` was (re)loaded: take up its rollout from ``rollout.json`` or its config's ``[rollout]``."""
         name = entry.name
-        versions = self.server.models.get(name, {})
+        versions = self.table.versions(name)
         self.by_model.pop(name, None)
         self.serving.pop(name, None)
-        record = _read_state(entry.path)
+        record = read_state(entry.path)
         configured = entry.config.rollout
         if record is not None and (not configured.candidate or configured.candidate == record.get("candidate")):
             state, candidate, primary = record.get("state"), int(record["candidate"]), int(record["primary"])
@@ -144,7 +104,7 @@ class Rollouts:
                 log.info("model %s: serving v%s; candidate v%s was aborted (%s)", name, primary, candidate, STATE_FILE)
                 return
             if state == "running" and candidate in versions and primary in versions:
-                config = _rollout_config(record.get("config", {}), f"{entry.path / STATE_FILE}")
+                config = rollout_config(record.get("config", {}), f"{entry.path / STATE_FILE}")
                 self._begin(name, primary, candidate, config)
                 log.warning("model %s: the rollout of v%s beside v%s goes on after a restart or reload, its "
                             "comparison reset to zero samples (%s)", name, candidate, primary, STATE_FILE)  # fmt: skip
@@ -165,29 +125,28 @@ class Rollouts:
                      configured.candidate, primary)  # fmt: skip
 
     def _begin(self, name: str, primary: int, candidate: int, config: RolloutConfig) -> Rollout:
-        engines = self.server.models[name]
+        engines = self.table.models[name]
         _check_same_input(engines[primary], engines[candidate])
         rollout = Rollout(name, primary, candidate, config, list(engines[primary].spec.labels))
         self.by_model[name] = rollout
         self.serving[name] = primary
         self._save(rollout)
-        self.server._version += 1
+        self.table.changed()
         return rollout
 
     # ---- the admin calls --------------------------------------------------------------------------------------
     async def start(self, name: str, raw: dict[str, Any]) -> dict[str, Any]:
         """Start a rollout of ``raw["candidate"]`` (loaded from the repository if it is not yet) beside the version
         serving now; ``raw`` holds any ``[rollout]`` fields."""
-        server = self.server
-        if name not in server.models:
+        if name not in self.table.models:
             raise NotFoundError(f"model {name!r} is not loaded here")
         current = self.by_model.get(name)
         if current is not None and current.running:
             raise BadInputError(f"model {name!r} already has a rollout running (v{current.candidate}); abort it first")
-        config = _rollout_config(raw, "the rollout request")
+        config = rollout_config(raw, "the rollout request")
         if not config.candidate:
             raise BadInputError('a rollout needs a candidate version: {"candidate": N}')
-        versions = server.models[name]
+        versions = self.table.models[name]
         primary = self.serving.get(name) or max(v for v in versions if v != config.candidate)
         if config.candidate == primary:
             raise BadInputError(f"version {primary} is the one serving; the candidate must be another")
@@ -198,28 +157,27 @@ class Rollouts:
             rollout = self._begin(name, primary, config.candidate, config)
         except VisionServeError:  # it takes other input: what was loaded for it goes again
             if loaded_here:
-                await self._close(server.models[name].pop(config.candidate, None))
-                server.residency.release_extra(f"{name}@{config.candidate}")
+                await self._close(self.table.versions(name).pop(config.candidate, None))
+                self.residency.release_extra(VersionKey(name, config.candidate))
             raise
-        server.endpoint.announce()
         log.info("model %s: %s of v%s beside v%s started by request", name, config.mode, config.candidate, primary)
         return rollout.document()
 
     async def _load_candidate(self, name: str, number: int) -> None:
-        server = self.server
-        entry = await asyncio.to_thread(server.repository.model, name)
+        entry = await asyncio.to_thread(self.repository.model, name)
         version = entry.versions.get(number)
         if version is None:
             why = entry.version_errors.get(number)
             raise NotFoundError(f"model {name!r} has no usable version {number} in the repository"
                                 + (f": {why}" if why else ""))  # fmt: skip
-        entry = ModelEntry(entry.name, entry.path, server.configs[name].config, entry.versions, entry.version_errors)
+        config = self.table.configs[name].config
+        entry = ModelEntry(entry.name, entry.path, config, entry.versions, entry.version_errors)
 
         async def load() -> None:
-            engine = await server.make_engine(entry, number, server.gpus)
-            server.models.setdefault(name, {})[number] = engine
+            engine = await self.make_engine(entry, number)
+            self.table.models.setdefault(name, {})[number] = engine
 
-        await server.residency.load_extra(f"{name}@{number}", entry, load)
+        await self.residency.load_extra(VersionKey(name, number), entry, load)
 
     async def decide(self, name: str, decision: str, reason: str) -> dict[str, Any]:
         """Promote or abort ``name``'s running rollout; the version leaving is unloaded once drained."""
@@ -241,26 +199,24 @@ class Rollouts:
         self.serving[name] = keep  # from here every request naming no version goes to ``keep``
         self._save(rollout)
         log.warning("model %s: v%s %s beside v%s: %s", name, rollout.candidate, rollout.state, rollout.primary, reason)
-        server = self.server
-        leaving = server.models.get(name, {}).pop(leave, None)
-        versions = len(server.models.get(name, {})) + (leaving is not None)
-        charge = server.residency.decided(name, f"{name}@{rollout.candidate}", promoted=promote, versions=versions)
-        server._version += 1
-        server.endpoint.announce()
+        leaving = self.table.versions(name).pop(leave, None)
+        versions = len(self.table.versions(name)) + (leaving is not None)
+        charge = self.residency.decided(name, VersionKey(name, rollout.candidate), promoted=promote, versions=versions)
+        self.table.changed()
         return leaving, charge
 
     async def _close(self, leaving: ModelEngine | None, charge: Charge | None = None) -> None:
         async def close() -> None:
             if leaving is not None:
-                await leaving.close(self.server.settings.drain_timeout_s)  # its queued work is answered first
+                await leaving.close(self.drain_timeout_s)  # its queued work is answered first
 
-        await self.server.residency.close(charge, close)  # its memory is counted until it is closed
+        await self.residency.close(charge, close)  # its memory is counted until it is closed
 
     # ---- requests -------------------------------------------------------------------------------------------
     def version_for(self, name: str, asked: int) -> int:
         """The version a request naming none goes to (``asked``: what its front end chose)."""
         serving = self.serving.get(name)
-        return serving if serving is not None and serving in self.server.models.get(name, {}) else asked
+        return serving if serving is not None and serving in self.table.versions(name) else asked
 
     def submit(self, message: Submit, images: np.ndarray) -> asyncio.Future[InferResult] | None:
         """The answer's future for a request naming no version of a model with a running rollout; None when the
@@ -272,7 +228,7 @@ class Rollouts:
         answer_v, other_v = rollout.arms(message.route or "")
         if other_v is None and answer_v != rollout.candidate:
             return None
-        engines = self.server.models[message.model]
+        engines = self.table.models[message.model]
         # Its own copy, read by each arm (and a canary's rescue) however long: the caller's buffer is free at a cancel.
         images = np.array(images, copy=True)
         answer, other = engines[answer_v], engines.get(other_v) if other_v is not None else None
@@ -385,72 +341,48 @@ class Rollouts:
         if not task.cancelled() and task.exception() is not None:
             log.error("rollout task failed", exc_info=task.exception())
 
-    async def query(self, args: dict[str, Any], lock: asyncio.Lock) -> Any:
-        """The engine's ``rollout`` query: the document (None where the model is not here); with ``action``:
+    async def control(self, call: RolloutQuery, lock: asyncio.Lock) -> dict[str, Any] | None:
+        """The engine's rollout query: the document (None where the model is not here); with an ``action``:
         start, promote or abort first (under the engine's model lock, as loads and unloads)."""
-        name = str(args.get("name", ""))
-        action = args.get("action")
+        name, action = call.name, call.action
         if action is None:
-            return self.document(name) if name in self.server.models or name in self.by_model else None
+            return self.document(name) if name in self.table.models or name in self.by_model else None
         async with lock:
             if action == "start":
-                return await self.start(name, args.get("settings") or {})
+                return await self.start(name, call.settings or {})
             if action in ("promote", "abort"):
-                return await self.decide(name, action, str(args.get("reason") or f"{action} asked by request"))
+                return await self.decide(name, action, call.reason or f"{action} asked by request")
         raise BadInputError(f"unknown rollout action {action!r}: start, promote or abort")
+
+    def forget(self, name: str) -> None:
+        """``name`` was unloaded: its rollout goes with it."""
+        self.by_model.pop(name, None)
+
+    def routes(self) -> dict[str, int]:
+        """Per model, the version requests naming none are served by, where a rollout chose it."""
+        return {name: v for name in self.table.models if (v := self.version_for(name, 0))}
+
+    def sticky_headers(self) -> dict[str, str]:
+        """Per model with a sticky canary running, the request header it routes by."""
+        return {name: r.config.sticky_header for name, r in self.by_model.items()
+                if r.running and r.config.mode == "canary" and r.config.sticky_header}  # fmt: skip
 
     # ---- what it shows --------------------------------------------------------------------------------------
     def document(self, name: str) -> dict[str, Any]:
         rollout = self.by_model.get(name)
         if rollout is None:
-            if name not in self.server.models:
+            if name not in self.table.models:
                 raise NotFoundError(f"unknown model {name!r}")
-            return none_document(name, self.version_for(name, max(self.server.models[name])))
+            return none_document(name, self.version_for(name, max(self.table.models[name])))
         return rollout.document()
 
     def documents(self) -> list[dict[str, Any]]:
         return [r.document() for r in list(self.by_model.values())]
 
     def _save(self, rollout: Rollout) -> None:
-        entry = self.server.configs.get(rollout.model)
-        if entry is None:
-            return
-        record = {
-            "model": rollout.model, "state": rollout.state, "primary": rollout.primary,
-            "candidate": rollout.candidate, "config": msgspec.to_builtins(rollout.config),
-            "reason": rollout.reason, "started_unix": rollout.started_unix, "decided_unix": rollout.decided_unix,
-            "comparison": rollout.comparison.summary() if not rollout.running else None,
-        }  # fmt: skip
-        path = entry.path / STATE_FILE
-        try:
-            tmp = path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
-            os.replace(tmp, path)
-        except OSError as exc:  # a read-only repository still rolls out; the decision lasts until a restart
-            log.error("model %s: could not write %s (%s): the rollout will not survive a restart", rollout.model,
-                      path, exc)  # fmt: skip
-
-
-def _read_state(model_dir: Path) -> dict[str, Any] | None:
-    path = model_dir / STATE_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-        int(record["candidate"]), int(record["primary"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.error("ignoring %s: %s", path, exc)
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _rollout_config(raw: Any, source: str) -> RolloutConfig:
-    if not isinstance(raw, dict):
-        raise BadInputError(f"a rollout's settings must be a JSON object of [rollout] fields, got {raw!r}")
-    try:
-        return parse_config({"rollout": raw}, source=source).rollout
-    except ConfigError as exc:
-        raise BadInputError(str(exc)) from None
+        entry = self.table.configs.get(rollout.model)
+        if entry is not None:
+            write_state(rollout, entry.path)
 
 
 def _check_same_input(primary: ModelEngine, candidate: ModelEngine) -> None:
@@ -484,6 +416,4 @@ def _per_image(result: InferResult) -> float:
 
 
 def _shed(exc: BaseException) -> bool:
-    from service.core.errors import DeadlineExceededError, OverloadedError
-
     return isinstance(exc, DeadlineExceededError | OverloadedError)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from service.core.errors import BadInputError
 
+T = TypeVar("T")
 MAX_INT = 2**63 - 1
 MAX_TIMEOUT_MS = MAX_INT / 1000  # the image API's timeout_ms: what parameters.timeout takes in microseconds
 TIMEOUT = f"a number of microseconds from 0 to {MAX_INT} (0: no timeout)"
@@ -138,3 +140,12 @@ def _first_token(value: Any, path: str) -> tuple[str, str] | None:
         if found is not None:
             return found
     return None
+
+
+def load_config(parameters: Mapping[str, T]) -> T | None:
+    """A load request's ``config`` parameter (None without one), HTTP and gRPC alike: applied or refused, never
+    ignored; any other parameter (Triton's ``file:...`` overrides) is refused."""
+    unknown = sorted(set(parameters) - {"config"})
+    if unknown:
+        raise BadInputError(f"load parameters {unknown} are not supported; only 'config' is")
+    return parameters.get("config")

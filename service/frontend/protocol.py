@@ -1,6 +1,7 @@
 """The Open Inference Protocol (KServe v2, as Triton speaks it) apart from its wire: what HTTP and gRPC share.
 
-Both protocols turn a request into :class:`Tensor` records and call :func:`infer`; both describe a model with
+Both protocols turn a request into :class:`Tensor` records and those into one request (:func:`ask_of`) for the one
+path (:mod:`service.frontend.request`); both describe a model with
 :func:`metadata` and :func:`model_config` (Triton's ``ModelConfig`` in its JSON form, which gRPC parses into the
 protobuf). So the two answer alike, with the same error messages, by construction.
 
@@ -41,21 +42,19 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from service.core.errors import BadInputError, ForbiddenError, NotFoundError, PayloadTooLargeError, VisionServeError
-from service.core.scores import classification_strings
+from service.core.errors import BadInputError, ForbiddenError, NotFoundError, PayloadTooLargeError
 from service.core.status import SERVING_STATES
-from service.frontend.parameters import classification_k, flag, version_number
+from service.frontend.parameters import version_number
+from service.frontend.request import IMAGE, IMAGE_SUFFIX, TENSOR, Ask, Named
+from service.frontend.request import resolve as resolve  # the path resolves; metadata and readiness too
 from service.frontend.state import ModelSlot, ServerState
-from service.frontend.timing import Timing
+from service.frontend.tasks import Want
 
 log = logging.getLogger("visionserve.protocol")
 
 SERVER_NAME = "visionserve"
 SERVER_VERSION = "0.1.0"
 EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "statistics", "parameters"]
-IMAGE_SUFFIX = ".image"
-TENSOR, IMAGE = "INPUT", "IMAGE"
-OUTPUT = "LOGITS"
 BASE64_MARK = ("content_type", "base64")
 _BASE64 = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
 _PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "aoti": "torch_aoti"}
@@ -73,22 +72,9 @@ class Tensor:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
-class Named:
-    """A model version reached under one of its names; ``view`` is the input its metadata lists."""
-
-    slot: ModelSlot
-    name: str
-    view: str
-
-
-def resolve(server: ServerState, name: str, version: int | str | None = None) -> Named:
-    """The slot behind ``name`` (``m`` or ``m.image``); NotFoundError as ``server.slot``, BadInputError for a version
-    that is not one (:func:`~service.frontend.parameters.version_number`)."""
-    number = version_number(version)
-    if name.endswith(IMAGE_SUFFIX) and name not in server.slots and name[: -len(IMAGE_SUFFIX)] in server.slots:
-        return Named(server.slot(name[: -len(IMAGE_SUFFIX)], number), name, IMAGE)
-    return Named(server.slot(name, number), name, TENSOR)
+def server_ready(server: ServerState) -> bool:
+    """The whole server can serve and is not draining: what every protocol's server readiness answers."""
+    return server.ready and not server.draining
 
 
 def is_ready(server: ServerState, slot: ModelSlot) -> bool:
@@ -115,7 +101,7 @@ def metadata(server: ServerState, named: Named) -> dict[str, Any]:
         "versions": [str(v) for v in sorted(server.slots[slot.name])],
         "platform": platform(slot),
         "inputs": inputs,
-        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, spec.num_classes]}],
+        "outputs": [{"name": o.name, "datatype": o.datatype, "shape": [-1, *o.dims]} for o in slot.task.outputs()],
         "parameters": {
             "state": state.state,
             "state_reason": state.note or "",
@@ -154,7 +140,7 @@ def model_config(named: Named) -> dict[str, Any]:
         "backend": slot.engine.backend,
         "max_batch_size": config.max_batch_size,
         "input": [tensor],
-        "output": [{"name": OUTPUT, "data_type": "TYPE_FP32", "dims": [slot.spec.num_classes]}],
+        "output": [{"name": o.name, "data_type": f"TYPE_{o.datatype}", "dims": o.dims} for o in slot.task.outputs()],
         "dynamic_batching": {
             "preferred_batch_size": list(config.preferred_batch_sizes),
             "max_queue_delay_microseconds": int(config.max_queue_delay_ms * 1000),
@@ -173,30 +159,6 @@ def model_config(named: Named) -> dict[str, Any]:
 
 
 # ---- requests ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Wanted:
-    """One requested output, checked before any work is done: its name, the classification extension's k (None:
-    the logits themselves) and whether it goes in the binary part (HTTP only; gRPC answers raw contents always)."""
-
-    name: str
-    k: int | None = None
-    binary: bool = False
-
-
-def wanted_outputs(outputs: list[tuple[str, dict[str, Any]]], slot: ModelSlot, binary: bool = False) -> list[Wanted]:
-    """The outputs a request asks for (``LOGITS`` when it names none), with their parameters checked; ``binary``:
-    the request's ``binary_data_output``, which an output's ``binary_data`` overrides."""
-    wanted = []
-    for i, (name, params) in enumerate(outputs or [(OUTPUT, {})]):
-        check_output(name)
-        where = f"outputs[{i}].parameters"
-        k = params.get("classification")
-        if k is not None:
-            k = classification_k(k, slot.spec.num_classes, f"{where}.classification")
-        wanted.append(Wanted(name, k, flag(f"{where}.binary_data", params.get("binary_data"), binary)))
-    return wanted
 
 
 def raw_tensor(view: str, dims: list[int], body: bytes) -> Tensor:
@@ -237,12 +199,6 @@ def bytes_elements(raw: bytes, count: int) -> list[bytes]:
     if len(out) != count:
         raise BadInputError(f"BYTES tensor holds {len(out)} elements, but its shape says {count}")
     return out
-
-
-def bytes_tensor(elements: list[str]) -> bytes:
-    """The binary form of a BYTES tensor of strings (see :func:`bytes_elements`)."""
-    encoded = [e.encode() for e in elements]
-    return b"".join(struct.pack("<I", len(e)) + e for e in encoded)
 
 
 def _element(item: Any, marked: bool) -> bytes:
@@ -324,18 +280,10 @@ def _check_batch(slot: ModelSlot, count: int) -> None:
         )
 
 
-async def infer(
-    server: ServerState,
-    slot: ModelSlot,
-    inputs: list[Tensor],
-    timing: Timing,
-    *,
-    priority: int = 0,
-    timeout_ms: float | None = None,
-    route: str | None = None,
-) -> np.ndarray:
-    """Logits (float32 ``[N, classes]``) for exactly one input, IMAGE or INPUT; any image's error fails the request
-    with that image's message."""
+def ask_of(server: ServerState, slot: ModelSlot, inputs: list[Tensor], want: Want, **options: Any) -> Ask:
+    """The one request a v2 request's inputs make: exactly one input, IMAGE or INPUT, checked against the limits
+    before any work; any image's error fails the request with that image's message. ``options``: the rest of the
+    :class:`~service.frontend.request.Ask` (priority, timeout_ms, id)."""
     if len(inputs) != 1:
         raise BadInputError(f"send exactly one input, IMAGE or INPUT; got {[i.name for i in inputs]}")
     tensor = inputs[0]
@@ -347,32 +295,12 @@ async def infer(
         if len(files) > limit:
             raise PayloadTooLargeError(f"{len(files)} images in one request, over the limit of {limit}")
         _check_batch(slot, len(files))
-        decoded = await slot.decode(files, timing)
-        for i, item in enumerate(decoded):
-            if isinstance(item, VisionServeError):
-                raise type(item)(f"image {i}: {item}{_json_hint(tensor)}")
-        batch = np.stack(decoded)  # type: ignore[arg-type]
-    elif tensor.name == TENSOR:
-        batch = pixels_from(tensor, _dims(slot))
-        _check_batch(slot, batch.shape[0])
-    else:
-        raise BadInputError(f"unknown input {tensor.name!r}: this model takes IMAGE (BYTES) or INPUT (UINT8/FP32)")
-    result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms, route=route)
-    for i, error in enumerate(result.errors):
-        if error is not None:
-            raise type(error)(f"image {i}: {error}")
-    return result.logits
-
-
-def classify(logits: np.ndarray, slot: ModelSlot, k: int) -> list[str]:
-    """The k best "score:index:label" strings per image, flattened row by row (shape ``[N, k]``)."""
-    return [s for row in classification_strings(logits, slot.spec.labels, k) for s in row]
-
-
-def check_output(name: str) -> None:
-    """Refuse any output but ``LOGITS``."""
-    if name != OUTPUT:
-        raise BadInputError(f"unknown output {name!r}: this model has LOGITS")
+        return Ask(want, images=files, named=True, hint=_json_hint(tensor), **options)
+    if tensor.name == TENSOR:
+        pixels = pixels_from(tensor, _dims(slot))
+        _check_batch(slot, pixels.shape[0])
+        return Ask(want, pixels=pixels, named=True, **options)
+    raise BadInputError(f"unknown input {tensor.name!r}: this model takes IMAGE (BYTES) or INPUT (UINT8/FP32)")
 
 
 # ---- statistics -------------------------------------------------------------------------------------------------
@@ -467,7 +395,8 @@ async def rollout(server: ServerState, name: str, *, action: str | None = None, 
     Every engine serving the model is asked; this front end sees a change before it answers."""
     if name not in server.slots:
         server.slot(name)  # a 404 (or 503) worded as for any request
-    docs = [doc for doc in await server.query_all("rollout", name=name, action=action, **args) if doc is not None]
+    answers = await server.each_engine(lambda link: link.rollout(name, action=action, **args))
+    docs = [doc for doc in answers if doc is not None]
     if action is not None:
         await asyncio.gather(*(link.refresh() for link in server.links))
     if not docs:

@@ -39,6 +39,7 @@ from service.core.status import EngineState, InferResult
 from service.core.stream_metrics import STREAM_AGE_BUCKETS, StreamState, empty_ages
 from service.frontend.exposition import merge_exposition
 from service.frontend.link import EngineLink, Linker
+from service.frontend.tasks import Task, task_for
 from service.frontend.timing import Timing
 from service.transport.client import UNAVAILABLE
 from service.transport.messages import Catalog, ModelInfo, Snapshot
@@ -74,6 +75,7 @@ class ModelSlot:
         self._server = server
         self.version = VersionRef(info.model, info.version)
         self.spec = spec
+        self.task: Task = task_for(spec)  # what its outputs mean: built once, not per request
         self.config = msgspec.convert(info.config, ModelConfig)
         self.engine = EngineView(info)
         self.pool = pool
@@ -435,20 +437,20 @@ class ServerState:
             for m in models
         ]
 
-    async def query_all(self, what: str, **args: Any) -> list[Any]:
-        """Ask every engine; an engine that is down answers 503."""
+    async def each_engine(self, call: Callable[[EngineLink], Any]) -> list[Any]:
+        """Ask every engine (``call``: one of a link's control calls on it); an engine that is down answers 503."""
         if not self.linked:
             raise OverloadedError(UNAVAILABLE)
-        return list(await asyncio.gather(*(link.query(what, **args) for link in self.links)))
+        return list(await asyncio.gather(*(call(link) for link in self.links)))
 
     async def render_metrics(self) -> bytes:
-        texts = await self.query_all("metrics")
+        texts = await self.each_engine(lambda link: link.metrics())
         return bytes(texts[0]) if len(texts) == 1 else merge_exposition(texts)
 
     async def model_stats(self) -> dict[tuple[str, int], dict[str, Any]]:
         """The whole server's statistics per model version: every front end's counts, every engine's batches."""
         merged: dict[tuple[str, int], dict[str, Any]] = {}
-        for rows in await self.query_all("stats"):
+        for rows in await self.each_engine(lambda link: link.stats()):
             for row in rows:
                 key = (row["model"], int(row["version"]))
                 into = merged.setdefault(key, {"batches": 0, "batch_sizes": {}})
@@ -465,7 +467,7 @@ class ServerState:
 
     async def repository_index(self) -> list[dict[str, Any]]:
         rows: dict[tuple[str, str], dict[str, Any]] = {}
-        for engine_rows in await self.query_all("index"):
+        for engine_rows in await self.each_engine(lambda link: link.index()):
             for row in engine_rows:
                 rows.setdefault((row["name"], row.get("version", "")), row)
         return [rows[key] for key in sorted(rows)]
@@ -473,11 +475,11 @@ class ServerState:
     async def load_model(self, name: str, config: Any = None) -> None:
         """Load (or reload) ``name`` on every engine; this front end sees the change before answering, the others
         within an engine heartbeat (0.5 s)."""
-        await self.query_all("load", name=name, config=config)
+        await self.each_engine(lambda link: link.load(name, config))
         await asyncio.gather(*(link.refresh() for link in self.links))
 
     async def unload_model(self, name: str) -> None:
-        await self.query_all("unload", name=name)
+        await self.each_engine(lambda link: link.unload(name))
         await asyncio.gather(*(link.refresh() for link in self.links))
 
 

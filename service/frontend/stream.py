@@ -3,7 +3,8 @@ WebSocket route and gRPC's ``ModelStreamInfer`` share.
 
 At most one frame waits per stream: :meth:`FrameStream.offer` replaces a waiting frame (answered ``superseded``),
 and the stream's one worker takes the newest frame, drops it when it is older than ``max_age_ms`` (before decode,
-before compute, or by the engine at its deadline: ``expired``), else decodes and computes it like any request. Each
+before compute, or by the engine at its deadline: ``expired``), else takes it through the one request path
+(:func:`service.frontend.request.run`) like any request. Each
 stream has at most one frame computing, so a fast stream cannot crowd slow ones out of the engine's queue.
 
 Every frame gets exactly one answer through ``emit``, a plain callback (the transport's outbox), in the order its
@@ -19,12 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError
-from service.core.scores import predictions, softmax
 from service.core.stream_metrics import STREAM_OUTCOMES
-from service.frontend.state import ModelSlot
+from service.frontend.request import Answer, Ask, Expired, Target, run
+from service.frontend.tasks import Want
 from service.frontend.timing import Timing
 
 log = logging.getLogger("visionserve.stream")
@@ -43,6 +42,7 @@ class Frame:
     client_ts: Any
     data: bytes
     received: float = field(default_factory=time.perf_counter)
+    want: Want | None = None  # what its answer holds, where the frame says (gRPC's outputs); else the stream's
 
     def age_ms(self, now: float | None = None) -> float:
         return ((time.perf_counter() if now is None else now) - self.received) * 1000.0
@@ -61,36 +61,31 @@ class StreamCounts:
 
 
 Emit = Callable[[dict[str, Any]], None]
-Compute = Callable[[np.ndarray, Timing, float], Any]  # (decoded [C,H,W], timing, timeout_ms) -> awaitable InferResult
 
 
 class FrameStream:
-    """One client's stream to ``slot``'s model. ``emit`` receives every answer (a dict, docs/streams.md);
-    ``compute`` queues a decoded frame on the engine (by default ``slot.infer`` with the request's route);
-    ``on_outcome(outcome, age_s)`` hears of each frame's fate (the metrics). With ``keep_raw``, each answer also
-    carries ``frame`` (the :class:`Frame` offered, or made by :meth:`reject`) and a result its ``logits`` (the
-    frame's float32 row): for a transport that builds its own answers (gRPC's ``LOGITS``); never JSON."""
+    """One client's stream to ``where`` (a resolved model version and its route). ``emit`` receives every answer
+    (a dict, docs/streams.md): a result holds the frame's ``predictions`` (the stream's ``top_k``) or, for a frame
+    that says what it wants (:attr:`Frame.want`), its v2 ``outputs`` (:class:`~service.frontend.tasks.OutputTensor`,
+    never JSON); ``on_outcome(outcome, age_s)`` hears of each frame's fate (the metrics)."""
 
     def __init__(
         self,
-        slot: ModelSlot,
+        where: Target,
         emit: Emit,
         *,
         max_age_ms: float = DEFAULT_MAX_AGE_MS,
         top_k: int = 5,
-        route: str | None = None,
         on_outcome: Callable[[str, float], None] | None = None,
         protocol: str = "stream",
-        keep_raw: bool = False,
     ) -> None:
-        self.slot = slot
+        self.where = where
+        self.slot = where.slot
         self.emit = emit
         self.max_age_ms = max_age_ms
-        self.top_k = top_k
-        self.route = route
+        self.want = Want(top_k=top_k)
         self.on_outcome = on_outcome
         self.protocol = protocol
-        self.keep_raw = keep_raw
         self.counts = StreamCounts()
         self._waiting: Frame | None = None
         self._wake = asyncio.Event()
@@ -163,37 +158,33 @@ class FrameStream:
             self._answer(frame, "expired", stage="wait")
             return
         timing = Timing(arrived=frame.received)
-        decoded = (await self.slot.decode([frame.data], timing))[0]
-        if isinstance(decoded, VisionServeError):
-            self._answer(frame, "error", error=str(decoded))
-            return
-        age_ms = frame.age_ms()
-        if age_ms >= self.max_age_ms:
-            self._answer(frame, "expired", stage="decode")
-            return
+        ask = Ask(frame.want or self.want, [frame.data], id=frame.id, each=True)
+        ask.expires = frame.received + self.max_age_ms / 1000.0  # the queue's deadline: the frame's age
         try:
-            with self.slot.observe(timing, protocol=self.protocol):
-                result = await self.slot.infer([decoded], timing, timeout_ms=self.max_age_ms - age_ms, route=self.route)
+            answer = await run(self.where, ask, timing, _itself, observe=self.protocol)
+        except Expired as exc:
+            self._answer(frame, "expired", stage=exc.stage)
+            return
         except DeadlineExceededError:
             self._answer(frame, "expired", stage="queue")
             return
         except VisionServeError as exc:
             self._answer(frame, "error", error=str(exc))
             return
-        error = result.errors[0]
+        error = answer.errors[0]
         if error is not None:
             self._answer(frame, "error", error=str(error))
             return
-        best = predictions(softmax(result.logits), self.slot.spec.labels, self.top_k)[0]
         timings = {
             "wait": round(waited_ms, 3),
             "decode": round(timing.preprocess_s * 1000.0, 3),
             "queue": round(timing.queue_s * 1000.0, 3),
             "compute": round(timing.compute_s * 1000.0, 3),
         }
-        raw = {"logits": result.logits[0]} if self.keep_raw else {}
-        version = result.version or self.slot.version.version  # the one that answered (a canary's candidate)
-        self._answer(frame, "result", version=version, predictions=best, timings_ms=timings, **raw)
+        held: dict[str, Any] = {"predictions": answer.predictions[0]} if ask.want.top_k else {}
+        if answer.tensors:
+            held["outputs"] = answer.tensors
+        self._answer(frame, "result", version=answer.version, **held, timings_ms=timings)
 
     # ---- answers ----------------------------------------------------------------------------------------------
     def _answer(self, frame: Frame, status: str, **fields: Any) -> None:
@@ -205,9 +196,11 @@ class FrameStream:
             counts.ages_ms.append(age_ms)
         if self.on_outcome is not None:
             self.on_outcome(outcome, age_ms / 1000.0)
-        if self.keep_raw:
-            fields["frame"] = frame
         self.emit({"id": frame.id, "ts": frame.client_ts, "status": status, "age_ms": round(age_ms, 3), **fields})
+
+
+def _itself(answer: Answer) -> Answer:
+    return answer
 
 
 def stream_options(max_age_ms: Any, top_k: Any) -> tuple[float, int]:

@@ -31,26 +31,75 @@ from service.transport.messages import (
     Beat,
     Cancel,
     Catalog,
+    CatalogQuery,
+    ControlQuery,
     Failed,
     Flush,
     Hello,
+    IndexQuery,
+    LoadQuery,
+    MetricsQuery,
     Query,
     Reply,
     Result,
+    RolloutQuery,
     Snapshot,
+    StatsQuery,
     Submit,
+    UnloadQuery,
     Welcome,
     WireError,
+    query_name,
 )
 from service.transport.shm import Arena
 
 log = logging.getLogger(__name__)
 # Plain ints: pyzmq's enum members cost microseconds per operation on the hot path.
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+ZMQ_EVENTS, ZMQ_POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 BEAT_S = 0.5  # the engine's heartbeat period
 SILENCE_S = 3.0  # no word from the engine for this long: treat it as down
 UNAVAILABLE = "the inference engine is not available (restarting or not started yet); try again shortly"
+
+
+class ControlCalls:
+    """An engine link's control calls, one typed method each (as vLLM's engine client has), every one a
+    :data:`~service.transport.messages.ControlQuery` sent through the link's own :meth:`call`. Both sides of the
+    link (shared memory here, in process in ``service.inprocess``) inherit them."""
+
+    async def call(self, query: ControlQuery, timeout_s: float = 30.0) -> Any:
+        raise NotImplementedError
+
+    async def fetch_catalog(self, timeout_s: float = 30.0) -> Catalog:
+        """What the engine serves now."""
+        return msgspec.convert(await self.call(CatalogQuery(), timeout_s), Catalog)
+
+    async def metrics(self) -> bytes:
+        """The whole server's metrics, Prometheus text."""
+        return bytes(await self.call(MetricsQuery()))
+
+    async def stats(self) -> list[dict[str, Any]]:
+        """A row per model version: the front ends' counts and the engine's batches."""
+        return list(await self.call(StatsQuery()))
+
+    async def index(self) -> list[dict[str, Any]]:
+        """The repository index: every model with its state, the ones not loaded too."""
+        return list(await self.call(IndexQuery()))
+
+    async def load(self, name: str, config: Any = None) -> dict[str, Any]:
+        """Load (or reload) ``name``, with ``config`` in place of its config.toml where given."""
+        return dict(await self.call(LoadQuery(name, config)))
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        """Take ``name`` out of service."""
+        return dict(await self.call(UnloadQuery(name)))
+
+    async def rollout(
+        self, name: str, *, action: str | None = None, settings: Any = None, reason: str = ""
+    ) -> dict[str, Any] | None:
+        """``name``'s rollout document (None where this engine does not serve it), after ``action`` if given."""
+        document = await self.call(RolloutQuery(name, action, settings, reason))
+        return None if document is None else dict(document)
 
 
 class _Waiting:
@@ -62,7 +111,7 @@ class _Waiting:
         self.answered = 0.0  # time.perf_counter() when the answer was read off the socket
 
 
-class EngineClient:
+class EngineClient(ControlCalls):
     """Talks to one engine process. All methods run on the front end's event loop."""
 
     def __init__(
@@ -182,19 +231,19 @@ class EngineClient:
             raise answer.error.exception()
         return Answer(answer, sent, waiting.answered)
 
-    async def query(self, what: str, timeout_s: float = 30.0, **args: Any) -> Any:
-        """A control call (catalog, metrics, stats, load, unload); raises the engine's error or 503."""
-        if self._closed or (not self.up and what != "catalog"):
+    async def call(self, query: ControlQuery, timeout_s: float = 30.0) -> Any:
+        """Send one control call; its value as MessagePack carries it. Raises the engine's error, or 503."""
+        if self._closed or (not self.up and not isinstance(query, CatalogQuery)):
             raise OverloadedError(UNAVAILABLE)
         number = next(self._ids)
         future: asyncio.Future[Reply] = self._loop.create_future()
         self._queries[number] = future
         try:
-            if not self._send(ENCODER.encode(Query(number, what, args))):
+            if not self._send(ENCODER.encode(Query(number, query))):
                 raise OverloadedError(UNAVAILABLE)
             reply = await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            raise OverloadedError(f"the engine did not answer {what!r} within {timeout_s:g} s") from None
+            raise OverloadedError(f"the engine did not answer {query_name(query)!r} within {timeout_s:g} s") from None
         finally:
             self._queries.pop(number, None)
         if reply.error is not None:
@@ -212,7 +261,7 @@ class EngineClient:
             self._sock.send(data, zmq.NOBLOCK)
         except zmq.ZMQError:
             return False
-        if self._sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+        if self._sock.getsockopt(ZMQ_EVENTS) & ZMQ_POLLIN:  # type: ignore[operator]
             self._loop.call_soon(self._drain)
         return True
 
@@ -221,7 +270,7 @@ class EngineClient:
         if self._closed:
             return
         # Asking zmq whether a message waits is cheaper than the exception a recv on an empty socket raises.
-        while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+        while sock.getsockopt(ZMQ_EVENTS) & ZMQ_POLLIN:  # type: ignore[operator]
             data = sock.recv(zmq.NOBLOCK)
             try:
                 self._handle(TO_FRONTEND.decode(data))
@@ -263,11 +312,10 @@ class EngineClient:
     async def refresh(self, *, welcome: bool = False) -> None:
         """Read the engine's catalog now (also done by itself whenever the engine says it changed)."""
         try:
-            value = await self.query("catalog", timeout_s=10.0)
+            catalog = await self.fetch_catalog(timeout_s=10.0)
         except VisionServeError as exc:
             log.warning("could not read the engine's catalog: %s", exc)
             return
-        catalog = msgspec.convert(value, Catalog)
         self.catalog = catalog
         self._catalog_version = catalog.version
         if welcome or not self.up:

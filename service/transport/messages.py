@@ -4,7 +4,7 @@ Pixels never travel here: a :class:`Submit` names a region of the sender's share
 shape); everything else is a few dozen bytes. Errors travel as their class name in ``service.core.errors`` and
 their message, and come back as the same exception on the other side.
 
-    front end -> engine: Hello, Submit, Cancel, Query, Snapshot
+    front end -> engine: Hello, Submit, Cancel, Query (a ControlQuery inside), Snapshot
     engine -> front end: Welcome, Result, Failed, Reply, Flush, Beat
 
 A Submit's region is the engine's to read until its answer: a Result or Failed frees it; a Failed with ``held``
@@ -81,12 +81,61 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
     id: int
 
 
+# ---- control calls: one record each, carried by a Query and answered by a Reply --------------------------------
+
+
+class CatalogQuery(msgspec.Struct, tag="catalog", array_like=True, frozen=True):
+    """What the engine serves: answered with a :class:`Catalog`."""
+
+
+class MetricsQuery(msgspec.Struct, tag="metrics", array_like=True, frozen=True):
+    """The whole server's metrics as Prometheus text (bytes)."""
+
+
+class StatsQuery(msgspec.Struct, tag="stats", array_like=True, frozen=True):
+    """Each model version's statistics: a row each (model, version, the front ends' counts, its batches)."""
+
+
+class IndexQuery(msgspec.Struct, tag="index", array_like=True, frozen=True):
+    """Every model of the repository with its state, the ones not loaded too (Triton's repository index)."""
+
+
+class LoadQuery(msgspec.Struct, tag="load", array_like=True, frozen=True):
+    """Load (or reload) model ``name``, with ``config`` (a config.toml's fields) in place of its own if given."""
+
+    name: str
+    config: Any = None
+
+
+class UnloadQuery(msgspec.Struct, tag="unload", array_like=True, frozen=True):
+    """Take model ``name`` out of service (an on-demand one out of memory only)."""
+
+    name: str
+
+
+class RolloutQuery(msgspec.Struct, tag="rollout", array_like=True, frozen=True):
+    """Model ``name``'s rollout document (None where it is not served here), after ``action`` where given:
+    ``start`` (with ``settings``, [rollout] fields), ``promote`` or ``abort`` (for ``reason``)."""
+
+    name: str
+    action: str | None = None
+    settings: Any = None
+    reason: str = ""
+
+
+ControlQuery = CatalogQuery | MetricsQuery | StatsQuery | IndexQuery | LoadQuery | UnloadQuery | RolloutQuery
+
+
 class Query(msgspec.Struct, tag="query", array_like=True, frozen=True):
-    """A control call: ``catalog``, ``metrics``, ``stats``, ``load``, ``unload`` (``args`` per call)."""
+    """A control call (``call``, one of :data:`ControlQuery`), answered by the :class:`Reply` of the same ``id``."""
 
     id: int
-    what: str
-    args: dict[str, Any] = {}
+    call: ControlQuery
+
+
+def query_name(call: ControlQuery) -> str:
+    """A control call's name, as it travels (its tag): for log lines and errors."""
+    return str(type(call).__struct_config__.tag)
 
 
 class Snapshot(msgspec.Struct, tag="snapshot", array_like=True, frozen=True):
@@ -195,6 +244,17 @@ class ModelInfo(msgspec.Struct, frozen=True):
     spec_json: bytes
     config: dict[str, Any]
     state: dict[str, Any]
+
+
+class VersionKey(msgspec.Struct, frozen=True, order=True):
+    """One version of a model: the key of its memory charge and of its load error, written ``name/version`` (the
+    form the catalog's ``errors`` carry)."""
+
+    name: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.name}/{self.version}"
 
 
 class Catalog(msgspec.Struct, frozen=True):

@@ -21,12 +21,13 @@ import numpy as np
 import zmq
 
 from service.core.errors import BadInputError
-from service.transport.client import _EVENTS, _POLLIN, BEAT_S
+from service.transport.client import BEAT_S, ZMQ_EVENTS, ZMQ_POLLIN
 from service.transport.messages import (
     ENCODER,
     TO_ENGINE,
     Beat,
     Cancel,
+    ControlQuery,
     Failed,
     Flush,
     Hello,
@@ -36,6 +37,7 @@ from service.transport.messages import (
     Submit,
     Welcome,
     WireError,
+    query_name,
 )
 from service.transport.shm import ArenaReader
 
@@ -47,7 +49,7 @@ class Handler(Protocol):
 
     def submit(self, peer: bytes, message: Submit, images: np.ndarray) -> None: ...
     def cancel(self, peer: bytes, request: int) -> None: ...
-    def query(self, peer: bytes, message: Query) -> Awaitable[Any]: ...
+    def query(self, peer: bytes, call: ControlQuery) -> Awaitable[Any]: ...
     def catalog_version(self) -> int: ...
 
 
@@ -107,7 +109,7 @@ class EngineEndpoint:
             sock.send(ENCODER.encode(message), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the front end went away; its answer has nowhere to go
             log.debug("answer to a gone front end dropped: %s", exc)
-        if not self._draining and sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+        if not self._draining and sock.getsockopt(ZMQ_EVENTS) & ZMQ_POLLIN:  # type: ignore[operator]
             self._draining = True
             self._loop.call_soon(self._drain)
 
@@ -133,7 +135,7 @@ class EngineEndpoint:
         self._draining = False
         sock = self._sock
         # Asking zmq whether a message waits is cheaper than the exception a recv on an empty socket raises.
-        while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+        while sock.getsockopt(ZMQ_EVENTS) & ZMQ_POLLIN:  # type: ignore[operator]
             peer, data = sock.recv_multipart(zmq.NOBLOCK)
             try:
                 message = TO_ENGINE.decode(data)
@@ -194,10 +196,10 @@ class EngineEndpoint:
 
     async def _answer(self, peer: bytes, query: Query) -> None:
         try:
-            value = await self._handler.query(peer, query)
+            value = await self._handler.query(peer, query.call)
         except Exception as exc:
             if not isinstance(exc, BadInputError):
-                log.exception("query %s failed", query.what)
+                log.exception("query %s failed", query_name(query.call))
             self.send(peer, Reply(query.id, error=WireError.of(exc)))
             return
         self.send(peer, Reply(query.id, value=value))

@@ -57,8 +57,8 @@ def test_a_model_pinned_to_the_second_gpu_is_not_served_on_the_cpu_by_the_first_
     first = EngineServer(settings, Endpoint(), gpus=["cuda:0"], primary=True)
     asyncio.run(first.load_all())
     # Before one plan for the machine, engine 0 loaded "pinned" on its CPU, degraded, and took part of its traffic.
-    assert set(first.models) == {"digits"} and first.errors == {}
-    assert first.models["digits"][1].state().devices == ("cpu",)
+    assert set(first.table.models) == {"digits"} and first.table.errors == {}
+    assert first.table.models["digits"][1].state().devices == ("cpu",)
 
     asked: list[tuple[str, list[str] | None]] = []
 
@@ -70,4 +70,4 @@ def test_a_model_pinned_to_the_second_gpu_is_not_served_on_the_cpu_by_the_first_
     second = EngineServer(settings, Endpoint(), gpus=["cuda:1"], primary=False)
     asyncio.run(second.load_all())
     assert asked == [("pinned", ["cuda:1"])]  # the CPU model stays in the primary; the pinned one is asked of cuda:1
-    asyncio.run(first.models["digits"][1].close())
+    asyncio.run(first.table.models["digits"][1].close())

@@ -108,7 +108,7 @@ async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 async def slow_metrics(link: EngineLink) -> dict[str, float]:
     """The engine's batches counted and in flight for model ``slow``."""
-    text = bytes(await link.query("metrics")).decode()
+    text = (await link.metrics()).decode()
     out = {"visionserve_batches_total": 0.0, "visionserve_inflight_batches": 0.0}
     for line in text.splitlines():
         name = line.split("{", 1)[0]
@@ -186,15 +186,15 @@ def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
                 await until(lambda: owner.regions() == 0, timeout_s=10)
                 assert (await slow_metrics(link))["visionserve_batches_total"] == batches + 1  # freed after it
 
-            with pytest.raises(BadInputError, match="unknown query"):
-                await link.query("nothing")
-            rows = await link.query("stats")
+            with pytest.raises(BadInputError, match="unknown rollout action"):
+                await link.rollout("digits", action="nothing")
+            rows = await link.stats()
             assert {(r["model"], r["version"]) for r in rows} == {("digits", 1), ("slow", 1)}
             digits = next(r for r in rows if r["model"] == "digits")
             assert digits["batches"] >= 2 and all(isinstance(k, str) for k in digits["batch_sizes"])
-            text = bytes(await link.query("metrics")).decode()
+            text = (await link.metrics()).decode()
             assert 'visionserve_batches_total{device="cpu",model="digits",version="1"}' in text
-            index = await link.query("index")
+            index = await link.index()
             assert {(r["name"], r["state"]) for r in index} == {("digits", "READY"), ("slow", "READY")}
             assert msgspec.to_builtins(index) == index  # plain data, as MessagePack carries it
 
@@ -214,11 +214,9 @@ def test_a_cancelled_rollout_request_gives_its_region_back(repo: Path, tmp_path:
         async with shared_memory_link(settings, tmp_path) as (link, owner):
             await until(lambda: link.up and link.catalog is not None)
             assert owner.regions is not None
-            started = await link.query(
-                "rollout", name="slow", action="start",
-                settings={"candidate": 2, "mode": "canary", "fraction": 1.0, "auto": False},
-            )  # fmt: skip
-            assert started["state"] == "running" and started["candidate"] == 2
+            canary = {"candidate": 2, "mode": "canary", "fraction": 1.0, "auto": False}
+            started = await link.rollout("slow", action="start", settings=canary)
+            assert started is not None and started["state"] == "running" and started["candidate"] == 2
             one = np.zeros((1, 3, 224, 224), dtype=np.uint8)
             computing = asyncio.ensure_future(submit(link, "slow", one, version=1, route="a"))
             async with asyncio.timeout(30):

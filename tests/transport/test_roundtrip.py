@@ -14,7 +14,7 @@ import pytest
 from service.core.errors import NotFoundError, OverloadedError
 from service.transport import shm
 from service.transport.client import EngineClient
-from service.transport.messages import Catalog, Failed, Query, Result, Snapshot, Submit, WireError
+from service.transport.messages import Catalog, ControlQuery, Failed, Result, Snapshot, Submit, WireError
 from service.transport.server import EngineEndpoint
 
 
@@ -36,7 +36,7 @@ class Handler:
     def cancel(self, peer: bytes, request: int) -> None:
         pass
 
-    async def query(self, peer: bytes, message: Query) -> Any:
+    async def query(self, peer: bytes, call: ControlQuery) -> Any:
         return Catalog([], {}, {}, 1)
 
     def catalog_version(self) -> int:

@@ -17,6 +17,7 @@ from service.core.errors import VisionServeError
 from service.core.metrics import CONTENT_TYPE
 from service.core.settings import ServerSettings
 from service.frontend.grpc import start_grpc
+from service.frontend.http.control import ROUTES as CONTROL_ROUTES
 from service.frontend.http.errors import handle_http, handle_ours, handle_unexpected
 from service.frontend.http.image_api import classify
 from service.frontend.http.openapi_ui import swagger_asset, swagger_plugin
@@ -81,6 +82,7 @@ def create_app(
             swagger_asset,
             list_models,
             *ROUTES,
+            *CONTROL_ROUTES,
             *([metrics] if settings.metrics else []),
         ],
         lifespan=[lifespan],

@@ -7,22 +7,21 @@ multipart request each bad file fails alone.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
 from litestar import Request, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, Parameter, PathParameter
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser  # type: ignore[import-untyped]
 
 from service.core.answers import ClassifyResponse, ImageResult, Prediction
-from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
-from service.core.scores import predictions, softmax
+from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
+from service.frontend import request as path
 from service.frontend.http.validation import integer_queries
-from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS, version_number
-from service.frontend.state import ModelSlot, ServerState
+from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS
+from service.frontend.state import ServerState
+from service.frontend.tasks import Want
 from service.frontend.timing import Timing
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp")
@@ -137,44 +136,22 @@ async def classify(
     # The ranges above are refused by litestar before this runs (a 400 worded by validation.py); NaN fails "> 0",
     # the infinities and 1e400 fail "<=", and nothing past int64 reaches the transport.
     server = server_of(request)
-    slot = server.slot(model, version_number(version))
-    timing = timing_of(request)
-    with slot.observe(timing):
-        route = server.route(model, version, request.headers)
-        return await _classify(request, server, slot, timing, top_k, priority, timeout_ms, route)
+    where = path.target(server, model, version, request.headers, aliases=False)
+    names: list[str | None] = []
 
+    async def parse(where: path.Target) -> path.Ask:
+        images, found, single = await read_images(request, server.settings.max_images_per_request)
+        names.extend(found)
+        # A raw body is the whole request: its image's failure is the request's (400, 500, 504, ...).
+        return path.Ask(Want(top_k=top_k), images, priority=priority, timeout_ms=timeout_ms, each=not single)
 
-async def _classify(
-    request: Request[Any, Any, Any],
-    server: ServerState,
-    slot: ModelSlot,
-    timing: Timing,
-    top_k: int,
-    priority: int,
-    timeout_ms: float | None,
-    route: str | None,
-) -> ClassifyResponse:
-    images, names, single = await read_images(request, server.settings.max_images_per_request)
-    decoded = await slot.decode(images, timing)
-    if single and isinstance(decoded[0], VisionServeError):
-        raise decoded[0]
-    results = [ImageResult(filename=name) for name in names]
-    good = [i for i, d in enumerate(decoded) if isinstance(d, np.ndarray)]
-    for i, d in enumerate(decoded):
-        if isinstance(d, VisionServeError):
-            results[i].error = str(d)
-    if good:
-        batch = [decoded[i] for i in good]  # stacked straight into shared memory: one copy
-        result = await slot.infer(batch, timing, priority=priority, timeout_ms=timeout_ms, route=route)  # type: ignore[arg-type]
-        started = time.perf_counter()
-        preds = predictions(softmax(result.logits), slot.spec.labels, top_k)
-        for row, i in enumerate(good):
-            error = result.errors[row]
-            if error is not None and single:
-                raise error  # a raw body is the whole request: its status says what happened (500, 504, ...)
-            if error is not None:
-                results[i].error = str(error)
-            else:
-                results[i].predictions = [Prediction(**p) for p in preds[row]]  # type: ignore[arg-type]
-        timing.postprocess_s += time.perf_counter() - started
-    return ClassifyResponse(model=slot.name, version=timing.version or slot.version.version, results=results)
+    def encode(answer: path.Answer) -> ClassifyResponse:
+        results = [
+            ImageResult(filename=name, error=str(error))
+            if error is not None
+            else ImageResult(filename=name, predictions=[Prediction(**p) for p in best or []])  # type: ignore[arg-type]
+            for name, error, best in zip(names, answer.errors, answer.predictions, strict=True)
+        ]
+        return ClassifyResponse(model=answer.slot.name, version=answer.version, results=results)
+
+    return await path.answer(where, timing_of(request), parse, encode)

@@ -1,8 +1,9 @@
 """``/v1/models/{m}/stream``: a WebSocket of frames in, one JSON answer per frame out (docs/streams.md).
 
-The reader feeds :class:`~service.frontend.stream.FrameStream` (latest-frame semantics); answers go through a
-bounded outbox to a sender task, so a client that stops reading is cut off (1008) instead of holding answers, and
-frames, in server memory. A drain answers every frame the stream holds, then closes with 1001.
+The reader feeds :class:`~service.frontend.stream.FrameStream` (latest-frame semantics); answers go through the
+streams' one bounded outbox (:mod:`service.frontend.outbox`, gRPC's too), so a client that stops reading is cut off
+(1008) instead of holding answers, and frames, in server memory. A drain answers every frame the stream holds, then
+closes with 1001.
 """
 
 from __future__ import annotations
@@ -12,78 +13,56 @@ import base64
 import binascii
 import contextlib
 import json
-import logging
 import struct
-from collections import deque
 from typing import Annotated, Any
 
 from litestar import WebSocket, websocket
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
+from service.frontend import request as path
+from service.frontend.outbox import StreamSession
 from service.frontend.state import ServerState
 from service.frontend.stream import Frame, FrameStream, stream_options
 
-log = logging.getLogger("visionserve.stream")
-
-OUTBOX_LIMIT = 64  # answers not yet taken by the client before it is cut off
+FRAME_FORMAT = 'docs/streams.md: a binary message is a 4-byte header length, a JSON header {"id", "ts"}, then the image'
 CLOSE_TIMEOUT_S = 2.0
 NOT_READING, GOING_AWAY, POLICY, INTERNAL, UNKNOWN_MODEL = 1008, 1001, 1008, 1011, 4404
 
 
-class Session:
-    """One WebSocket stream: reader, sender, and the frame stream between them."""
+class Session(StreamSession[str]):
+    """One WebSocket stream: its frames read off the socket, its answers sent as JSON text."""
 
     def __init__(self, socket: WebSocket[Any, Any, Any], server: ServerState, stream_args: dict[str, Any]) -> None:
+        super().__init__(server)
         self.socket = socket
-        self.server = server
-        self.outbox: deque[str] = deque()
-        self.ready = asyncio.Event()
-        self.stop = asyncio.Event()  # the reader stops: cut off, draining
-        self.cut_off: str | None = None
-        self.done = asyncio.Event()  # the stream has ended and the socket is closed
-        self.stream = FrameStream(emit=self._emit, **stream_args)
+        self.stream = FrameStream(emit=self.emit, **stream_args)
 
-    def _emit(self, answer: dict[str, Any]) -> None:
-        if len(self.outbox) >= OUTBOX_LIMIT:
-            self._cut(f"the client left {OUTBOX_LIMIT} answers unread")
-            return
-        self.outbox.append(json.dumps(answer, separators=(",", ":")))
-        self.ready.set()
+    def encode(self, answer: dict[str, Any]) -> str:
+        return json.dumps(answer, separators=(",", ":"))
 
-    def _cut(self, why: str) -> None:
-        if self.cut_off is None:
-            self.cut_off = why
-            log.warning("stream to %s cut off: %s", self.stream.slot.name, why)
-        self.stop.set()
-        self.ready.set()
+    async def send(self, message: str) -> None:
+        await self.socket.send_text(message)
 
-    def drain(self) -> None:
-        """The server drains: read no more frames; answer those held; close (1001)."""
-        self.stop.set()
-
-    async def run(self) -> None:
+    async def serve(self) -> None:
+        """Frames in, answers out, then the close: 1008 when cut off, else 1001 (the client may be gone)."""
+        assert self.stream is not None
         self.stream.start()
-        sender = asyncio.get_running_loop().create_task(self._send())
         try:
-            await self._read()
-            reason = self.cut_off or ("the server is draining" if self.server.draining else "the client closed")
-            await self.stream.close(reason, timeout_s=self.server.settings.drain_timeout_s)
+            await self.run(self._read())
         finally:
-            self.ready.set()
-            self.stop.set()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(sender, self.server.settings.stream_send_timeout_s)
-        # The close says how many frames the server read: the client knows the ones sent after them were not.
-        read = f"{self.stream.counts.sent} frames read"
-        code, why = (NOT_READING, f"{read}; {self.cut_off}") if self.cut_off else (GOING_AWAY, f"{read}; draining")
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.socket.close(code=code, reason=why[:120]), CLOSE_TIMEOUT_S)
+            # The close says how many frames the server read: the client knows the ones sent after them were not.
+            read = self.frames_read()
+            code, why = (NOT_READING, f"{read}; {self.cut_off}") if self.cut_off else (GOING_AWAY, f"{read}; draining")
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.socket.close(code=code, reason=why[:120]), CLOSE_TIMEOUT_S)
 
     async def _read(self) -> None:
         stopped = asyncio.get_running_loop().create_task(self.stop.wait())
         try:
             while not self.stop.is_set():
+                # Each receive raced with the stop: the writer gets its turns while a burst is read, so a client
+                # is cut off for not reading its answers, not for sending fast.
                 receive = asyncio.ensure_future(self.socket.receive())
                 await asyncio.wait([receive, stopped], return_when=asyncio.FIRST_COMPLETED)
                 if not receive.done():
@@ -91,13 +70,14 @@ class Session:
                     return
                 message = receive.result()
                 if message["type"] == "websocket.disconnect":
-                    self.stop.set()
                     return
                 self._frame(dict(message))
         finally:
             stopped.cancel()
 
     def _frame(self, message: dict[str, Any]) -> None:
+        stream = self.stream
+        assert stream is not None
         data, text = message.get("bytes"), message.get("text")
         try:
             if data is not None:
@@ -110,32 +90,13 @@ class Session:
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
         except (struct.error, ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
-            self.stream.reject(None, None, f"not a frame: {exc} (docs/streams.md: a binary message is a 4-byte "
-                               "header length, a JSON header {\"id\", \"ts\"}, then the image)")  # fmt: skip
+            stream.reject(None, None, f"not a frame: {exc} ({FRAME_FORMAT})")
             return
         frame_id, ts = header.get("id"), header.get("ts")
         if not image:
-            self.stream.reject(frame_id, ts, "the frame holds no image")
+            stream.reject(frame_id, ts, "the frame holds no image")
             return
-        self.stream.offer(Frame(frame_id, ts, bytes(image)))
-
-    async def _send(self) -> None:
-        while True:
-            await self.ready.wait()
-            self.ready.clear()
-            while self.outbox and self.cut_off is None:
-                text = self.outbox.popleft()
-                limit_s = self.server.settings.stream_send_timeout_s
-                try:
-                    await asyncio.wait_for(self.socket.send_text(text), limit_s)
-                except TimeoutError:
-                    self._cut(f"an answer waited {limit_s:g} s for the client to read it")
-                    return
-                except Exception:  # the connection went away: nothing more to tell it
-                    self.stop.set()
-                    return
-            if self.cut_off is not None or (self.stop.is_set() and self.stream.closed):
-                return
+        stream.offer(Frame(frame_id, ts, bytes(image)))
 
 
 @websocket(["/v1/models/{model:str}/stream", "/v1/models/{model:str}/versions/{version:str}/stream"])
@@ -148,17 +109,17 @@ async def stream(
     params = socket.query_params
     try:
         max_age_ms, top_k = stream_options(params.get("max_age_ms"), params.get("top_k"))
-        slot = server.slot(model, version)
+        where = path.target(server, model, version, dict(socket.headers), aliases=False)
     except VisionServeError as exc:
         code = UNKNOWN_MODEL if exc.http_status == 404 else POLICY if exc.http_status == 400 else INTERNAL
         await socket.send_text(json.dumps({"id": None, "status": "error", "error": str(exc)}))
         await socket.close(code=code, reason=str(exc)[:120])
         return
-    route = server.route(slot.name, version, dict(socket.headers))
-    session = Session(socket, server, {"slot": slot, "max_age_ms": max_age_ms, "top_k": top_k, "route": route,
-                                       "on_outcome": server.stream_outcome(slot.name)})  # fmt: skip
+    name = where.slot.name
+    stream_args = {"where": where, "max_age_ms": max_age_ms, "top_k": top_k, "on_outcome": server.stream_outcome(name)}
+    session = Session(socket, server, stream_args)
     try:
-        with server.stream_open(slot.name, session):
-            await session.run()
+        with server.stream_open(name, session):
+            await session.serve()
     finally:
         session.done.set()

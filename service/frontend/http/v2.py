@@ -14,24 +14,24 @@ KServe spec says: 200 for true, 400 for false (404 for a model that does not exi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from functools import partial
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import BadInputError
 from service.frontend import protocol
+from service.frontend import request as path
 from service.frontend.http.body import MIN_COMPRESS_BYTES, accepted_encoding, compress, read_body
 from service.frontend.http.image_api import ERROR_RESPONSES, server_of, timing_of
 from service.frontend.parameters import flag, integer, json_number_error, request_options
 from service.frontend.protocol import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Tensor
-from service.frontend.state import ModelSlot, ServerState
-from service.frontend.timing import Timing
+from service.frontend.state import ServerState
+from service.frontend.tasks import Want
 
 HEADER = "inference-header-content-length"
 
@@ -111,8 +111,7 @@ async def live() -> Response[Live]:
     responses=HEALTH_RESPONSES,
 )
 async def ready(request: Request[Any, Any, Any]) -> Response[Ready]:
-    server = server_of(request)
-    ok = server.ready and not server.draining
+    ok = protocol.server_ready(server_of(request))
     return Response(Ready(ready=ok), status_code=_status(ok))
 
 
@@ -237,67 +236,43 @@ def _tensors(req: V2Request, binary: bytes) -> list[Tensor]:
     return tensors
 
 
-async def _infer(request: Request[Any, Any, Any], model: str, version: str | None) -> Response[Any]:
+@post([MODEL + "/infer", VERSION + "/infer"], summary="Inference (JSON or binary tensor data)", status_code=200,
+      tags=["v2"], responses=ERROR_RESPONSES)  # fmt: skip
+async def infer(request: Request[Any, Any, Any], model: Model, version: Version = None) -> Response[V2Response]:
     server = server_of(request)
-    named = protocol.resolve(server, model, version)
-    timing = timing_of(request)
-    route = server.route(named.slot.name, version, request.headers)
-    with named.slot.observe(timing):
-        return await _infer_on(request, server, named, timing, route)
+    where = path.target(server, model, version, request.headers)
+    parse = partial(_parse, request, server)
+    return await path.answer(where, timing_of(request), parse, partial(_encode, accepted_encoding(request)))
 
 
-async def _infer_on(
-    request: Request[Any, Any, Any], server: ServerState, named: protocol.Named, timing: Timing, route: str | None
-) -> Response[Any]:
-    slot = named.slot
+async def _parse(request: Request[Any, Any, Any], server: ServerState, where: path.Target) -> path.Ask:
+    """Every parameter is checked before any work (the outputs' too): a refusal costs no inference."""
     body = await read_body(request, server.settings.max_body_bytes)
-    req, inputs = parse_infer(body, request.headers.get(HEADER), protocol.raw_input(named))
+    req, inputs = parse_infer(body, request.headers.get(HEADER), protocol.raw_input(where))
     params = req.parameters or {}
     priority, timeout_ms = request_options(params)
     binary = flag("parameters.binary_data_output", params.get("binary_data_output"))
-    wanted = protocol.wanted_outputs([(o.name, o.parameters or {}) for o in req.outputs or []], slot, binary)
-    logits = await protocol.infer(server, slot, inputs, timing, priority=priority, timeout_ms=timeout_ms,
-                                  route=route)  # fmt: skip
-    started = time.perf_counter()
-    version = timing.version or slot.version.version  # the one that answered (a canary's candidate)
-    response = _encode_outputs(req, slot, wanted, logits, accepted_encoding(request), version)
-    timing.postprocess_s += time.perf_counter() - started
-    return response
+    outputs = [(o.name, o.parameters or {}) for o in req.outputs or []]
+    want = Want(where.slot.task.wanted(outputs, binary))
+    return protocol.ask_of(server, where.slot, inputs, want, priority=priority, timeout_ms=timeout_ms, id=req.id)
 
 
-def _encode_outputs(
-    req: V2Request,
-    slot: ModelSlot,
-    wanted: list[protocol.Wanted],
-    logits: np.ndarray,
-    encoding: str | None,
-    version: int,
-) -> Response[Any]:
+def _encode(encoding: str | None, answer: path.Answer) -> Response[Any]:
+    """The answer's JSON, then the binary part of the outputs asked for binary (Inference-Header-Content-Length)."""
     outputs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
-    for out in wanted:
-        binary, k = out.binary, out.k
-        if k is not None:
-            flat = protocol.classify(logits, slot, k)
-            entry: dict[str, Any] = {"name": out.name, "datatype": "BYTES", "shape": [logits.shape[0], k]}
-            if binary:
-                blob = protocol.bytes_tensor(flat)
-                entry["parameters"] = {"binary_data_size": len(blob)}
-                blobs.append(blob)
-            else:
-                entry["data"] = flat
+    for out, tensor in zip(answer.ask.want.outputs, answer.tensors, strict=True):
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
+        if out.binary:
+            blob = tensor.raw()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
         else:
-            entry = {"name": out.name, "datatype": "FP32", "shape": list(logits.shape)}
-            if binary:
-                blob = np.ascontiguousarray(logits, dtype="<f4").tobytes()
-                entry["parameters"] = {"binary_data_size": len(blob)}
-                blobs.append(blob)
-            else:
-                entry["data"] = logits.ravel().tolist()
+            entry["data"] = tensor.values()
         outputs.append(entry)
-    body: dict[str, Any] = {"model_name": slot.name, "model_version": str(version), "outputs": outputs}
-    if req.id is not None:
-        body["id"] = req.id
+    body: dict[str, Any] = {"model_name": answer.slot.name, "model_version": str(answer.version), "outputs": outputs}
+    if answer.ask.id is not None:
+        body["id"] = answer.ask.id
     header = msgspec.json.encode(body)
     headers: dict[str, str] = {}
     if blobs:
@@ -311,124 +286,4 @@ def _encode_outputs(
     return Response(content, media_type=media_type, headers=headers)
 
 
-@post([MODEL + "/infer", VERSION + "/infer"], summary="Inference (JSON or binary tensor data)", status_code=200,
-      tags=["v2"], responses=ERROR_RESPONSES)  # fmt: skip
-async def infer(request: Request[Any, Any, Any], model: Model, version: Version = None) -> Response[V2Response]:
-    return await _infer(request, model, version)
-
-
-# ---- repository (admin) -----------------------------------------------------------------------------------------
-
-
-def _require_admin(request: Request[Any, Any, Any]) -> ServerState:
-    server = server_of(request)
-    protocol.require_admin(server, request.headers.get("authorization", ""))
-    return server
-
-
-@post(
-    "/v2/repository/index",
-    summary="Repository index (admin)",
-    status_code=200,
-    tags=["v2 repository"],
-    responses=ERROR_RESPONSES,
-)
-async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-    """Every model in the repository with its state, unloaded ones too (``UNAVAILABLE`` with a reason); with the
-    body ``{"ready": true}``, only the ones ready (as Triton's index)."""
-    server = _require_admin(request)
-    body = await request.body()
-    ready = False
-    if body.strip():
-        try:
-            doc = msgspec.json.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
-            raise BadInputError(
-                'a repository index request\'s body must be a JSON object like {"ready": true}'
-            ) from None
-        if not isinstance(doc, dict):
-            raise BadInputError('a repository index request\'s body must be a JSON object like {"ready": true}')
-        ready = flag("ready", doc.get("ready"))
-    return await protocol.repository_index(server, ready)
-
-
-@post("/v2/repository/models/{model:str}/load", summary="Load or reload a model (admin)", status_code=200,
-      tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
-async def repository_load(request: Request[Any, Any, Any], model: Model) -> dict[str, str]:
-    """Load (or reload) ``model``; ``{"parameters": {"config": "<JSON of config.toml fields>"}}`` applies that
-    config for this load, or is refused with 400, never ignored."""
-    server = _require_admin(request)
-    body = await request.body()
-    config = None
-    if body.strip():
-        try:
-            parameters = msgspec.json.decode(body).get("parameters") or {}
-        except (msgspec.DecodeError, UnicodeDecodeError, AttributeError):
-            raise BadInputError('a load request\'s body must be a JSON object like {"parameters": {...}}') from None
-        unknown = sorted(set(parameters) - {"config"})
-        if unknown:
-            raise BadInputError(f"load parameters {unknown} are not supported; only 'config' is")
-        config = parameters.get("config")
-    await server.load_model(model, config)
-    return {"name": model, "state": "READY"}
-
-
-@post("/v2/repository/models/{model:str}/unload", summary="Unload a model (admin)", status_code=200,
-      tags=["v2 repository"], responses=ERROR_RESPONSES)  # fmt: skip
-async def repository_unload(request: Request[Any, Any, Any], model: Model) -> dict[str, str]:
-    """Unload ``model``; unloading a model that is not loaded, or that the repository does not hold, is not an error
-    (as in Triton: 200, so scripts stay idempotent)."""
-    server = _require_admin(request)
-    await protocol.unload(server, model)
-    return {"name": model, "state": "UNAVAILABLE"}
-
-
-# ---- rollouts (docs/rollouts.md) -------------------------------------------------------------------------------
-
-
-async def _json_object(request: Request[Any, Any, Any], what: str) -> dict[str, Any]:
-    body = await request.body()
-    if not body.strip():
-        return {}
-    try:
-        doc = msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        doc = None
-    if not isinstance(doc, dict):
-        raise BadInputError(f"a {what} request's body must be a JSON object (docs/rollouts.md)")
-    return doc
-
-
-@get(MODEL + "/rollout", summary="The model's rollout: candidate, comparison, verdict", tags=["v2 rollout"],
-     responses=ERROR_RESPONSES)  # fmt: skip
-async def rollout_status(request: Request[Any, Any, Any], model: Model) -> dict[str, Any]:
-    """The rollout of ``model`` (``{"state": "none"}`` without one): the live comparison of its candidate with the
-    version serving, and what the evidence says (docs/rollouts.md)."""
-    return await protocol.rollout(server_of(request), model)
-
-
-@post(MODEL + "/rollout", summary="Start a rollout (admin)", status_code=200, tags=["v2 rollout"],
-      responses=ERROR_RESPONSES)  # fmt: skip
-async def rollout_start(request: Request[Any, Any, Any], model: Model) -> dict[str, Any]:
-    """Start a shadow or canary of ``{"candidate": N, "mode": "shadow", "fraction": 0.1, ...}`` beside the version
-    serving (any ``[rollout]`` field of config.toml)."""
-    server = _require_admin(request)
-    settings = await _json_object(request, "rollout")
-    return await protocol.rollout(server, model, action="start", settings=settings)
-
-
-@post([MODEL + "/rollout/promote", MODEL + "/rollout/abort"], summary="Promote or abort the rollout (admin)",
-      status_code=200, tags=["v2 rollout"], responses=ERROR_RESPONSES)  # fmt: skip
-async def rollout_decide(request: Request[Any, Any, Any], model: Model) -> dict[str, Any]:
-    """Promote the candidate (it serves every request naming no version; the old version is unloaded once drained)
-    or abort it (the primary keeps serving; the candidate is unloaded). ``{"reason": "..."}`` is recorded."""
-    server = _require_admin(request)
-    doc = await _json_object(request, "rollout decision")
-    action = request.url.path.rstrip("/").rsplit("/", 1)[1]
-    return await protocol.rollout(server, model, action=action, reason=str(doc.get("reason") or ""))
-
-
-ROUTES = [
-    live, ready, server_metadata, model_metadata, model_ready, model_config, model_stats, infer,
-    repository_index, repository_load, repository_unload, rollout_status, rollout_start, rollout_decide,
-]  # fmt: skip
+ROUTES = [live, ready, server_metadata, model_metadata, model_ready, model_config, model_stats, infer]

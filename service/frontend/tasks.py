@@ -1,0 +1,151 @@
+"""What a model's answers mean: its task, one class per task behind one small interface (:class:`Task`).
+
+The engine never knows tasks: it batches uint8 tensors and answers what the model computed (today one float32
+logits array per request, :class:`~service.core.status.InferResult`). A task turns that into what the protocols
+answer, in one function (:meth:`Task.postprocess`): the v2 output tensors, which HTTP and gRPC write alike
+(:class:`OutputTensor`), and each image's top-k predictions (the image API and the streams). It also says which
+outputs a v2 request may ask for (:meth:`Task.wanted`) and lists them in metadata (:meth:`Task.outputs`). A new task
+(detection) is one new class here plus its encoders; no protocol handler changes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from service.core.errors import BadInputError
+from service.core.scores import classification_strings, predictions, softmax
+from service.core.spec import ModelSpec
+from service.core.status import InferResult
+from service.frontend.parameters import classification_k, flag
+
+LOGITS = "LOGITS"
+_LITTLE_ENDIAN = {"FP32": "<f4", "UINT8": "u1"}
+
+
+@dataclass(frozen=True, slots=True)
+class Wanted:
+    """One requested output, checked before any work is done: its name, the classification extension's k (None:
+    the tensor itself) and whether it goes in the binary part (HTTP only; gRPC answers raw contents always)."""
+
+    name: str
+    k: int | None = None
+    binary: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What an answer holds: the v2 ``outputs`` asked for, and ``top_k`` predictions per image (0: none)."""
+
+    outputs: tuple[Wanted, ...] = ()
+    top_k: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """An output as metadata lists it: name, v2 datatype and the dims of one image's row."""
+
+    name: str
+    datatype: str
+    dims: list[int]
+
+
+@dataclass(slots=True)
+class OutputTensor:
+    """One v2 output, built once (by the task) and written by each wire: HTTP's JSON ``data`` or binary part,
+    gRPC's ``raw_output_contents``. It holds an ``array`` or, for BYTES, ``strings``."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    array: np.ndarray | None = None
+    strings: list[str] = field(default_factory=list)
+
+    def raw(self) -> bytes:
+        """The binary form: little-endian elements, or BYTES as length-prefixed strings."""
+        if self.array is None:
+            return bytes_tensor(self.strings)
+        return np.ascontiguousarray(self.array, dtype=_LITTLE_ENDIAN[self.datatype]).tobytes()
+
+    def values(self) -> list[Any]:
+        """The JSON form: the elements flattened row by row."""
+        return self.strings if self.array is None else self.array.ravel().tolist()
+
+
+def bytes_tensor(elements: list[str]) -> bytes:
+    """The binary form of a BYTES tensor of strings: each a 4-byte little-endian length, then its UTF-8 bytes."""
+    encoded = [e.encode() for e in elements]
+    return b"".join(struct.pack("<I", len(e)) + e for e in encoded)
+
+
+@dataclass(slots=True)
+class Post:
+    """A task's answer to one computed batch: the v2 tensors asked for, and each row's top-k predictions."""
+
+    tensors: list[OutputTensor]
+    predictions: list[list[dict[str, object]]]
+
+
+class Task(Protocol):
+    """A model's task: what its outputs are, which a request may ask for, and what they mean."""
+
+    name: str
+
+    def outputs(self) -> list[OutputSpec]:
+        """The outputs metadata lists."""
+        ...
+
+    def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
+        """The v2 outputs a request names (its default when it names none), each parameter checked; ``binary``:
+        the request's ``binary_data_output``, which an output's ``binary_data`` overrides."""
+        ...
+
+    def postprocess(self, result: InferResult, want: Want) -> Post:
+        """What ``result`` means, in the forms ``want`` asks for."""
+        ...
+
+
+class Classify:
+    """Classification: one ``LOGITS`` row per image; Triton's classification extension ("score:index:label" of
+    the k best logits) on any output; softmax top-k predictions for the image API and streams."""
+
+    name = "classify"
+
+    def __init__(self, labels: tuple[str, ...], classes: int) -> None:
+        self.labels = labels
+        self.classes = classes
+
+    def outputs(self) -> list[OutputSpec]:
+        return [OutputSpec(LOGITS, "FP32", [self.classes])]
+
+    def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
+        wanted = []
+        for i, (name, params) in enumerate(outputs or [(LOGITS, {})]):
+            if name != LOGITS:
+                raise BadInputError(f"unknown output {name!r}: this model has LOGITS")
+            where = f"outputs[{i}].parameters"
+            k = params.get("classification")
+            if k is not None:
+                k = classification_k(k, self.classes, f"{where}.classification")
+            wanted.append(Wanted(name, k, flag(f"{where}.binary_data", params.get("binary_data"), binary)))
+        return tuple(wanted)
+
+    def postprocess(self, result: InferResult, want: Want) -> Post:
+        logits = result.logits
+        tensors = [self._tensor(logits, out) for out in want.outputs]
+        best = predictions(softmax(logits), self.labels, want.top_k) if want.top_k else []
+        return Post(tensors, best)
+
+    def _tensor(self, logits: np.ndarray, out: Wanted) -> OutputTensor:
+        if out.k is None:
+            return OutputTensor(out.name, "FP32", list(logits.shape), logits)
+        flat = [s for row in classification_strings(logits, self.labels, out.k) for s in row]
+        return OutputTensor(out.name, "BYTES", [logits.shape[0], out.k], strings=flat)
+
+
+def task_for(spec: ModelSpec) -> Task:
+    """The task of a model, from its spec (every model served today classifies)."""
+    return Classify(spec.labels, spec.num_classes)
