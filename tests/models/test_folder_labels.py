@@ -105,8 +105,9 @@ def test_a_resumed_run_with_workers_exports_a_model_that_serves_every_colour_rig
 
 
 def test_every_label_travels_with_its_own_file_through_workers_skips_and_shuffles(boxes: Path) -> None:
-    """The loader's pairing, checked image by image: each decoded training image is the file of its label's class
-    (its box's colour is at the crop's centre... not always; so by the file itself: the label is its folder's)."""
+    """The loader's pairing through 2 workers, the unreadable file and two shuffled epochs: every training epoch
+    holds each class's images once (no remainder batch), and each validation image's box colour names its label.
+    Training crops are not checked by colour: a random resized crop may miss the box."""
     index = scan_folder(boxes)
     spec = get_architecture("smallcnn").spec
     feed = StreamFeed(index, spec, batch_size=32, seed=3, workers=2)
@@ -120,7 +121,7 @@ def test_every_label_travels_with_its_own_file_through_workers_skips_and_shuffle
             seen = torch.cat([b.targets for b in batches])
             assert torch.bincount(seen).tolist() == [49, 48, 48, 48]
         # Validation is not augmented: the box fills much of the 64x64 centre crop, so its colour names its class.
-        # The mean pixel nearest to a class colour among the brightest-saturated pixels is its label's colour.
+        # The class colour that most of the image's pixels lie within 30 of is its label's.
         val = list(feed.val_batches())
         assert sum(len(b.targets) for b in val) == 47
         assert [Path(p).name for b in val for p, _ in b.skipped] == ["broken.jpg"]
