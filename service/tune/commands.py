@@ -46,6 +46,13 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="front ends the current deployment runs (serve --workers); 0: serve's default",
     )
+    p.add_argument(
+        "--server-start-s",
+        type=float,
+        default=10.0,
+        help="seconds a candidate server is assumed to take to start and stop until the first one is measured "
+        "(planning only: a slower start is measured and counted from then on); default: 10",
+    )
     p.add_argument("--out", default=None, help="folder for tune.json, tune.md and tune.png; default: tune-MODEL")
     p.add_argument(
         "--write",
@@ -91,8 +98,8 @@ def run_tune(args: argparse.Namespace) -> int:
     from service.tune import report as reporting
     from service.tune.tuner import TuneOptions, TuneRun, tune
 
-    if args.slo_p99_ms <= 0 or args.budget_s <= 0 or args.verify < 0 or args.workers < 0:
-        raise ConfigError("--slo-p99-ms and --budget-s must be > 0, --verify and --workers >= 0")
+    if args.slo_p99_ms <= 0 or args.budget_s <= 0 or args.server_start_s <= 0 or args.verify < 0 or args.workers < 0:
+        raise ConfigError("--slo-p99-ms, --budget-s and --server-start-s must be > 0, --verify and --workers >= 0")
     try:  # a model or repository that is not there is a bad argument (exit 2, as the help says), not a failure
         ModelRepository(args.repository).model(args.model, deep=False)
     except NotFoundError as exc:
@@ -102,7 +109,8 @@ def run_tune(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix=f"tune-{args.model}-"))
     options = TuneOptions(repository=args.repository, model=args.model, slo_p99_ms=args.slo_p99_ms,
                           budget_s=args.budget_s, images=args.images, image_size=args.image_size,
-                          device=args.device, verify=args.verify, workers=args.workers, work=str(work))  # fmt: skip
+                          device=args.device, verify=args.verify, workers=args.workers, work=str(work),
+                          server_start_s=args.server_start_s)  # fmt: skip
     run = TuneRun(options)
 
     def say(message: str) -> None:

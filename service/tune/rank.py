@@ -137,9 +137,13 @@ def rank(
         for round_ in range(max_rounds):
             before = best
             for options in _variations(best, space, runtimes):
-                if time.perf_counter() - started > seconds:
-                    say(f"prediction budget ({seconds:.0f} s) spent after {len(predictor.cache)} candidates")
-                    return _ranked(predictor)
+                # Checked before each prediction, not each setting: a prediction takes about a second on a busy
+                # 2-core machine, and a setting's 5-8 values overran a 3 s budget by 8 s there.
+                for option in options:
+                    if time.perf_counter() - started > seconds:
+                        say(f"prediction budget ({seconds:.0f} s) spent after {len(predictor.cache)} candidates")
+                        return _ranked(predictor)
+                    score(option)
                 best = max([predictor.normal(o) for o in options] + [best], key=score)
             say(f"round {round_ + 1} from {start.label}: best {best.label}, {score(best)[0]:.1f} req/s predicted")
             if best == before:

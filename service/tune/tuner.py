@@ -33,7 +33,7 @@ Say = Callable[[str], None]
 MEASURE_SHARE = 0.2
 PREDICT_SHARE = 0.08
 RESERVE_S = 5.0  # the report and the config at the end
-SERVER_OVERHEAD_S = 10.0  # a start and a stop, until the first one is measured
+SERVER_OVERHEAD_S = 10.0  # a start and a stop, until the first one is measured (the default of --server-start-s)
 # A step's p99 is one of its slowest few requests: at 25 requests/s a 5 s step's p99 is its second slowest of
 # 125, and the same rate met and missed the target in turn (docs/performance.md, "visionserve tune"). Steps grow
 # with the budget up to this.
@@ -53,6 +53,7 @@ class TuneOptions:
     verify: int = 4  # best predicted candidates to verify (beside the current config and export's default)
     workers: int = 0  # the front ends the current deployment runs (0: serve's default)
     work: str = ""  # folder for the candidates' repositories and server logs
+    server_start_s: float = SERVER_OVERHEAD_S  # a candidate server's start and stop, until the first is measured
 
 
 @dataclass
@@ -211,7 +212,7 @@ def _verify_phase(
     # Planned with slack: the re-prediction below and the calibration after the first candidate take time too,
     # and a plan that fits to the second would refuse its own last candidate.
     remaining = options.budget_s - run.elapsed() - RESERVE_S
-    plan, fits = _plan_steps(0.9 * remaining - 2.0, len(todo), SERVER_OVERHEAD_S)
+    plan, fits = _plan_steps(0.9 * remaining - 2.0, len(todo), options.server_start_s)
     run.plan = plan
     for c, _ in todo[fits:]:
         run.skipped.append(f"{c.label}: not verified, the budget fits {fits} of {len(todo)}")
@@ -252,7 +253,7 @@ def _verify_each(
 ) -> None:
     """Verify ``state.todo`` in order while the budget lasts; the first measurement recalibrates the rest."""
     budget, plan = options.budget_s, state.plan
-    overhead = SERVER_OVERHEAD_S
+    overhead = options.server_start_s
     folder = Path(options.work)
     i = 0
     while i < len(state.todo):
@@ -271,7 +272,7 @@ def _verify_each(
                predicted_rate=predicted, start_rate=max(0.5, round(start, 1)), plan=plan, say=say,
                record=record)  # fmt: skip
         steps_s = sum(plan.step_s for _ in record.steps)
-        overhead = max(SERVER_OVERHEAD_S / 2, record.wall_s - steps_s)
+        overhead = max(options.server_start_s / 2, record.wall_s - steps_s)
         measured_text = f"{record.best_rate:.1f} req/s" if record.best_rate else "nothing met the target"
         say(f"  measured: {measured_text} ({record.wall_s:.0f} s; {run.elapsed():.0f} s of {budget:.0f} s used)")
         i += 1
