@@ -24,7 +24,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_bench_json_has_every_figure(repo: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "service.cli", "bench", "--model", "tiny", "--repository", str(repo),
-         "--batch-sizes", "1,4", "--seconds", "0.3", "--json", "--no-progress"],
+         "--batch-sizes", "1,4", "--seconds", "0.1", "--json", "--no-progress"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -42,7 +42,7 @@ def test_bench_compares_the_three_runtimes_in_one_run(aoti_repo: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "service.cli", "bench", "--model", "digits", "--repository", str(aoti_repo),
          "--backend", "onnxruntime,torchscript,aoti", "--figures", "engine,decode", "--batch-sizes", "1,4",
-         "--seconds", "0.2", "--device", "cpu", "--json", "--no-progress"],
+         "--seconds", "0.1", "--device", "cpu", "--json", "--no-progress"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

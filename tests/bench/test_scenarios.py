@@ -77,7 +77,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_ab_alternates_two_servers_and_prints_medians_and_ratios(repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "ab.json"
     done = bench("ab", "--repository", str(repo), "--rounds", "2", "--concurrency", "2", "--duration-s",
-               "0.5", "--warmup-s", "0.2", "--image-size", "32x32", "--b-flags=--no-metrics", "--b-protocol", "v2",
+               "0.3", "--warmup-s", "0.1", "--image-size", "32x32", "--b-flags=--no-metrics", "--b-protocol", "v2",
                "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -106,7 +106,7 @@ def test_ab_refuses_grpc_to_a_server_it_did_not_start() -> None:
 def test_soak_writes_every_figure_and_judges_them(repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak"
     done = bench("soak", "--repository", str(repo), "--workers", "1", "--duration-s", "3", "--warmup-s",
-               "1", "--capacity-s", "0.5", "--capacity-start-rate", "20", "--capacity-max-steps", "2",
+               "1", "--capacity-s", "0.2", "--capacity-start-rate", "20", "--capacity-max-steps", "2",
                "--capacity-p99-ms", "5000", "--load", "0.5", "--judge-rounds", "1", "--judge-window-s", "1",
                "--judge-warmup-s", "0", "--out", str(out))  # fmt: skip
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: the p99 ratio, on a busy machine
@@ -138,7 +138,7 @@ def test_soak_writes_every_figure_and_judges_them(repo: Path, tmp_path: Path) ->
 def test_frontends_bench_holds_served_against_the_pipeline(repo: Path, tmp_path: Path) -> None:
     out = tmp_path / "frontends.json"
     done = bench("frontends", "--repository", str(repo), "--model", "digits", "--concurrency", "2",
-               "--duration-s", "0.5", "--warmup-s", "0.2", "--bench-seconds", "0.2", "--image-size", "64x48",
+               "--duration-s", "0.3", "--warmup-s", "0.1", "--bench-seconds", "0.1", "--image-size", "64x48",
                "--workers", "1", "--json", str(out))  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -154,9 +154,11 @@ def test_frontends_bench_holds_served_against_the_pipeline(repo: Path, tmp_path:
 
 @pytest.mark.slow
 def test_many_models_bench_writes_every_target(tmp_path: Path) -> None:
-    """--quick: six smallcnn copies on demand, a budget of two and a half, one round against the top two pinned."""
+    """--quick, smaller: three smallcnn copies on demand, a budget of two and a half, one round of 2 s (19 requests:
+    each model's first a miss, hits after) against the top two pinned; two in-process cold starts, the first apart."""
     out = tmp_path / "many.json"
-    done = bench("many-models", "--quick", "--work", str(tmp_path / "work"), "--out", str(out))
+    done = bench("many-models", "--quick", "--models", "3", "--duration-s", "2", "--cold-repeats", "2", "--work",
+                 str(tmp_path / "work"), "--out", str(out))  # fmt: skip
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: a target missed
     results = json.loads(out.read_text())
     correct = results["correct"]
@@ -184,7 +186,7 @@ def test_many_models_bench_writes_every_target(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_train_bench_measures_peak_memory(tmp_path: Path) -> None:
     done = bench("train", "--only", "rss", "--work", str(tmp_path), "--images", "10", "--arch",
-               "smallcnn", "--input-size", "32", "--batch-size", "4", "--batches", "2", "--workers", "0")  # fmt: skip
+               "smallcnn", "--input-size", "32", "--batch-size", "4", "--batches", "1", "--workers", "0")  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     runs = summary["rss"]["runs"]

@@ -13,9 +13,9 @@ tester for ``--capacity-s``), or ``--capacity``. Then, each printed PASS or MISS
 
 a. live latency: a server shadowing a copy at ``--shadow-fraction`` (auto off: it never decides) and a server with no
    rollout, both up, taking turns (AB, BA, ...) in ``--rounds`` open-loop windows of ``--window-s`` at ``--load`` and
-   at ``--high-load`` x capacity; p50/p99 from each scheduled send, pooled per side. Targets: p99 with the shadow
-   within ``--max-p99-ratio`` x without at both loads, and at ``--high-load`` shadow work shed (``comparison.shed`` >
-   0) rather than live requests delayed;
+   at ``--high-load`` x capacity, each load sent to each server for ``--warmup-s`` first (not counted); p50/p99 from
+   each scheduled send, pooled per side. Targets: p99 with the shadow within ``--max-p99-ratio`` x without at both
+   loads, and at ``--high-load`` shadow work shed (``comparison.shed`` > 0) rather than live requests delayed;
 b. detection, every request shadowed, the stream at ``--detect-rate`` (low enough that shadows are not shed): the
    ``--detect-disagreement`` candidate with auto off, sent at least ``--detect-samples``: the samples at which
    ``agreement_high`` first fell below ``--min-agreement``, and from which it stayed below to the run's end, both
@@ -80,6 +80,7 @@ FLAGS: list[Flag] = [
     ("--high-load", 0.95, "a's second load, where shadows are shed", SHARE),
     ("--rounds", 2, "a's rounds per load, each a window per server", COUNT),
     ("--window-s", 8.0, "seconds of one window in a", POSITIVE),
+    ("--warmup-s", 1.0, "a: seconds each server is sent each load before its rounds, not counted", POSITIVE),
     ("--max-ratio", 1.05, "target at --load: p50 and p99 with the shadow / without, each at most this"),
     ("--max-p99-ratio", 1.10, "target: p99 with the shadow / without, at most"),
     ("--min-agreement", 0.99, "the rollouts' min_agreement", SHARE),

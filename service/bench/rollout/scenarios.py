@@ -162,7 +162,7 @@ def latency_runs(
         for load in (args.load, args.high_load):
             rate = load * capacity
             for server in servers.values():  # not counted: connections, the first batches
-                open_loop(server.url, requests, rate, 1.0, timeout_s=args.timeout_s)
+                open_loop(server.url, requests, rate, args.warmup_s, timeout_s=args.timeout_s)
             windows: list[dict[str, Any]] = []
             for k in range(args.rounds):
                 for side in ("shadow", "none") if k % 2 == 0 else ("none", "shadow"):
