@@ -17,10 +17,11 @@ what is measured is what users run:
 
 Every step that cannot run says why in the report (``skipped``); one that fails is recorded with its reason and
 the next one still runs; the report is written after every step. ``--dry-run`` runs the same
-steps with the same arguments on the CPU with tiny sizes (smallcnn, short durations): the device and the sizes are
-the only difference, so CI proves the command itself. The exit status is 1 when a GPU test fails or a step errs,
-else 0. Budget: 545 s on one H100, cut into a share per step (:data:`STEP_SHARE_S`); a step may use what the steps
-before it left unused, never what the steps after it are owed, and its commands are stopped at its deadline.
+steps with the same arguments on the CPU with tiny sizes (smallcnn, 8x8 digits, short durations, one intra-op thread):
+the device and the sizes are the only difference, so CI proves the command itself. The exit status is 1 when a GPU
+test fails or a step errs, else 0. Budget: 545 s on one H100 (the same in the dry run), cut into a share per step
+(:data:`STEP_SHARE_S`); a step may use what the steps before it left unused, never what the steps after it are owed,
+and its commands are stopped at its deadline.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from gpucheck.report import SECTIONS, markdown
 from gpucheck.wheels import CARRIED, choose_wheels, download_command
 
 ROOT = Path(__file__).resolve().parent.parent
-# Each step's share of the 545 s budget on one H100 (scaled to the dry run's budget). A step may also use what the
+# Each step's share of the 545 s budget on one H100 (scaled to another --budget-s). A step may also use what the
 # steps before it left unused; its commands are stopped at its deadline, so the steps after it keep their shares.
 STEP_SHARE_S = {"environment": 15, "install": 20, "gpu_tests": 150, "export": 150, "bench": 90, "decode": 20,
                 "serve_loadtest": 80, "train": 20}  # fmt: skip
@@ -71,6 +72,9 @@ class Check:
         site = Path(args.site).resolve()
         path = [str(ROOT), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+        if self.dry:  # torch's threads spin against each other and all else on a shared CPU, where speed is not
+            # what the dry run proves: on 2 cores at load ~9, one thread cut train from 41 to 12 s, export from 62 to 35
+            self.env.setdefault("OMP_NUM_THREADS", "1")
         self.site = site
         self.repo = self.out / "repo"
         self.model = "smallcnn" if self.dry else "resnet50"
@@ -194,7 +198,8 @@ class Check:
 
     def train_args(self, out: str) -> list[str]:
         return ["train", "--arch", "smallcnn", "--dataset", "digits", "--device", self.device,
-                "--epochs", str(self.args.train_epochs), "--out", str(self.out / out)]  # fmt: skip
+                "--epochs", str(self.args.train_epochs), "--input-size", str(self.args.train_input_size),
+                "--out", str(self.out / out)]  # fmt: skip
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
@@ -241,8 +246,9 @@ class Check:
             proc = self.run(cmd, 300, "install")
             if proc.returncode != 0:
                 raise StepError(f"pip install from {wheels_dir} failed: {proc.stderr.strip()[-400:]}")
-        importlib.invalidate_caches()
-        self.missing = set(self._unimportable(needed))
+            importlib.invalidate_caches()
+            unimportable = self._unimportable(needed)  # tried again only when something was installed
+        self.missing = set(unimportable)
         result["missing_after"] = sorted(self.missing)
         return result
 
@@ -453,13 +459,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gpu-check-report", help="folder for report.json, report.md and the logs")
     p.add_argument("--wheels", default=".whl", help="folder of carried wheels to install what is missing from")
     p.add_argument("--site", default=".site", help="folder the carried wheels are installed into (on PYTHONPATH)")
-    p.add_argument("--budget-s", type=float, default=None, help="time budget; None: 545 s, or 280 s with --dry-run")
+    p.add_argument("--budget-s", type=float, default=545.0, help="time budget, cut per step (the same in the dry run)")
     p.add_argument("--skip", default="", help=f"comma-separated steps to skip, of: {', '.join(SECTIONS[2:])}")
     p.add_argument("--fail-step", default=None, help="make this step fail (proves that the next still runs)")
     p.add_argument("--list-wheels", default=None, metavar="PYTHON_VERSION",
                    help="print the `pip download` command of the carried wheels for this Python, and exit")  # fmt: skip
     p.add_argument("--batch-sizes", type=_ints, default=None, help="bench batch sizes; None: 1,8,32,64,128 (dry 1,4)")
-    p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.2)")
+    p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.05)")
     p.add_argument("--concurrency", type=_ints, default=None, help="closed-loop clients; None: 1,2,4,...,256 (dry 1,2)")
     p.add_argument("--loadtest-s", type=float, default=None, help="loadtest seconds per step; None: 4 (dry 0.5)")
     p.add_argument("--slo-p99-ms", type=float, default=15.0, help="the p99 target of the open-loop search")
@@ -471,10 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     dry = args.dry_run
-    args.budget_s = args.budget_s or (280.0 if dry else 545.0)
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     args.batch_sizes = args.batch_sizes or ([1, 4] if dry else [1, 8, 32, 64, 128])
-    args.seconds = args.seconds or (0.2 if dry else 0.5)
+    args.seconds = args.seconds or (0.05 if dry else 0.5)
     args.concurrency = args.concurrency or ([1, 2] if dry else [1, 2, 4, 8, 16, 32, 64, 128, 256])
     args.loadtest_s = args.loadtest_s or (0.5 if dry else 4.0)
     args.loadtest_warmup_s = 0.2 if dry else 1.0
@@ -482,6 +487,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.slo_start_rate = 20 if dry else 500
     args.slo_max_steps = 2 if dry else 6
     args.train_epochs = 1 if dry else 3
+    # 32: smallcnn's own input (the real run trains as it always has); 8: the digits' own size, a sixteenth of the
+    # work (one epoch in 0.2 s instead of 3.1 s on one thread)
+    args.train_input_size = 8 if dry else 32
     args.decode_batch = 4 if dry else 64
     args.serve_batch = 4 if dry else 64
     args.serve_instances = 1 if dry else 2
