@@ -177,10 +177,22 @@ def console_width() -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    from service.core.errors import ConfigError
+
+    # Refusals that need only the arguments come first: these before torch is imported, the request's own checks
+    # before any model is built or image read (a bad --formats was refused only after the model was built and, for a
+    # checkpoint, its validation images loaded).
+    if args.onnx or args.torchscript:
+        if not args.labels:
+            raise ConfigError("--labels is required with --onnx or --torchscript")
+        if args.input_size is None:
+            raise ConfigError("--input-size is required with --onnx or --torchscript (e.g. 224 or 224x224)")
+    elif args.arch and args.input_size is not None and args.input_size[0] != args.input_size[1]:
+        raise ConfigError("--input-size with --arch takes one SIZE (square inputs)")
+
     from rich.console import Console
 
     from export import exporter, outside, sources
-    from service.core.errors import ConfigError
 
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     request = exporter.ExportRequest(
@@ -201,6 +213,7 @@ def run_export(args: argparse.Namespace) -> int:
         int8_min_speedup=args.int8_min_speedup,
         int8_allow_slower=args.int8_allow_slower,
     )
+    exporter.check_request(request)
     err = Console(stderr=True)
 
     def progress(message: str) -> None:
@@ -208,10 +221,6 @@ def run_export(args: argparse.Namespace) -> int:
             err.print(f"[dim]... {message}[/dim]")
 
     if args.onnx or args.torchscript:
-        if not args.labels:
-            raise ConfigError("--labels is required with --onnx or --torchscript")
-        if args.input_size is None:
-            raise ConfigError("--input-size is required with --onnx or --torchscript (e.g. 224 or 224x224)")
         report = outside.place_outside_model(
             onnx_path=args.onnx,
             torchscript_path=args.torchscript,
@@ -233,8 +242,6 @@ def run_export(args: argparse.Namespace) -> int:
         if args.checkpoint:
             source = sources.from_checkpoint(args.checkpoint)
         else:
-            if args.input_size is not None and args.input_size[0] != args.input_size[1]:
-                raise ConfigError("--input-size with --arch takes one SIZE (square inputs)")
             size = args.input_size[0] if args.input_size else None
             source = sources.from_architecture(args.arch, weights=args.weights, input_size=size)
         if args.calibration_images:

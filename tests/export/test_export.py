@@ -23,6 +23,7 @@ from service.core.spec import load_spec
 from service.runtime import OnnxRuntime, TorchScriptRuntime
 from service.runtime.onnxrt import runnable_device
 from tests.conftest import encode_image, random_image
+from tests.test_cli import in_process
 
 
 def _request(repo: Path, name: str, **kw: object) -> ExportRequest:
@@ -87,7 +88,7 @@ def test_resnet18_exports_in_both_formats_with_parity(tmp_path: Path) -> None:
 
 def test_a_broken_wrapper_is_refused_by_the_parity_gate(tmp_path: Path) -> None:
     source = from_architecture("smallcnn")
-    network = source.eager.network  # type: ignore[union-attr]
+    network = source.eager.get_submodule("network")
     wrong_std = tuple(s * 1.01 for s in source.spec.std)  # a 1% normalisation slip
     broken = Uint8Classifier(network, source.spec.mean, wrong_std)
     report = export_model(source.eager, source.spec, _request(tmp_path, "broken"), artifact_model=broken)
@@ -128,13 +129,17 @@ def test_fp16_variants_are_written_and_reported_unchecked_without_a_gpu(tmp_path
 
 
 ZOO = architecture_names()  # every registered model; tests/models/test_registry.py pins which ones those are
+# The smallest square input each one takes: the registry's floor of 8, but ConvNeXt's 4x4 stem and three 2x2
+# downsamplings need 32. The exporter, the graph and the gate are the same at any size; only the arithmetic shrinks.
+SMALLEST_INPUT = {"convnext_tiny": 32}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_every_zoo_model_exports_to_both_formats(name: str, tmp_path: Path) -> None:
-    source = from_architecture(name, input_size=32 if name == "smallcnn" else 64)  # small inputs keep CI fast
-    report = export_model(source.eager, source.spec, _request(tmp_path, name, max_batch_size=4))
+    source = from_architecture(name, input_size=SMALLEST_INPUT.get(name, 8))
+    # A largest batch of 8 gives the gate its fewest images: batches of 1, 7 and 8 reach MIN_RANDOM_IMAGES (16).
+    report = export_model(source.eager, source.spec, _request(tmp_path, name, max_batch_size=8))
     assert report.ok, [a.parity.describe() for a in report.artifacts]
     _assert_parity_recorded(tmp_path / name / "1", {"onnx", "torchscript"})
 
@@ -144,9 +149,11 @@ def _visionserve(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_export_command_prints_a_report_with_sizes_parity_and_latency(tmp_path: Path) -> None:
+    """A real process: the command as a user starts it, its imports in a fresh interpreter."""
     proc = _visionserve(
-        "export", "--arch", "smallcnn", "--name", "tiny", "--repository", str(tmp_path), "--no-progress"
-    )
+        "export", "--arch", "smallcnn", "--input-size", "8", "--name", "tiny", "--repository", str(tmp_path),
+        "--no-progress",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "model.onnx" in out and "model.pt" in out and "opset 20" in out
@@ -155,21 +162,38 @@ def test_export_command_prints_a_report_with_sizes_parity_and_latency(tmp_path: 
     assert (tmp_path / "tiny" / "1" / "spec.json").is_file()
 
 
-def test_export_command_refuses_bad_arguments_cleanly(tmp_path: Path) -> None:
-    proc = _visionserve(
-        "export", "--arch", "smallcnn", "--name", "t", "--repository", str(tmp_path), "--formats", "tflite"
+def test_export_command_refuses_bad_arguments_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused before any model is built: ``main`` in this process, as a process would run it (a process per
+    refusal imported torch again, 3-9 s apiece)."""
+    import export.sources
+
+    def no_model_work(*_args: object, **_kw: object) -> None:
+        raise AssertionError("a model was built before the arguments were checked")
+
+    monkeypatch.setattr(export.sources, "from_architecture", no_model_work)
+    proc = in_process(
+        capsys, "export", "--arch", "smallcnn", "--name", "t", "--repository", str(tmp_path), "--formats", "tflite"
     )
     assert proc.returncode == 2 and "--formats" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _visionserve("export", "--onnx", "x.onnx", "--name", "t", "--repository", str(tmp_path))
+    proc = in_process(capsys, "export", "--onnx", "x.onnx", "--name", "t", "--repository", str(tmp_path))
     assert proc.returncode == 2 and "--labels is required" in proc.stderr
 
 
 # ---- models from elsewhere ---------------------------------------------------------------------------------------
 
 
+# The floor visionserve sets for its own models' inputs (resnet18 pads its way down to 1x1 maps from there): the
+# wrapping, probing and parity paths are the same at any size, the arithmetic is not. The commands run through
+# ``main`` in this process, as a process would run them: a process apiece imported torch again, 3-9 s each.
+OUTSIDE_SIZE = 8
+
+
 @pytest.fixture(scope="module")
 def outside_resnet18(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """torchvision resnet18 exported outside visionserve by plain torch.onnx.export and torch.jit.trace."""
+    """torchvision resnet18 exported outside visionserve by plain torch.onnx.export and torch.jit.trace, for an
+    input of OUTSIDE_SIZE."""
     import warnings
 
     import torchvision
@@ -177,7 +201,7 @@ def outside_resnet18(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     folder = tmp_path_factory.mktemp("outside")
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None).eval()
-    x = torch.randn(1, 3, 224, 224)
+    x = torch.randn(1, 3, OUTSIDE_SIZE, OUTSIDE_SIZE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (x,), str(folder / "static.onnx"))  # the plainest call: batch fixed at 1
@@ -198,10 +222,13 @@ def outside_resnet18(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
-def test_a_torchvision_onnx_exported_elsewhere_goes_in(outside_resnet18: dict[str, Path], tmp_path: Path, kind: str):
-    proc = _visionserve(
-        "export", "--onnx", str(outside_resnet18[kind]), "--labels", str(outside_resnet18["labels"]),
-        "--input-size", "224", "--name", "r18", "--repository", str(tmp_path), "--no-latency", "--no-progress",
+def test_a_torchvision_onnx_exported_elsewhere_goes_in(
+    outside_resnet18: dict[str, Path], tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc = in_process(
+        capsys, "export", "--onnx", str(outside_resnet18[kind]), "--labels", str(outside_resnet18["labels"]),
+        "--input-size", str(OUTSIDE_SIZE), "--name", "r18", "--repository", str(tmp_path), "--no-latency",
+        "--no-progress",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     entry = ModelRepository(tmp_path).model("r18")
@@ -218,19 +245,24 @@ def test_a_torchvision_onnx_exported_elsewhere_goes_in(outside_resnet18: dict[st
         runtime.close()
 
 
-def test_a_torchscript_model_from_elsewhere_goes_in(outside_resnet18: dict[str, Path], tmp_path: Path) -> None:
-    proc = _visionserve(
-        "export", "--torchscript", str(outside_resnet18["traced"]), "--labels", str(outside_resnet18["labels"]),
-        "--input-size", "224", "--name", "r18ts", "--repository", str(tmp_path), "--no-latency", "--no-progress",
+def test_a_torchscript_model_from_elsewhere_goes_in(
+    outside_resnet18: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc = in_process(
+        capsys, "export", "--torchscript", str(outside_resnet18["traced"]), "--labels", str(outside_resnet18["labels"]),
+        "--input-size", str(OUTSIDE_SIZE), "--name", "r18ts", "--repository", str(tmp_path), "--no-latency",
+        "--no-progress",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ModelRepository(tmp_path).model("r18ts").latest.files.keys() == {"torchscript"}
 
 
-def test_outside_model_with_the_wrong_label_count_is_refused(outside_resnet18: dict[str, Path], tmp_path: Path):
-    proc = _visionserve(
-        "export", "--onnx", str(outside_resnet18["dynamic"]), "--labels", str(outside_resnet18["short"]),
-        "--input-size", "224", "--name", "bad", "--repository", str(tmp_path),
+def test_outside_model_with_the_wrong_label_count_is_refused(
+    outside_resnet18: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc = in_process(
+        capsys, "export", "--onnx", str(outside_resnet18["dynamic"]), "--labels", str(outside_resnet18["short"]),
+        "--input-size", str(OUTSIDE_SIZE), "--name", "bad", "--repository", str(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 2
     assert "3 labels" in proc.stderr and "Traceback" not in proc.stderr
