@@ -44,11 +44,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Everything: lint, types, the whole suite in .venv, then the serving install built from scratch and used as a user
-# would (test-serve-only).
+# Everything: lint, types, the whole suite in .venv (scripts/test-suite.sh: the tests that only wait on processes
+# side by side in TEST_WORKERS processes, then the tests that judge timing or load alone), then the serving install
+# built from scratch and used as a user would (test-serve-only).
+TEST_WORKERS ?= 2
 test: lint
 	scripts/install-browser.sh
-	$(BIN)/pytest $(PYTEST_ARGS)
+	BIN=$(BIN) TEST_WORKERS=$(TEST_WORKERS) scripts/test-suite.sh $(PYTEST_ARGS)
 	$(MAKE) test-serve-only
 
 test-fast: $(STAMP)

@@ -15,13 +15,11 @@ what is measured is what users run:
    p99 stays under 15 ms;
 8. train smallcnn on digits on CUDA (AMP, channels-last), and with DDP through torchrun where two GPUs exist.
 
-Every step that cannot run says why in the report (``skipped``); one that fails is recorded with its reason and
-the next one still runs; the report is written after every step. ``--dry-run`` runs the same
-steps with the same arguments on the CPU with tiny sizes (smallcnn, 8x8 digits, short durations, one intra-op thread):
-the device and the sizes are the only difference, so CI proves the command itself. The exit status is 1 when a GPU
-test fails or a step errs, else 0. Budget: 545 s on one H100 (the same in the dry run), cut into a share per step
-(:data:`STEP_SHARE_S`); a step may use what the steps before it left unused, never what the steps after it are owed,
-and its commands are stopped at its deadline.
+Every step that cannot run says why in the report (``skipped``); one that fails is recorded with its reason and the
+next one still runs; the report is written after every step. ``--dry-run``: the same steps and arguments on the CPU
+with tiny sizes (smallcnn, 8x8 digits, short durations, one thread), so CI proves the command itself. Exit 1 when a
+GPU test fails or a step errs, else 0. Budget: 545 s (dry run too), a share per step (:data:`STEP_SHARE_S`); a step
+may use what earlier steps left, never what later ones are owed; its commands are stopped at its deadline.
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ class Check:
         site = Path(args.site).resolve()
         path = [str(ROOT), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
-        if self.dry:  # torch's threads spin against each other and all else on a shared CPU, where speed is not
-            # what the dry run proves: on 2 cores at load ~9, one thread cut train from 41 to 12 s, export from 62 to 35
+        if self.dry:  # one thread: two spun against all else on a busy 2-core CPU (train 41 s -> 12 s with one)
             self.env.setdefault("OMP_NUM_THREADS", "1")
         self.site = site
         self.repo = self.out / "repo"
@@ -247,7 +244,7 @@ class Check:
             if proc.returncode != 0:
                 raise StepError(f"pip install from {wheels_dir} failed: {proc.stderr.strip()[-400:]}")
             importlib.invalidate_caches()
-            unimportable = self._unimportable(needed)  # tried again only when something was installed
+            unimportable = self._unimportable(needed)  # again only when something was installed
         self.missing = set(unimportable)
         result["missing_after"] = sorted(self.missing)
         return result
@@ -441,12 +438,9 @@ def say(message: str) -> None:
 
 
 def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    values = [int(x) for x in text.split(",") if x.strip().isdigit()]
+    if not values or min(values) < 1 or len(values) != len([x for x in text.split(",") if x.strip()]):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
     return values
 
 
@@ -487,9 +481,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.slo_start_rate = 20 if dry else 500
     args.slo_max_steps = 2 if dry else 6
     args.train_epochs = 1 if dry else 3
-    # 32: smallcnn's own input (the real run trains as it always has); 8: the digits' own size, a sixteenth of the
-    # work (one epoch in 0.2 s instead of 3.1 s on one thread)
-    args.train_input_size = 8 if dry else 32
+    args.train_input_size = 8 if dry else 32  # smallcnn's own 32; 8, the digits' own size: an epoch 3.1 s -> 0.2 s
     args.decode_batch = 4 if dry else 64
     args.serve_batch = 4 if dry else 64
     args.serve_instances = 1 if dry else 2

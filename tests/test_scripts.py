@@ -27,6 +27,7 @@ SMOKE_TESTED = {
     "gpu_check.py": "tests/test_gpu_check.py",
     "install-browser.sh": "test_install_browser_is_quiet_when_both_are_there",
     "make_folder_dataset.py": "test_make_folder_dataset_writes_its_classes",
+    "test-suite.sh": "test_the_suite_script_runs_both_phases_on_what_it_is_given",
 }
 
 
@@ -87,6 +88,32 @@ def test_install_browser_is_quiet_when_both_are_there(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(SCRIPTS / "install-browser.sh")], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout == done.stderr == ""
+
+
+def test_the_suite_script_runs_both_phases_on_what_it_is_given(tmp_path: Path) -> None:
+    """`make test`'s runner on a module of its own: the tests not marked `alone` in the parallel phase, the `alone`
+    one after them, and a failure in either phase fails the whole."""
+
+    def suite(alone_passes: bool) -> subprocess.CompletedProcess[str]:
+        module = tmp_path / f"test_phases_{alone_passes}.py"
+        module.write_text(
+            "import os, pytest\n"
+            "def test_in_a_worker():\n    assert os.environ['PYTEST_XDIST_WORKER']\n"
+            "@pytest.mark.alone\n"
+            f"def test_alone():\n    assert 'PYTEST_XDIST_WORKER' not in os.environ and {alone_passes}\n"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VISIONSERVE_TEST_"))}
+        env["BIN"] = str(Path(sys.executable).parent)
+        return subprocess.run(["bash", str(SCRIPTS / "test-suite.sh"), "-q", "-p", "no:cacheprovider", "--rootdir",
+                               str(ROOT), "-c", str(ROOT / "pyproject.toml"), str(module)],
+                              cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+
+    passing = suite(alone_passes=True)
+    assert passing.returncode == 0, passing.stdout + passing.stderr
+    assert "parallel phase exit 0, alone phase exit 0" in passing.stdout
+    assert passing.stdout.count("1 passed") == 2  # each phase ran its one test
+    failing = suite(alone_passes=False)
+    assert failing.returncode == 1 and "parallel phase exit 0, alone phase exit 1" in failing.stdout, failing.stdout
 
 
 @pytest.mark.slow

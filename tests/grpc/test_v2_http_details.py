@@ -79,7 +79,7 @@ def test_a_compression_bomb_is_413_and_the_server_lives_on(both: GrpcServer) -> 
     [
         ("br", b"x", 415, "Content-Encoding 'br' is not taken"),
         ("gzip", b"not gzip at all", 400, "not valid gzip"),
-        ("gzip", gzip.compress(b'{"inputs": []}')[:-6], 400, "truncated"),
+        ("gzip", gzip.compress(b'{"inputs": []}', mtime=0)[:-6], 400, "truncated"),
     ],
 )
 def test_bad_encodings(both: GrpcServer, encoding: str, body: bytes, status: int, message: str) -> None:
