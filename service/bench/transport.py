@@ -26,7 +26,7 @@ from service.bench.kit import Flag, ms
 from service.core.arguments import comma_ints
 from service.transport import shm
 from service.transport.client import EngineClient
-from service.transport.messages import Catalog, Result, Snapshot, Submit
+from service.transport.messages import Catalog, Result, Snapshot, Submit, Tensor
 from service.transport.server import EngineEndpoint
 
 CLASSES = 10
@@ -38,11 +38,11 @@ class _Echo:
 
     def __init__(self, endpoint: EngineEndpoint) -> None:
         self.endpoint = endpoint
-        self.logits = np.zeros((1, CLASSES), dtype=np.float32).tobytes()
+        self.outputs = [Tensor.of("logits", np.zeros((1, CLASSES), dtype=np.float32))]
 
     def submit(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
         _ = images[0, 0, 0, 0]
-        self.endpoint.send(peer, Result(message.id, self.logits, CLASSES, None, 0.0, 0.0, [1]))
+        self.endpoint.send(peer, Result(message.id, self.outputs, None, 0.0, 0.0, [1]))
 
     def cancel(self, peer: bytes, request: int) -> None:
         pass

@@ -37,12 +37,33 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     why_not_resident: str | None = None
 
 
+LOGITS_OUTPUT = "logits"
+
+
+class OutputInfo(msgspec.Struct, frozen=True, array_like=True):
+    """One named output of a model, as its runtime learned it at load: ``dtype`` a numpy dtype name (``float32``,
+    ``int64``), ``shape`` the shape of one image's part (the batch dimension left out; fixed per model, any rank)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def empty(self, n: int) -> np.ndarray:
+        """Zeros for ``n`` images: the rows of images that fail stay zero."""
+        return np.zeros((n, *self.shape), dtype=self.dtype)
+
+
+def classification_outputs(num_classes: int) -> tuple[OutputInfo, ...]:
+    """A classifier's one output, as exported (``export/artifacts.py`` names it ``logits``): float32 per class."""
+    return (OutputInfo(LOGITS_OUTPUT, "float32", (num_classes,)),)
+
+
 @dataclass
 class InferResult:
-    """A request's answer, on either side of the transport: logits per image (rows of failed images are zero) and
-    each image's own error, if any."""
+    """A request's answer, on either side of the transport: each named output of the model, batch-first in the
+    model's order (rows of failed images are zero), and each image's own error, if any."""
 
-    logits: np.ndarray
+    outputs: dict[str, np.ndarray]
     errors: list[VisionServeError | None]
     queue_s: float = 0.0
     compute_s: float = 0.0
@@ -55,3 +76,8 @@ class InferResult:
     done: float = 0.0
     cold_start_s: float = 0.0  # waited for the model's load (an on-demand model's first request, or a miss)
     version: int = 0  # the version that answered, where it is not the one asked (a canary's candidate); 0: that one
+
+    @property
+    def logits(self) -> np.ndarray:
+        """The first output: a classifier's logits ``[N, classes]`` (its only output)."""
+        return next(iter(self.outputs.values()))

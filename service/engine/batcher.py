@@ -33,7 +33,7 @@ from service.core.status import InferResult
 from service.engine.instances import DeviceLost, InstancePool, Outcome, PoolConfig, StateChanged
 from service.engine.pending import DEFAULT_PRIORITY, ImageQueue, Pending, QueuedImage, Release, deliver
 from service.engine.policy import BatchPolicy, make_policy
-from service.runtime.base import RuntimeLike
+from service.runtime.base import Outputs, RuntimeLike
 
 __all__ = ["Batcher", "BatcherConfig", "DeviceLost", "InferRequest", "InferResult", "Observer", "StateChanged"]
 
@@ -108,6 +108,7 @@ class Batcher:
         self.config = config or BatcherConfig()
         self.name = name
         self.spec = instances[0].spec
+        self.outputs = instances[0].outputs  # every instance of a model answers the same named outputs
         self.observer = observer
         self.policy = policy if policy is not None else self.config.make_policy()
         self._pool = InstancePool(instances, self.config.pool_config(), name=name, on_device_lost=on_device_lost,
@@ -216,7 +217,7 @@ class Batcher:
             )
         future: asyncio.Future[InferResult] = self._loop.create_future()
         now = time.monotonic()
-        pending = Pending(future, n, self.spec.num_classes, now)
+        pending = Pending(future, n, self.outputs, now)
         pending.on_released = on_released
         timeout_ms = request.timeout_ms or self.config.default_timeout_ms
         if timeout_ms and timeout_ms > 0:
@@ -279,9 +280,9 @@ class Batcher:
         outcome = Outcome()
         try:
 
-            def answer(rows: list[int], logits: np.ndarray | None, error: VisionServeError | None) -> None:
+            def answer(rows: list[int], outputs: Outputs | None, error: VisionServeError | None) -> None:
                 part = items if len(rows) == len(items) else [items[row] for row in rows]
-                deliver(part, logits, error, started, len(rows))
+                deliver(part, outputs, error, started, len(rows))
 
             outcome = await self._pool.compute(instance, [item.image for item in items], answer)
             if not outcome.healthy:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from service.core.errors import VisionServeError
-from service.core.status import InferResult
+from service.core.status import InferResult, OutputInfo
 
 DEFAULT_PRIORITY = 0
 
@@ -70,17 +70,20 @@ class Release:
 
 
 class Pending:
-    """One request in flight: its caller's future and the answers of its images so far."""
+    """One request in flight: its caller's future and the answers of its images so far (one array per named output
+    of the model, ``n`` rows each, zero until answered)."""
 
-    __slots__ = ("batch", "batch_sizes", "compute_s", "done", "errors", "future", "inflight", "instance", "logits",
-                 "on_released", "queue_s", "received", "remaining", "timer")  # fmt: skip
+    __slots__ = ("batch", "batch_sizes", "compute_s", "done", "errors", "future", "inflight", "instance",
+                 "on_released", "outputs", "queue_s", "received", "remaining", "timer")  # fmt: skip
 
-    def __init__(self, future: asyncio.Future[InferResult], n: int, num_classes: int, received: float) -> None:
+    def __init__(
+        self, future: asyncio.Future[InferResult], n: int, outputs: tuple[OutputInfo, ...], received: float
+    ) -> None:
         self.future = future
         self.received = received  # time.monotonic() stamps: queued, an instance free, the batch dispatched
         self.instance = received
         self.batch = received
-        self.logits = np.zeros((n, num_classes), dtype=np.float32)
+        self.outputs = {info.name: info.empty(n) for info in outputs}
         self.errors: list[VisionServeError | None] = [None] * n
         self.remaining = n
         self.done = False
@@ -126,7 +129,7 @@ class Pending:
             self.future.set_exception(error)
         else:
             self.future.set_result(
-                InferResult(self.logits, self.errors, self.queue_s, self.compute_s, self.batch_sizes,
+                InferResult(self.outputs, self.errors, self.queue_s, self.compute_s, self.batch_sizes,
                             self.received, self.instance, self.batch, time.monotonic())
             )  # fmt: skip
 
@@ -145,18 +148,25 @@ class QueuedImage:
 
 
 def deliver(
-    items: list[QueuedImage], logits: np.ndarray | None, error: VisionServeError | None, started: float, size: int
+    items: list[QueuedImage],
+    outputs: dict[str, np.ndarray] | None,
+    error: VisionServeError | None,
+    started: float,
+    size: int,
 ) -> None:
-    """Answer ``items`` (of a batch of ``size`` dispatched at ``started``): a row of ``logits`` each, or ``error``;
-    a request is resolved with its last image."""
+    """Answer ``items`` (of a batch of ``size`` dispatched at ``started``): a row of each of ``outputs`` each (one
+    copy per output), or ``error``; a request is resolved with its last image."""
     compute_s = time.monotonic() - started
+    answered = list(outputs.items()) if outputs is not None else None
     for row, item in enumerate(items):
         item.delivered = True
         pending = item.pending
         if pending.done:
             continue
-        if logits is not None:
-            pending.logits[item.index] = logits[row]
+        if answered is not None:
+            into = pending.outputs
+            for name, array in answered:
+                into[name][item.index] = array[row]
         else:
             pending.errors[item.index] = error
         pending.queue_s = max(pending.queue_s, started - item.enqueued)

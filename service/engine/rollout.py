@@ -285,12 +285,15 @@ class Rollouts:
             primary = await asyncio.shield(beside if beside is not None else rescue())
         except VisionServeError:
             return result
-        logits, errors = result.logits.copy(), list(result.errors)  # the comparison reads the candidate's own
+        # Copies: the comparison reads the candidate's own answers.
+        outputs, errors = {name: array.copy() for name, array in result.outputs.items()}, list(result.errors)
         for i in failed:
             if primary.errors[i] is None:
-                logits[i], errors[i] = primary.logits[i], None
+                errors[i] = None
+                for name, array in outputs.items():
+                    array[i] = primary.outputs[name][i]
         alone = len(failed) == len(errors) and all(e is None for e in errors)  # every row the primary's: it answered
-        return dataclasses.replace(result, logits=logits, errors=errors, version=0 if alone else candidate)
+        return dataclasses.replace(result, outputs=outputs, errors=errors, version=0 if alone else candidate)
 
     async def _compare(
         self,

@@ -53,6 +53,7 @@ from service.transport.messages import (
     Stamps,
     StatsQuery,
     Submit,
+    Tensor,
     UnloadQuery,
     VersionKey,
     WireError,
@@ -282,9 +283,9 @@ class EngineServer:
         released.answered(error=False)
         result = future.result()
         errors = [None if e is None else WireError.of(e) for e in result.errors]
-        logits = np.ascontiguousarray(result.logits, dtype=np.float32)
+        outputs = [Tensor.of(name, array) for name, array in result.outputs.items()]
         stamps = Stamps(result.received, result.instance, result.batch, result.done)
-        self.endpoint.send(peer, Result(number, logits.tobytes(), int(logits.shape[1]), errors if any(errors) else None,
+        self.endpoint.send(peer, Result(number, outputs, errors if any(errors) else None,
                                         result.queue_s, result.compute_s, result.batch_sizes, stamps,
                                         result.cold_start_s, result.version or version))  # fmt: skip
 

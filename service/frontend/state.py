@@ -170,7 +170,7 @@ class ModelSlot:
             raise
         stats = self.answered_by(result.version).stats
         stats.success += 1
-        stats.images += len(result.logits)
+        stats.images += len(result.errors)
         stats.queue_ns += int(result.queue_s * 1e9)
         stats.compute_ns += int(result.compute_s * 1e9)
         stats.preprocess_ns += int(timing.preprocess_s * 1e9)
@@ -194,7 +194,7 @@ class ModelSlot:
         )  # fmt: skip
         result = answer.result
         timing.sent, timing.answered = answer.sent, answer.answered
-        logits = np.frombuffer(result.logits, dtype=np.float32).reshape(n, result.classes)
+        outputs = {tensor.name: tensor.array(n) for tensor in result.outputs}  # over the message's bytes
         errors: list[VisionServeError | None] = (
             [None if e is None else e.exception() for e in result.errors] if result.errors else [None] * n
         )
@@ -204,7 +204,7 @@ class ModelSlot:
         timing.engine = result.stamps
         timing.version = result.version
         return InferResult(
-            logits, errors, result.queue_s, result.compute_s, list(result.batch_sizes), version=result.version
+            outputs, errors, result.queue_s, result.compute_s, list(result.batch_sizes), version=result.version
         )
 
 

@@ -1,11 +1,11 @@
 """What a model's answers mean: its task, one class per task behind one small interface (:class:`Task`).
 
-The engine never knows tasks: it batches uint8 tensors and answers what the model computed (today one float32
-logits array per request, :class:`~service.core.status.InferResult`). A task turns that into what the protocols
-answer, in one function (:meth:`Task.postprocess`): the v2 output tensors, which HTTP and gRPC write alike
-(:class:`OutputTensor`), and each image's top-k predictions (the image API and the streams). It also says which
-outputs a v2 request may ask for (:meth:`Task.wanted`) and lists them in metadata (:meth:`Task.outputs`). A new task
-(detection) is one new class here plus its encoders; no protocol handler changes.
+The engine never knows tasks: it batches uint8 tensors and answers what the model computed (each of the model's
+named outputs, batch-first, in its own dtype and per-image shape: :class:`~service.core.status.InferResult`). A
+task turns that into what the protocols answer, in one function (:meth:`Task.postprocess`): the v2 output tensors,
+which HTTP and gRPC write alike (:class:`OutputTensor`), and each image's top-k predictions (the image API and the
+streams). It also says which outputs a v2 request may ask for (:meth:`Task.wanted`) and lists them in metadata
+(:meth:`Task.outputs`). A new task (detection) is one new class here plus its encoders; no protocol handler changes.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class Classify:
         return tuple(wanted)
 
     def postprocess(self, result: InferResult, want: Want) -> Post:
-        logits = result.logits
+        logits = result.logits  # a classifier's one output
         tensors = [self._tensor(logits, out) for out in want.outputs]
         best = predictions(softmax(logits), self.labels, want.top_k) if want.top_k else []
         return Post(tensors, best)

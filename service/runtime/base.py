@@ -1,4 +1,9 @@
-"""The runtime seam: ``spec``, ``run(batch) -> logits``, ``close()``, and a worker thread of its own.
+"""The runtime seam: ``spec``, ``outputs``, ``run(batch) -> outputs``, ``close()``, and a worker thread of its own.
+
+A model answers one or several named outputs (a classifier its logits; a detector boxes, scores and labels), each
+with a dtype and a per-image shape the runtime learns at load (:attr:`Runtime.outputs`). :meth:`Runtime.submit_outputs`
+answers them all, batch-first, by name: the engine's path. :meth:`Runtime.run` and :meth:`Runtime.submit` answer the
+first one alone, for the callers that read a classifier's logits (export's parity gate, benchmarks, tune).
 
 A runtime instance loads, warms up and runs every forward on one dedicated thread: torch's CPU forward was
 measured 1.3-2x slower when a model was loaded on one thread and run on another, and it keeps device state
@@ -19,11 +24,15 @@ import numpy as np
 
 from service.core.errors import BadInputError, DeviceFailure, RuntimeFailure, VisionServeError
 from service.core.spec import ModelSpec
+from service.core.status import OutputInfo, classification_outputs
 from service.runtime.faults import FaultPlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Batch = np.ndarray | Sequence[np.ndarray]  # a uint8 [N, C, H, W] array, or N uint8 [C, H, W] images to stack
+Outputs = dict[str, np.ndarray]  # a batch's named outputs, batch-first, in the model's order
+# What a subclass's ``_forward`` may give: one array (a one-output model), arrays in order, or arrays by name.
+Forwarded = np.ndarray | Sequence[np.ndarray] | dict[str, np.ndarray]
 
 
 class RuntimeLike(Protocol):
@@ -32,9 +41,11 @@ class RuntimeLike(Protocol):
     spec: ModelSpec
     device: str
     kind: str
+    outputs: tuple[OutputInfo, ...]
 
     def run(self, batch: Batch) -> np.ndarray: ...
     def submit(self, batch: Batch) -> Future[np.ndarray]: ...
+    def submit_outputs(self, batch: Batch) -> Future[Outputs]: ...
     def close(self) -> None: ...
     def abandon(self) -> None: ...
     def describe(self) -> dict[str, Any]: ...
@@ -53,6 +64,8 @@ class Runtime:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.kind}-{name}-{device}")
         self._thread_id: int | None = None
+        # A classifier's one output unless the subclass's load learns others from the model.
+        self.outputs: tuple[OutputInfo, ...] = classification_outputs(spec.num_classes)
         try:
             self._call(self._load_on_worker)
         except BaseException:  # a runtime that failed to load must not leave its worker thread behind
@@ -62,22 +75,32 @@ class Runtime:
 
     # ---- the seam -------------------------------------------------------------------------------------------
     def run(self, batch: Batch) -> np.ndarray:
-        """Logits ``[N, num_classes]`` (float32) for a uint8 batch ``[N, C, H, W]``; blocks until done."""
+        """The first output (a classifier's logits ``[N, num_classes]``, float32) for a uint8 batch
+        ``[N, C, H, W]``; blocks until done."""
         return self.submit(batch).result()
 
     def submit(self, batch: Batch) -> Future[np.ndarray]:
-        """Queue ``batch`` on the worker thread; the future holds the logits or a :class:`VisionServeError`.
+        """Queue ``batch`` on the worker thread; the future holds the first output or a :class:`VisionServeError`."""
+        self._check(batch)
+        return self._executor.submit(self._first_on_worker, batch)
+
+    def submit_outputs(self, batch: Batch) -> Future[Outputs]:
+        """Queue ``batch`` on the worker thread; the future holds every output by name (batch-first, the dtypes and
+        per-image shapes of :attr:`outputs`) or a :class:`VisionServeError`.
 
         A list of images is stacked on the worker thread into a buffer this instance reuses (it runs one batch at
         a time), so the copy costs no allocation and stays off the caller's thread.
         """
+        self._check(batch)
+        return self._executor.submit(self._outputs_on_worker, batch)
+
+    def _check(self, batch: Batch) -> None:
         if self._closed:
             raise RuntimeFailure(f"runtime for {self.name} on {self.device} is closed")
         if isinstance(batch, np.ndarray):
             self._check_batch(batch)
         else:
             self._check_images(batch)
-        return self._executor.submit(self._run_on_worker, batch)
 
     def close(self) -> None:
         """Release the model and stop the worker thread (after any batch in progress)."""
@@ -128,23 +151,49 @@ class Runtime:
             buffer = self._stage = np.empty((n, s.channels, s.height, s.width), dtype=np.uint8)
         return buffer[:n]
 
-    def _run_on_worker(self, batch: Batch) -> np.ndarray:
+    def _first_on_worker(self, batch: Batch) -> np.ndarray:
+        return next(iter(self._outputs_on_worker(batch).values()))
+
+    def _outputs_on_worker(self, batch: Batch) -> Outputs:
+        return self._named(self._run_on_worker(batch), len(batch))
+
+    def _run_on_worker(self, batch: Batch) -> Forwarded:
         if not isinstance(batch, np.ndarray):
             batch = np.stack(batch, out=self._staging(len(batch)))
         try:
             if self.faults is not None:
                 self.faults.before_batch(len(batch))
-            out = self._forward(batch)
+            return self._forward(batch)
         except VisionServeError:
             raise
         except Exception as exc:  # translated at the seam; the original stays attached for the logs
             raise self._translate(exc) from exc
-        if out.ndim != 2 or out.shape[0] != batch.shape[0] or out.shape[1] != self.spec.num_classes:
-            raise RuntimeFailure(
-                f"{self.kind} runtime for {self.name} returned shape {tuple(out.shape)} "
-                f"for a batch of {batch.shape[0]}: expected [{batch.shape[0]}, {self.spec.num_classes}]"
-            )
-        return out
+
+    def _named(self, out: Forwarded, n: int) -> Outputs:
+        """``out`` by name in :attr:`outputs`' order, each checked against its info (``n`` rows, its per-image
+        shape) and in its dtype (no copy where it already is)."""
+        infos = self.outputs
+        if isinstance(out, np.ndarray):
+            arrays: list[Any] = [out]
+        elif isinstance(out, dict):
+            arrays = [out.get(info.name) for info in infos]
+        else:
+            arrays = list(out)
+        named: Outputs = {}
+        if len(arrays) == len(infos):
+            for info, array in zip(infos, arrays, strict=True):
+                if array is None or array.ndim != len(info.shape) + 1:
+                    break
+                if array.shape[0] != n or tuple(array.shape[1:]) != info.shape:
+                    break
+                named[info.name] = array if array.dtype == info.dtype else array.astype(info.dtype)
+        if len(named) == len(infos):
+            return named
+        got = ", ".join(f"{list(np.shape(a))}" for a in (out.values() if isinstance(out, dict) else arrays))
+        expected = ", ".join(f"{i.name} [{', '.join(map(str, (n, *i.shape)))}]" for i in infos)
+        raise RuntimeFailure(
+            f"{self.kind} runtime for {self.name} returned shape {got} for a batch of {n}: expected {expected}"
+        )
 
     def _check_batch(self, batch: np.ndarray) -> None:
         s = self.spec.input
@@ -188,7 +237,8 @@ class Runtime:
     def _load(self) -> None:
         raise NotImplementedError
 
-    def _forward(self, batch: np.ndarray) -> np.ndarray:
+    def _forward(self, batch: np.ndarray) -> Forwarded:
+        """The model's outputs for ``batch``: one array, arrays in :attr:`outputs`' order, or arrays by name."""
         raise NotImplementedError
 
     def _release(self) -> None:

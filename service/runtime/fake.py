@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from service.core.spec import ModelSpec
-from service.runtime.base import Batch, Runtime, RuntimeLike
+from service.runtime.base import Batch, Forwarded, Outputs, Runtime, RuntimeLike
 
 Fault = Callable[[np.ndarray], Exception | None]
 
@@ -42,7 +42,7 @@ class FakeRuntime(Runtime):
     def _load(self) -> None:
         return None
 
-    def _run_on_worker(self, batch: Batch) -> np.ndarray:
+    def _run_on_worker(self, batch: Batch) -> Forwarded:
         overridden = type(self)._forward is not FakeRuntime._forward
         slow = self.fault is not None or self.delay_s or self.faults is not None or overridden
         if isinstance(batch, np.ndarray) or slow:
@@ -73,17 +73,26 @@ class FaultInjectingRuntime:
         self.spec = inner.spec
         self.device = device or inner.device
         self.kind = inner.kind
+        self.outputs = inner.outputs
 
     def run(self, batch: Batch) -> np.ndarray:
         return self.submit(batch).result()
 
     def submit(self, batch: Batch) -> Future[np.ndarray]:
+        failed = self._failed(batch)
+        return self.inner.submit(batch) if failed is None else failed
+
+    def submit_outputs(self, batch: Batch) -> Future[Outputs]:
+        failed = self._failed(batch)
+        return self.inner.submit_outputs(batch) if failed is None else failed
+
+    def _failed(self, batch: Batch) -> Future[Any] | None:
         error = self.fault(batch if isinstance(batch, np.ndarray) else np.stack(batch))
-        if error is not None:
-            failed: Future[np.ndarray] = Future()
-            failed.set_exception(error)
-            return failed
-        return self.inner.submit(batch)
+        if error is None:
+            return None
+        failed: Future[Any] = Future()
+        failed.set_exception(error)
+        return failed
 
     def close(self) -> None:
         self.inner.close()

@@ -18,6 +18,7 @@ import numpy as np
 
 from service.core.errors import ConfigError, DeviceFailure, OutOfMemoryError, RuntimeFailure, VisionServeError
 from service.core.spec import ModelSpec
+from service.core.status import OutputInfo
 from service.runtime.base import Runtime
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,20 @@ def translate_onnxruntime_error(exc: BaseException, device: str) -> VisionServeE
         return DeviceFailure(f"onnxruntime device failure on {device}: {type(exc).__name__}: {text}")
     return RuntimeFailure(f"onnxruntime failed on {device}: {type(exc).__name__}: {text}")
 
+
+# onnxruntime's output types, as served: floating ones as float32 (see OnnxRuntime._output_infos)
+ONNX_DTYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float32",
+    "tensor(bfloat16)": "float32",
+    "tensor(double)": "float32",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int16)": "int16",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+}
 
 NO_CUDA_PROVIDER = "onnxruntime here has no CUDA execution provider"
 
@@ -177,25 +192,48 @@ class OnnxRuntime(Runtime):
             described = ", ".join(f"{i.name}: {i.type}" for i in inputs)
             raise ConfigError(f"{self.path} must take one uint8 tensor, takes {described}")
         self.input_name = inputs[0].name
-        self.output_name = outputs[0].name
+        self.output_names = [o.name for o in outputs]
         if self.device.startswith("cuda"):
             # One binding, rebound per batch: the output is bound to the device with no shape, so onnxruntime
-            # allocates it at each batch's size and copy_outputs_to_cpu brings back exactly [N, classes].
+            # allocates it at each batch's size and copy_outputs_to_cpu brings back exactly [N, ...] of each.
             self.binding = self.session.io_binding()
+        self.outputs = self._output_infos(outputs)
 
-    def _forward(self, batch: np.ndarray) -> np.ndarray:
+    def _output_infos(self, outputs: list[Any]) -> tuple[OutputInfo, ...]:
+        """Each graph output's name, dtype and per-image shape. Floating outputs are served as float32 whatever the
+        graph computes in (an fp16 export answers what its fp32 source does); integer ones keep their dtype. A
+        per-image dimension the graph leaves symbolic is learned from one image's forward."""
+        shapes = [o.shape[1:] for o in outputs]
+        if not all(isinstance(d, int) for shape in shapes for d in shape):
+            c, h, w = self.spec.input.channels, self.spec.input.height, self.spec.input.width
+            probe = self._run_session(np.zeros((1, c, h, w), dtype=np.uint8))
+            shapes = [list(array.shape[1:]) for array in probe]
+        infos = []
+        for o, shape in zip(outputs, shapes, strict=True):
+            dtype = ONNX_DTYPES.get(o.type)
+            if dtype is None:
+                raise ConfigError(f"{self.path}: output {o.name} is a {o.type}, which is not served")
+            infos.append(OutputInfo(o.name, dtype, tuple(int(d) for d in shape)))
+        return tuple(infos)
+
+    def _run_session(self, batch: np.ndarray) -> list[np.ndarray]:
         if self.device.startswith("cuda"):
             # IO binding: one host-to-device copy of the uint8 batch, outputs copied back once.
             binding = self.binding
             binding.clear_binding_inputs()
             binding.clear_binding_outputs()
             binding.bind_cpu_input(self.input_name, np.ascontiguousarray(batch))
-            binding.bind_output(self.output_name, "cuda", _cuda_index(self.device))
+            for name in self.output_names:
+                binding.bind_output(name, "cuda", _cuda_index(self.device))
             self.session.run_with_iobinding(binding)
-            out = binding.copy_outputs_to_cpu()[0]
-        else:
-            out = self.session.run([self.output_name], {self.input_name: batch})[0]
-        return np.asarray(out, dtype=np.float32)
+            return list(binding.copy_outputs_to_cpu())
+        return list(self.session.run(self.output_names, {self.input_name: batch}))
+
+    def _forward(self, batch: np.ndarray) -> list[np.ndarray]:
+        return [
+            np.asarray(array, dtype=info.dtype)
+            for array, info in zip(self._run_session(batch), self.outputs, strict=True)
+        ]
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return translate_onnxruntime_error(exc, self.device)

@@ -29,6 +29,7 @@ import numpy as np
 
 from service.core.errors import ConfigError, DeviceFailure, OutOfMemoryError, RuntimeFailure, VisionServeError
 from service.core.spec import ModelSpec
+from service.core.status import LOGITS_OUTPUT, OutputInfo
 from service.runtime.base import Runtime
 
 # Text of CUDA failures that torch raises as plain RuntimeError (from cuBLAS/cuDNN, or through TorchScript's
@@ -58,6 +59,18 @@ def translate_torch_error(exc: BaseException, kind: str, device: str) -> VisionS
             return OutOfMemoryError(f"{kind} out of memory on {device}: {type(exc).__name__}: {exc}")
         return DeviceFailure(f"{kind} device failure on {device}: {type(exc).__name__}: {exc}")
     return RuntimeFailure(f"{kind} failed on {device}: {type(exc).__name__}: {exc}")
+
+
+def _flatten(out: Any) -> tuple[list[str], list[Any]]:
+    """A module's return value as named tensors in order (floating ones as float32: reduced precision is how it
+    ran, not what it answers)."""
+    if isinstance(out, dict):
+        names, tensors = [str(k) for k in out], list(out.values())
+    elif isinstance(out, (list, tuple)):
+        names, tensors = [f"output_{i}" for i in range(len(out))], list(out)
+    else:
+        names, tensors = [LOGITS_OUTPUT], [out]
+    return names, [t.float() if t.is_floating_point() else t for t in tensors]
 
 
 class TorchRuntime(Runtime):
@@ -120,28 +133,42 @@ class TorchRuntime(Runtime):
         self.module = self._load_module()
         self.amp_dtype = self._autocast_dtype()
         self.graphs: dict[int, tuple[Any, Any, Any]] = {}
+        self.outputs = self._probe_outputs()
         if self.cuda:
             c, h, w = self.spec.input.channels, self.spec.input.height, self.spec.input.width
             self.stream = torch.cuda.Stream(self.tdevice)
             self.host_in = torch.empty((self.max_batch_size, c, h, w), dtype=torch.uint8).pin_memory()
-            self.host_out = torch.empty((self.max_batch_size, self.spec.num_classes), dtype=torch.float32).pin_memory()
+            self.host_outs = [
+                torch.empty((self.max_batch_size, *info.shape), dtype=getattr(torch, info.dtype)).pin_memory()
+                for info in self.outputs
+            ]
             self.host_np = self.host_in.numpy()
             if self.use_cuda_graphs:
                 self.pool = torch.cuda.graph_pool_handle()
                 for size in sorted(bucket_sizes(self.max_batch_size), reverse=True):
                     self._capture(size)
 
-    def _model(self, x: Any) -> Any:
-        """The module's logits as float32, under autocast where the precision asks for it."""
+    def _model(self, x: Any) -> list[Any]:
+        """The module's outputs in order (floating ones as float32), under autocast where the precision asks."""
+        return _flatten(self._call_module(x))[1]
+
+    def _call_module(self, x: Any) -> Any:
         torch = self.torch
         if self.amp_dtype is None:
-            out = self.module(x)
-        else:
-            with torch.autocast(self.tdevice.type, dtype=self.amp_dtype, cache_enabled=False):
-                out = self.module(x)
-        if isinstance(out, (list, tuple)):
-            out = out[0]
-        return out.float()
+            return self.module(x)
+        with torch.autocast(self.tdevice.type, dtype=self.amp_dtype, cache_enabled=False):
+            return self.module(x)
+
+    def _probe_outputs(self) -> tuple[OutputInfo, ...]:
+        """The module's named outputs, from one zero image's forward: a tensor is a classifier's ``logits``, a
+        tuple or list gives ``output_0``, ``output_1``..., a dict its keys."""
+        torch = self.torch
+        with torch.inference_mode():
+            names, tensors = _flatten(self._call_module(self._layout(self._device_input(1))))
+        return tuple(
+            OutputInfo(name, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
+            for name, t in zip(names, tensors, strict=True)
+        )
 
     def _device_input(self, n: int) -> Any:
         """A graph's static input: contiguous NCHW like the pinned host buffer, so the copy in is one memcpy. A
@@ -168,8 +195,8 @@ class TorchRuntime(Runtime):
             # thread_local: another instance's thread (or the nvJPEG decoder) may allocate on this device while
             # this one captures; the default "global" mode would fail that thread's call.
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                static_out = self._model(self._layout(static_in))
-        self.graphs[size] = (graph, static_in, static_out)
+                static_outs = self._model(self._layout(static_in))
+        self.graphs[size] = (graph, static_in, static_outs)
 
     def _bucket(self, n: int) -> int | None:
         for size in sorted(self.graphs):
@@ -183,12 +210,12 @@ class TorchRuntime(Runtime):
             return self.host_np[:n]  # images are stacked straight into pinned memory: the one copy in
         return super()._staging(n)
 
-    def _forward(self, batch: np.ndarray) -> np.ndarray:
+    def _forward(self, batch: np.ndarray) -> list[np.ndarray]:
         torch = self.torch
         n = batch.shape[0]
         with torch.inference_mode():
             if not self.cuda:
-                return self._model(self._layout(torch.from_numpy(batch))).numpy()
+                return [out.numpy() for out in self._model(self._layout(torch.from_numpy(batch)))]
             if n > self.max_batch_size:
                 raise RuntimeFailure(f"batch of {n} is over this runtime's max_batch_size {self.max_batch_size}")
             host_in = self.host_in[:n]
@@ -197,16 +224,17 @@ class TorchRuntime(Runtime):
             with torch.cuda.stream(self.stream):
                 bucket = self._bucket(n)
                 if bucket is not None:
-                    graph, static_in, static_out = self.graphs[bucket]
+                    graph, static_in, static_outs = self.graphs[bucket]
                     static_in[:n].copy_(host_in, non_blocking=True)
                     graph.replay()
-                    out = static_out[:n]
+                    outs = [out[:n] for out in static_outs]
                 else:
-                    out = self._model(self._layout(host_in.to(self.tdevice, non_blocking=True)))
-                self.host_out[:n].copy_(out, non_blocking=True)
-            # The pinned buffers are reused by the next batch: wait for both copies before handing them back.
+                    outs = self._model(self._layout(host_in.to(self.tdevice, non_blocking=True)))
+                for host_out, out in zip(self.host_outs, outs, strict=True):
+                    host_out[:n].copy_(out, non_blocking=True)
+            # The pinned buffers are reused by the next batch: wait for the copies before handing them back.
             self.stream.synchronize()
-            return self.host_out[:n].numpy().copy()
+            return [host_out[:n].numpy().copy() for host_out in self.host_outs]
 
     def warm_up(self) -> None:
         """Run every bucket once (CPU: lets oneDNN build its kernels for each shape)."""

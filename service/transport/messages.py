@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from service.core import errors as _errors
 from service.core.errors import OverloadedError, VisionServeError
@@ -170,12 +171,31 @@ class Stamps(msgspec.Struct, array_like=True, frozen=True):
     done: float
 
 
+class Tensor(msgspec.Struct, array_like=True, frozen=True):
+    """One named output of a request, row-major ``[N, *shape]`` in ``dtype`` (a numpy dtype name), as raw bytes:
+    the few kilobytes of an answer travel in the message itself, not in shared memory."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]  # per image: the batch dimension left out
+    data: bytes
+
+    @classmethod
+    def of(cls, name: str, array: np.ndarray) -> Tensor:
+        """``array`` (batch-first) as a tensor: one copy, into the message's bytes."""
+        return cls(name, array.dtype.name, tuple(array.shape[1:]), array.tobytes())
+
+    def array(self, n: int) -> np.ndarray:
+        """The ``[n, *shape]`` array, read-only, over the message's bytes (no copy)."""
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(n, *self.shape)
+
+
 class Result(msgspec.Struct, tag="result", array_like=True, frozen=True):
-    """Logits (float32, row-major [N, classes]) and each image's own error, if any."""
+    """Each named output of the model for the request's images (classification: one, its logits) and each image's
+    own error, if any."""
 
     id: int
-    logits: bytes
-    classes: int
+    outputs: list[Tensor]
     errors: list[WireError | None] | None
     queue_s: float
     compute_s: float

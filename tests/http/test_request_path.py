@@ -47,7 +47,7 @@ class FakeSlot:
         n = len(batch)
         self.batches.append(n)
         errors = self.row_errors[:n] if self.row_errors is not None else [None] * n
-        return InferResult(LOGITS[:n], errors, version=self.answered)
+        return InferResult({"logits": LOGITS[:n]}, errors, version=self.answered)
 
     @contextlib.contextmanager
     def observe(self, timing: Any, protocol: str = "http") -> Iterator[None]:
@@ -67,7 +67,7 @@ def test_classify_builds_logits_and_classification_outputs_alike_for_every_wire(
     task = Classify(LABELS, len(LABELS))
     wanted = task.wanted([("LOGITS", {}), ("LOGITS", {"classification": 9, "binary_data": True})])
     assert wanted == (Wanted("LOGITS"), Wanted("LOGITS", 3, True))  # k capped at the classes, as Triton caps it
-    post = task.postprocess(InferResult(LOGITS, [None, None]), Want(wanted, top_k=1))
+    post = task.postprocess(InferResult({"logits": LOGITS}, [None, None]), Want(wanted, top_k=1))
     logits, strings = post.tensors
     assert (logits.datatype, logits.shape, logits.values()) == ("FP32", [2, 3], LOGITS.ravel().tolist())
     assert logits.raw() == LOGITS.astype("<f4").tobytes()

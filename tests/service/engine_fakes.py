@@ -17,7 +17,7 @@ import numpy as np
 from service.core.config import Faults, ModelConfig, RolloutConfig
 from service.core.errors import VisionServeError
 from service.core.repository import ModelEntry
-from service.core.status import InferResult
+from service.core.status import InferResult, classification_outputs
 from service.engine.batcher import InferRequest
 from service.engine.pending import Pending, Release
 from service.engine.table import ModelTable
@@ -42,7 +42,7 @@ class FakeBatcher:
 
     def enqueue(self, request: InferRequest, on_released: Release | None = None) -> asyncio.Future[InferResult]:
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        pending = Pending(future, len(request.images), CLASSES, time.monotonic())
+        pending = Pending(future, len(request.images), classification_outputs(CLASSES), time.monotonic())
         pending.on_released = on_released
         future.add_done_callback(pending.abandon_if_cancelled)
         self.queued.append(pending)

@@ -14,7 +14,7 @@ import pytest
 from service.core.errors import NotFoundError, OverloadedError
 from service.transport import shm
 from service.transport.client import EngineClient
-from service.transport.messages import Catalog, ControlQuery, Failed, Result, Snapshot, Submit, WireError
+from service.transport.messages import Catalog, ControlQuery, Failed, Result, Snapshot, Submit, Tensor, WireError
 from service.transport.server import EngineEndpoint
 
 
@@ -31,7 +31,8 @@ class Handler:
             self.endpoint.send(peer, Failed(message.id, WireError.of(NotFoundError("unknown model 'gone'"))))
         elif message.model != "hold":
             sums = images.reshape(len(images), -1).sum(axis=1, dtype=np.float32)[:, None]
-            self.endpoint.send(peer, Result(message.id, sums.tobytes(), 1, None, 0.001, 0.002, [len(images)]))
+            outputs = [Tensor.of("sums", sums)]
+            self.endpoint.send(peer, Result(message.id, outputs, None, 0.001, 0.002, [len(images)]))
 
     def cancel(self, peer: bytes, request: int) -> None:
         pass
@@ -78,7 +79,7 @@ def test_pixels_arrive_intact_and_errors_keep_their_kind(tmp_path: Path, arena_n
         answers = await asyncio.gather(*(send(client, arena, "m", images) for _ in range(20)))
         expected = images.reshape(3, -1).sum(axis=1)
         for answer in answers:
-            assert np.array_equal(np.frombuffer(answer.logits, dtype=np.float32), expected)
+            assert np.array_equal(answer.outputs[0].array(3), expected[:, None])
         with pytest.raises(OverloadedError) as refused:
             await send(client, arena, "full", images)
         assert (refused.value.http_status, refused.value.grpc_code) == (429, "RESOURCE_EXHAUSTED")
