@@ -47,3 +47,32 @@ class ClassifyResponse(msgspec.Struct):
     model: str
     version: int
     results: list[ImageResult]
+
+
+class Detection(msgspec.Struct, frozen=True):
+    """One object found in an image: its box (in the request's ``box_format``, in the image's own pixels or,
+    ``normalized``, as fractions of its width and height), its class's label and index, and its score."""
+
+    box: list[float]
+    label: str
+    index: int
+    score: float
+
+
+class DetectResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One image's answer from a detector: its size as a viewer shows it (EXIF orientation applied) and its
+    detections, best first; or the reason it could not be read."""
+
+    filename: str | None = None
+    width: int | None = None
+    height: int | None = None
+    detections: list[Detection] | None = None
+    error: str | None = None
+
+
+class DetectResponse(msgspec.Struct):
+    """The image API's answer to one detect request: one result per image, in the order they were sent."""
+
+    model: str
+    version: int
+    results: list[DetectResult]

@@ -23,14 +23,16 @@ from typing import Any
 
 import numpy as np
 
+from service.core.boxes import Transform
 from service.core.errors import BadInputError, OverloadedError, VisionServeError
 from service.core.preprocess import (
     DEFAULT_LIMITS,
     ImageLimits,
     crop_box,
     decode_cost,
-    decode_opened,
+    decode_transformed,
     open_image,
+    orientation,
     resized_size,
 )
 from service.core.spec import ModelSpec
@@ -47,13 +49,21 @@ LARGE_IMAGE_PIXELS = 4_000_000
 
 class DecodeFuture(Future[np.ndarray]):
     """One image's decode, stamped with ``time.perf_counter()`` when a thread took it and when it was done (the
-    ``decode_wait`` and ``decode`` stages of the request's timing)."""
+    ``decode_wait`` and ``decode`` stages of the request's timing), with the image's :class:`Transform` once
+    decoded (where its boxes map back to)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.submitted = time.perf_counter()
         self.started = self.submitted
         self.finished = self.submitted
+        self.transform: Transform | None = None
+
+    def decoded(self, done: tuple[np.ndarray, Transform]) -> None:
+        """Set the result: the pixels, and the transform beside them."""
+        self.transform = done[1]
+        self.stamp_finished()
+        self.set_result(done[0])
 
     def stamp_finished(self) -> None:
         self.finished = time.perf_counter()
@@ -112,18 +122,14 @@ class Preprocessor:
                     self._large_pending += 1
                 self._large.submit(self._decode_large, img, result)
                 return
-            decoded = decode_opened(img, self.spec)
-            result.stamp_finished()
-            result.set_result(decoded)
+            result.decoded(decode_transformed(img, self.spec))
         except Exception as exc:
             result.stamp_finished()
             result.set_exception(exc)
 
     def _decode_large(self, img: Any, result: DecodeFuture) -> None:
         try:
-            decoded = decode_opened(img, self.spec)
-            result.stamp_finished()
-            result.set_result(decoded)
+            result.decoded(decode_transformed(img, self.spec))
         except Exception as exc:
             result.stamp_finished()
             result.set_exception(exc)
@@ -197,7 +203,10 @@ class GpuJpegDecoder:
                 except BadInputError as exc:
                     out[i] = exc
                     continue
-                if header.mode in GPU_JPEG_MODES and has_jpeg_end(data):
+                # The CPU path turns an EXIF-oriented image upright and letterboxes or stretches; here only the
+                # centre crop of an image stored upright is done.
+                upright = orientation(header) == 1 and self.spec.resize == "center_crop"
+                if header.mode in GPU_JPEG_MODES and has_jpeg_end(data) and upright:
                     jpeg_idx.append(i)
         if jpeg_idx:
             tensors = [torch.frombuffer(bytearray(images[i]), dtype=torch.uint8) for i in jpeg_idx]

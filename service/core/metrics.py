@@ -65,6 +65,8 @@ STAGES = (
     "respond",  # scoring, encoding the answer, until its head is sent
 )
 STAGE_HISTOGRAM = ("visionserve_stage_duration_seconds", "Where each answered request's time went, by stage")
+DETECTIONS_HISTOGRAM = ("visionserve_detections_per_image", "A detector's detections per image, after suppression")
+DETECTION_BUCKETS = (0.0, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 300.0, 1000.0)
 
 
 @dataclass
@@ -152,6 +154,7 @@ class RequestState(msgspec.Struct, frozen=True):
     labels: tuple[str, str, str, str]
     outcomes: list[int]
     stages: list[StageState]
+    detections: StageState | None = None  # a detector's, per image (DETECTION_BUCKETS)
 
 
 class ModelCounts(msgspec.Struct):
@@ -180,12 +183,15 @@ def merge_request_states(states: Iterable[RequestState]) -> list[RequestState]:
         merged[state.labels] = RequestState(
             state.labels,
             [a + b for a, b in zip(seen.outcomes, state.outcomes, strict=True)],
-            [
-                StageState([a + b for a, b in zip(x.counts, y.counts, strict=True)], x.sum + y.sum)
-                for x, y in zip(seen.stages, state.stages, strict=True)
-            ],
-        )
+            [_added(x, y) for x, y in zip(seen.stages, state.stages, strict=True)],
+            _added(seen.detections, state.detections) if seen.detections and state.detections
+            else seen.detections or state.detections,
+        )  # fmt: skip
     return list(merged.values())
+
+
+def _added(x: StageState, y: StageState) -> StageState:
+    return StageState([a + b for a, b in zip(x.counts, y.counts, strict=True)], x.sum + y.sum)
 
 
 _UNSTAGED = (NOT_OBSERVED,) * len(STAGES)
@@ -200,6 +206,13 @@ class RequestRecorder(_Folding):
         self.labels = labels
         self.outcomes = np.zeros(len(OUTCOMES), dtype=np.int64)
         self.stages = [BucketCounts(DURATION_BUCKETS) for _ in range(len(REQUEST_HISTOGRAMS) + len(STAGES))]
+        self.detections: BucketCounts | None = None  # a detector's only
+
+    def record_detections(self, counts: list[int]) -> None:
+        """A detector's detections per image of one answered request (on the event loop, once a request)."""
+        if self.detections is None:
+            self.detections = BucketCounts(DETECTION_BUCKETS)
+        self.detections.add(np.asarray(counts, dtype=np.float64))
 
     def record(
         self,
@@ -225,6 +238,7 @@ class RequestRecorder(_Folding):
             self.labels,
             self.outcomes.tolist(),
             [StageState(stage.counts.tolist(), stage.sum) for stage in self.stages],
+            None if self.detections is None else StageState(self.detections.counts.tolist(), self.detections.sum),
         )
 
 
@@ -340,7 +354,10 @@ class _RecordedCollector(Collector):
         )
         stages = [HistogramMetricFamily(name, text, labels=REQUEST_LABELS) for name, text in REQUEST_HISTOGRAMS]
         waits = HistogramMetricFamily(*STAGE_HISTOGRAM, labels=(*REQUEST_LABELS, "stage"))
+        found = HistogramMetricFamily(*DETECTIONS_HISTOGRAM, labels=REQUEST_LABELS)
         for r in requests:
+            if r.detections is not None:
+                found.add_metric(list(r.labels), _buckets(r.detections.counts, DETECTION_BUCKETS), r.detections.sum)
             for name, count in zip(OUTCOMES, r.outcomes, strict=True):
                 outcomes.add_metric([*r.labels, name], float(count))
             for family, stage in zip(stages, r.stages, strict=False):
@@ -362,6 +379,7 @@ class _RecordedCollector(Collector):
         yield batch_count
         yield from stages
         yield waits
+        yield found
         yield compute
         yield sizes
 

@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from service.core.boxes import Transform, letterbox_geometry
 from service.core.errors import BadInputError, ConfigError, PayloadTooLargeError, UnsupportedMediaError
 from service.core.spec import ModelSpec
 
@@ -31,6 +32,17 @@ RESAMPLE: Final = {
 # the antialiased resize that follows still has the detail a full decode would give it (the same idea as
 # PIL's own ``reducing_gap``).
 DRAFT_GAP: Final = 2
+ORIENTATION_TAG: Final = 0x0112
+# EXIF orientation -> the transpose that shows the image as its camera saw it (as PIL's ImageOps.exif_transpose).
+ORIENTATIONS: Final = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
 class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,20 +120,58 @@ def open_image(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image
 
 
 def preprocess_pil(img: Image.Image, spec: ModelSpec) -> np.ndarray:
-    """Convert, resize the shorter side, centre-crop: uint8 array of shape (C, H, W)."""
+    """Convert and resize as ``spec.resize`` says (by default: resize the shorter side, centre-crop): uint8 array of
+    shape (C, H, W)."""
+    return prepare(img, spec)[0]
+
+
+def prepare(img: Image.Image, spec: ModelSpec, size: tuple[int, int] | None = None) -> tuple[np.ndarray, Transform]:
+    """:func:`preprocess_pil`, and the image's :class:`Transform` from ``size`` (the original's width and height as
+    a viewer shows it, where ``img`` was decoded smaller; default ``img.size``) to the input."""
     mode = "L" if spec.input.channels == 1 else "RGB"
     if img.mode != mode:
         img = img.convert(mode)
+    width, height = size or img.size
+    in_w, in_h = spec.input.width, spec.input.height
+    resample = RESAMPLE[spec.interpolation]
+    if spec.resize == "letterbox":
+        new_w, new_h, left, top = letterbox_geometry(width, height, in_w, in_h)
+        if (new_w, new_h) != img.size:
+            img = img.resize((new_w, new_h), resample)
+        out = np.full((spec.input.channels, in_h, in_w), spec.pad_value, dtype=np.uint8)
+        arr = np.asarray(img, dtype=np.uint8)
+        out[:, top : top + new_h, left : left + new_w] = arr[np.newaxis] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+        return out, Transform(width, height, new_w / width, new_h / height, float(left), float(top))
+    if spec.resize == "stretch":
+        if (in_w, in_h) != img.size:
+            img = img.resize((in_w, in_h), resample)
+        return _chw(img), Transform(width, height, in_w / width, in_h / height)
     new_w, new_h = resized_size(img.width, img.height, spec.resize_size)
     if (new_w, new_h) != img.size:
-        img = img.resize((new_w, new_h), RESAMPLE[spec.interpolation])
-    box = crop_box(new_w, new_h, spec.input.height, spec.input.width)
+        img = img.resize((new_w, new_h), resample)
+    box = crop_box(new_w, new_h, in_h, in_w)
     if box != (0, 0, new_w, new_h):
         img = img.crop(box)
+    return _chw(img), Transform(width, height, new_w / width, new_h / height, float(-box[0]), float(-box[1]))
+
+
+def _chw(img: Image.Image) -> np.ndarray:
     arr = np.asarray(img, dtype=np.uint8)
     if arr.ndim == 2:
         return arr[np.newaxis, :, :].copy()
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def orientation(img: Image.Image) -> int:
+    """The EXIF orientation of a loaded image (1: as stored). Read only where the file has EXIF at all, so an
+    image without it costs one dictionary lookup."""
+    if "exif" not in img.info:
+        return 1
+    try:
+        value = img.getexif().get(ORIENTATION_TAG, 1)
+    except Exception:  # a broken EXIF block does not make the pixels unusable: shown as stored
+        return 1
+    return value if isinstance(value, int) and value in ORIENTATIONS else 1
 
 
 def preprocess_image(data: bytes, spec: ModelSpec, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
@@ -138,21 +188,38 @@ def decode_cost(img: Image.Image, spec: ModelSpec) -> int:
     w, h = img.size
     if img.format != "JPEG":
         return w * h
-    scale = spec.resize_size * DRAFT_GAP / min(w, h)
+    scale = draft_scale(w, h, spec)
     reduction = 1
     while reduction < 8 and reduction * 2 * scale <= 1:
         reduction *= 2
     return (w // reduction) * (h // reduction)
 
 
+def draft_scale(width: int, height: int, spec: ModelSpec) -> float:
+    """How small a JPEG may be decoded (a fraction of its size; JPEG draft mode) and still hold ``DRAFT_GAP`` times
+    the pixels the resize keeps, on both axes."""
+    if spec.resize == "center_crop":
+        return spec.resize_size * DRAFT_GAP / min(width, height)
+    in_w, in_h = spec.input.width, spec.input.height
+    if spec.resize == "letterbox":
+        return min(in_w / width, in_h / height) * DRAFT_GAP
+    return max(in_w / width, in_h / height) * DRAFT_GAP
+
+
 def decode_opened(img: Image.Image, spec: ModelSpec) -> np.ndarray:
     """Decode and preprocess an image :func:`open_image` has checked; :class:`BadInputError` for a corrupt one."""
+    return decode_transformed(img, spec)[0]
+
+
+def decode_transformed(img: Image.Image, spec: ModelSpec) -> tuple[np.ndarray, Transform]:
+    """:func:`decode_opened`, and the image's :class:`Transform` to the input (from its size in the header, EXIF
+    orientation applied: JPEG draft decoding shrinks what is decoded, never what the boxes are answered in)."""
+    width, height = img.size
     if img.format == "JPEG":
         # Decode at a reduced scale when the image is much larger than needed: far fewer pixels to decode.
-        w, h = img.size
-        scale = spec.resize_size * DRAFT_GAP / min(w, h)
+        scale = draft_scale(width, height, spec)
         if scale < 1:
-            img.draft("RGB" if spec.input.channels == 3 else "L", (int(w * scale) + 1, int(h * scale) + 1))
+            img.draft("RGB" if spec.input.channels == 3 else "L", (int(width * scale) + 1, int(height * scale) + 1))
     try:
         img.load()
     except OSError as exc:
@@ -160,6 +227,11 @@ def decode_opened(img: Image.Image, spec: ModelSpec) -> np.ndarray:
     except (Image.DecompressionBombError, ValueError, SyntaxError) as exc:
         raise BadInputError(f"corrupt image data ({img.format}): {exc}") from exc
     try:
-        return preprocess_pil(img, spec)
+        turn = orientation(img)
+        if turn != 1:  # a phone photo taken upright is stored on its side, with the turn in its EXIF
+            img = img.transpose(ORIENTATIONS[turn])
+            if turn >= 5:
+                width, height = height, width
+        return prepare(img, spec, (width, height))
     except OSError as exc:
         raise BadInputError(f"truncated or corrupt image data ({img.format}): {exc}") from exc

@@ -18,6 +18,14 @@ SPEC_FILE = "spec.json"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Interpolation = Literal["bilinear", "bicubic", "nearest"]
+Task = Literal["classify", "detect"]
+# How an image is brought to the input's size: ``center_crop`` resizes the shorter side to ``resize_size`` and crops
+# the centre (torchvision's classification transform); ``letterbox`` keeps the aspect, scales the image to fit the
+# input and centres it on ``pad_value``; ``stretch`` scales each axis to the input's, aspect not kept.
+Resize = Literal["center_crop", "letterbox", "stretch"]
+# What a detector's graph outputs (before suppression, which the server does). ``candidates``: one float32 tensor
+# ``[N, K, 6]``, each row x1, y1, x2, y2 in input pixels, score, class index.
+OutputLayout = Literal["candidates"]
 
 
 class InputSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -90,9 +98,14 @@ class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A model's contract: input shape, preprocessing policy, normalisation and labels.
 
-    Preprocessing is: decode, convert to RGB (or L for one channel), resize the shorter side to
-    ``resize_size`` with ``interpolation``, centre-crop to ``input.height`` x ``input.width``. The graph then
-    divides by 255 and applies ``(x - mean) / std`` per channel.
+    Preprocessing is: decode, apply the EXIF orientation, convert to RGB (or L for one channel), then ``resize``:
+    by default resize the shorter side to ``resize_size`` with ``interpolation`` and centre-crop to ``input.height``
+    x ``input.width`` (``letterbox`` and ``stretch``: :data:`Resize`). The graph then divides by 255 and applies
+    ``(x - mean) / std`` per channel.
+
+    ``task`` says what the outputs mean: ``classify`` (one logit per label), or ``detect`` (``output_layout``, at
+    most ``max_detections`` boxes an image after the server's suppression). Every field added after the first
+    specs has a default, so an older spec.json reads unchanged.
     """
 
     name: str
@@ -105,6 +118,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     labels: tuple[str, ...]
     exports: tuple[ExportRecord, ...] = ()
     format_version: Literal[1] = 1
+    task: Task = "classify"
+    resize: Resize = "center_crop"
+    pad_value: Annotated[int, msgspec.Meta(ge=0, le=255)] = 114
+    output_layout: OutputLayout | None = None  # a detector's; None for a classifier
+    max_detections: PositiveInt = 100
 
     def __post_init__(self) -> None:
         channels = self.input.channels
@@ -116,7 +134,11 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError(f"std values must be > 0, got {list(self.std)}")
         if not self.labels:
             raise ValueError("labels must hold at least one class name")
-        if self.resize_size < max(self.input.height, self.input.width):
+        if self.task == "detect" and self.output_layout is None:
+            raise ValueError('a detector (task "detect") needs output_layout: "candidates"')
+        if self.task != "detect" and self.output_layout is not None:
+            raise ValueError(f'output_layout is for detectors (task "detect"), got it on task {self.task!r}')
+        if self.resize == "center_crop" and self.resize_size < max(self.input.height, self.input.width):
             raise ValueError(
                 f"resize_size ({self.resize_size}) must be >= the crop "
                 f"({self.input.height}x{self.input.width}), or the centre crop would run off the image"

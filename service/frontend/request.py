@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from service.core.boxes import Transform
 from service.core.decoding import Decoded
 from service.core.errors import VisionServeError
 from service.core.status import InferResult
@@ -75,6 +76,7 @@ class Ask:
     named: bool = False
     hint: str = ""
     expires: float | None = None
+    transforms: list[Transform | None] | None = None  # each decoded image's (set by the path): boxes map back
 
 
 @dataclass(slots=True)
@@ -88,6 +90,7 @@ class Answer:
     errors: list[VisionServeError | None]
     tensors: list[OutputTensor] = field(default_factory=list)
     predictions: list[list[dict[str, object]] | None] = field(default_factory=list)
+    detections: list[int] | None = None  # a detector's count per computed image
 
 
 class Expired(Exception):
@@ -148,7 +151,9 @@ async def run(where: Target, ask: Ask, timing: Timing, encode: Callable[[Answer]
         result = await _infer(slot, batch, ask, timing, where.route, observe)
         _row_errors(result, ask, errors, good)
     started = time.perf_counter()
-    encoded = encode(postprocess(slot, ask, result, errors, good))
+    done = postprocess(slot, ask, result, errors, good)
+    timing.detections = done.detections  # recorded with the request (ModelSlot.observe)
+    encoded = encode(done)
     timing.postprocess_s += time.perf_counter() - started
     return encoded
 
@@ -167,8 +172,12 @@ def postprocess(
     if result is None:
         done.predictions = [None] * len(errors)
         return done
-    post = slot.task.postprocess(result, ask.want)
+    transforms = ask.transforms
+    if transforms is not None and good is not None and len(good) != len(errors):
+        transforms = [transforms[i] for i in good]  # the computed rows'
+    post = slot.task.postprocess(result, ask.want, transforms)
     done.tensors = post.tensors
+    done.detections = post.detections
     if good is None or len(good) == len(errors):
         done.predictions = list(post.predictions)
     elif post.predictions:
@@ -180,7 +189,7 @@ def postprocess(
 
 async def _decode(slot: ModelSlot, ask: Ask, timing: Timing) -> list[Decoded]:
     assert ask.images is not None
-    decoded = await slot.decode(ask.images, timing)
+    decoded, ask.transforms = await slot.decode(ask.images, timing)
     if not ask.each:
         for i, item in enumerate(decoded):
             if isinstance(item, VisionServeError):

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from service.core.boxes import Transform
 from service.core.config import ModelConfig
 from service.core.decoding import Decoded, Preprocessor
 from service.core.errors import (
@@ -118,6 +119,8 @@ class ModelSlot:
                 done = outcome == "success"
                 end = time.perf_counter()
                 stages = timing.stages(end) if done else None
+                if done and timing.detections:
+                    recorder.record_detections(timing.detections)
                 recorder.record(
                     outcome,
                     end - timing.arrived,  # from the request's arrival, as the stages count
@@ -133,8 +136,9 @@ class ModelSlot:
         if self._recorders is not None:
             self._recorders[protocol].record("bad_input", request_s, NOT_OBSERVED, NOT_OBSERVED, NOT_OBSERVED)
 
-    async def decode(self, images: list[bytes], timing: Timing) -> list[Decoded]:
-        """Decode each image in the pool; a refused image becomes its own error."""
+    async def decode(self, images: list[bytes], timing: Timing) -> tuple[list[Decoded], list[Transform | None]]:
+        """Decode each image in the pool; a refused image becomes its own error. Beside them, each image's transform
+        to the input (None for a refused one): where a detector's boxes map back to."""
         started = time.perf_counter()
         timing.mark_read()
         submitted = [self.pool.submit(data) for data in images]
@@ -149,7 +153,7 @@ class ModelSlot:
         if submitted:
             timing.decode_start = min(f.started for f in submitted)
             timing.decode_end = max(f.finished for f in submitted)
-        return results
+        return results, [f.transform for f in submitted]
 
     async def infer(
         self,

@@ -5,25 +5,34 @@ named outputs, batch-first, in its own dtype and per-image shape: :class:`~servi
 task turns that into what the protocols answer, in one function (:meth:`Task.postprocess`): the v2 output tensors,
 which HTTP and gRPC write alike (:class:`OutputTensor`), and each image's top-k predictions (the image API and the
 streams). It also says which outputs a v2 request may ask for (:meth:`Task.wanted`) and lists them in metadata
-(:meth:`Task.outputs`). A new task (detection) is one new class here plus its encoders; no protocol handler changes.
+(:meth:`Task.outputs`). A new task is one new class here plus its encoders; no protocol handler changes.
+
+Detection (:class:`Detect`) suppresses each image's candidates with the request's thresholds
+(:func:`~service.core.boxes.suppress`) and maps the boxes kept to the image's own pixels with the transform its
+decoding recorded (input pixels for a v2 ``INPUT``, which has none).
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from service.core.boxes import DetectOptions, Transform, formatted, identity, suppress, to_original
 from service.core.errors import BadInputError
 from service.core.scores import classification_strings, predictions, softmax
 from service.core.spec import ModelSpec
 from service.core.status import InferResult
+from service.frontend.detect_options import v2_options
 from service.frontend.parameters import classification_k, flag
 
 LOGITS = "LOGITS"
-_LITTLE_ENDIAN = {"FP32": "<f4", "UINT8": "u1"}
+DETECTIONS, NUM_DETECTIONS = "DETECTIONS", "NUM_DETECTIONS"
+_LITTLE_ENDIAN = {"FP32": "<f4", "UINT8": "u1", "INT32": "<i4"}
+Transforms = Sequence[Transform | None] | None  # each computed row's, where its image was decoded here
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +47,12 @@ class Wanted:
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """What an answer holds: the v2 ``outputs`` asked for, and ``top_k`` predictions per image (0: none)."""
+    """What an answer holds: the v2 ``outputs`` asked for, and ``top_k`` predictions per image (0: none); a
+    detector's suppression (``detect``; None: its defaults)."""
 
     outputs: tuple[Wanted, ...] = ()
     top_k: int = 0
+    detect: DetectOptions | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +94,12 @@ def bytes_tensor(elements: list[str]) -> bytes:
 
 @dataclass(slots=True)
 class Post:
-    """A task's answer to one computed batch: the v2 tensors asked for, and each row's top-k predictions."""
+    """A task's answer to one computed batch: the v2 tensors asked for, each row's predictions (top-k classes, or
+    detections), and a detector's count of detections per row (the metrics' histogram)."""
 
     tensors: list[OutputTensor]
     predictions: list[list[dict[str, object]]]
+    detections: list[int] | None = None
 
 
 class Task(Protocol):
@@ -103,8 +116,13 @@ class Task(Protocol):
         the request's ``binary_data_output``, which an output's ``binary_data`` overrides."""
         ...
 
-    def postprocess(self, result: InferResult, want: Want) -> Post:
-        """What ``result`` means, in the forms ``want`` asks for."""
+    def options(self, params: Mapping[str, Any]) -> DetectOptions | None:
+        """A v2 request's task parameters (a detector's thresholds), checked; None where the task has none."""
+        ...
+
+    def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
+        """What ``result`` means, in the forms ``want`` asks for; ``transforms``: each row's image's (a
+        detector maps its boxes back with them)."""
         ...
 
 
@@ -133,7 +151,10 @@ class Classify:
             wanted.append(Wanted(name, k, flag(f"{where}.binary_data", params.get("binary_data"), binary)))
         return tuple(wanted)
 
-    def postprocess(self, result: InferResult, want: Want) -> Post:
+    def options(self, params: Mapping[str, Any]) -> DetectOptions | None:
+        return None
+
+    def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
         logits = result.logits  # a classifier's one output
         tensors = [self._tensor(logits, out) for out in want.outputs]
         best = predictions(softmax(logits), self.labels, want.top_k) if want.top_k else []
@@ -146,6 +167,72 @@ class Classify:
         return OutputTensor(out.name, "BYTES", [logits.shape[0], out.k], strings=flat)
 
 
+class Detect:
+    """Detection: the graph's candidates (``output_layout`` "candidates": ``[N, K, 6]``, x1, y1, x2, y2 in input
+    pixels, score, class) suppressed per image with the request's :class:`DetectOptions`. v2 answers ``DETECTIONS``
+    (FP32 ``[N, max_detections, 6]``, the rows past an image's count zero) and ``NUM_DETECTIONS`` (INT32 ``[N]``);
+    the image API and streams each image's ``{"box", "label", "index", "score"}``, best first."""
+
+    name = "detect"
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.labels = spec.labels
+        self.default = DetectOptions(max_detections=spec.max_detections)
+        self.input = identity(spec.input.width, spec.input.height)
+
+    def outputs(self) -> list[OutputSpec]:
+        return [
+            OutputSpec(DETECTIONS, "FP32", [self.default.max_detections, 6]),
+            OutputSpec(NUM_DETECTIONS, "INT32", []),
+        ]
+
+    def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
+        wanted = []
+        for i, (name, params) in enumerate(outputs or [(DETECTIONS, {}), (NUM_DETECTIONS, {})]):
+            if name not in (DETECTIONS, NUM_DETECTIONS):
+                raise BadInputError(f"unknown output {name!r}: this detector has {DETECTIONS} and {NUM_DETECTIONS}")
+            if params.get("classification") is not None:
+                raise BadInputError(f"outputs[{i}].parameters.classification is for classifiers, not detector outputs")
+            where = f"outputs[{i}].parameters.binary_data"
+            wanted.append(Wanted(name, None, flag(where, params.get("binary_data"), binary)))
+        return tuple(wanted)
+
+    def options(self, params: Mapping[str, Any]) -> DetectOptions | None:
+        return v2_options(params, self.labels, self.default)
+
+    def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
+        options = want.detect or self.default
+        candidates = next(iter(result.outputs.values()))  # "candidates": the graph's one output
+        each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(candidates)
+        kept = [to_original(suppress(rows, options), t) for rows, t in zip(candidates, each, strict=True)]
+        tensors = [self._tensor(out.name, kept, options.max_detections) for out in want.outputs]
+        listed = [] if want.outputs else [self._listed(k, t, options) for k, t in zip(kept, each, strict=True)]
+        return Post(tensors, listed, [len(k) for k in kept])
+
+    def _tensor(self, name: str, kept: list[np.ndarray], most: int) -> OutputTensor:
+        if name == NUM_DETECTIONS:
+            counts = np.array([len(k) for k in kept], dtype=np.int32)
+            return OutputTensor(name, "INT32", [len(kept)], counts)
+        out = np.zeros((len(kept), most, 6), dtype=np.float32)
+        for row, k in enumerate(kept):
+            out[row, : len(k)] = k
+        return OutputTensor(name, "FP32", list(out.shape), out)
+
+    def _listed(self, kept: np.ndarray, where: Transform, options: DetectOptions) -> list[dict[str, object]]:
+        boxes = formatted(kept[:, :4], options.box_format, where.width, where.height, options.normalized).tolist()
+        classes = kept[:, 5].astype(np.int64).tolist()
+        scores = kept[:, 4].tolist()
+        return [
+            {"box": box, "label": self._label(index), "index": index, "score": score}
+            for box, index, score in zip(boxes, classes, scores, strict=True)
+        ]
+
+    def _label(self, index: int) -> str:
+        return self.labels[index] if 0 <= index < len(self.labels) else str(index)
+
+
 def task_for(spec: ModelSpec) -> Task:
-    """The task of a model, from its spec (every model served today classifies)."""
+    """The task of a model, from its spec."""
+    if spec.task == "detect":
+        return Detect(spec)
     return Classify(spec.labels, spec.num_classes)

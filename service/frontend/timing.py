@@ -33,6 +33,7 @@ class Timing:
     engine: Stamps | None = None  # the engine's stamps of the answer (the last batch, for a split request)
     version: int = 0  # the version that answered, as the engine says (a canary's candidate); 0: the one asked
     answered: float = NOT_OBSERVED  # the answer read off the transport by this front end
+    detections: list[int] | None = None  # a detector's detections per image (visionserve_detections_per_image)
 
     def mark_read(self) -> None:
         if math.isnan(self.read):

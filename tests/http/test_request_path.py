@@ -40,8 +40,9 @@ class FakeSlot:
         self.observed: list[str] = []
         self.batches: list[int] = []
 
-    async def decode(self, images: list[bytes], timing: Any) -> list[Any]:
-        return [BadInputError("not an image") if data == b"bad" else np.zeros((3, 2, 2), np.uint8) for data in images]
+    async def decode(self, images: list[bytes], timing: Any) -> tuple[list[Any], list[Any]]:
+        decoded = [BadInputError("not an image") if d == b"bad" else np.zeros((3, 2, 2), np.uint8) for d in images]
+        return decoded, [None] * len(images)  # and each image's transform (none: a classifier ignores them)
 
     async def infer(self, batch: Any, timing: Any, **options: Any) -> InferResult:
         n = len(batch)

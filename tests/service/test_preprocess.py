@@ -127,6 +127,7 @@ def test_large_images_take_their_own_bounded_lane_and_small_ones_never_wait_for_
     from concurrent.futures import FIRST_COMPLETED, wait
 
     from service.core import decoding
+    from service.core.boxes import Transform
     from service.core.errors import OverloadedError
     from service.core.preprocess import decode_cost, open_image
     from service.core.spec import ModelSpec
@@ -140,14 +141,14 @@ def test_large_images_take_their_own_bounded_lane_and_small_ones_never_wait_for_
     # A big image's decode is held until the test opens the gate, wherever it is decoded: the first one is still
     # decoding when the second arrives by construction, however fast this machine decodes.
     gate = threading.Event()
-    decode = decoding.decode_opened
+    decode = decoding.decode_transformed
 
-    def held_when_big(img: Image.Image, spec: ModelSpec) -> np.ndarray:
+    def held_when_big(img: Image.Image, spec: ModelSpec) -> tuple[np.ndarray, Transform]:
         if img.width * img.height > 1_000_000 and not gate.wait(10):
             raise RuntimeError("the gate was never opened")
         return decode(img, spec)
 
-    monkeypatch.setattr(decoding, "decode_opened", held_when_big)
+    monkeypatch.setattr(decoding, "decode_transformed", held_when_big)
     pool = Preprocessor(RESNET, workers=2, large_pixels=1_000_000, large_queue=0)  # one large at a time
     try:
         both = [pool.submit(big), pool.submit(big)]

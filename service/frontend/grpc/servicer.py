@@ -134,8 +134,10 @@ class InferenceServicer:
 
         async def parse(where: path.Target) -> path.Ask:
             # Every parameter is checked before any work (the outputs' too): a refusal costs no inference.
-            priority, timeout_ms = request_options(wire.parameter_values(request.parameters))
-            want = Want(where.slot.task.wanted(wire.wanted(request)))
+            params = wire.parameter_values(request.parameters)
+            priority, timeout_ms = request_options(params)
+            task = where.slot.task
+            want = Want(task.wanted(wire.wanted(request)), detect=task.options(params))
             remaining_s = context.time_remaining()
             if remaining_s is not None:  # the client's own gRPC deadline bounds the wait in the queue too
                 timeout_ms = min(timeout_ms or float("inf"), max(remaining_s, 0.0) * 1000)

@@ -74,7 +74,8 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
                     f"this stream is to model {_named(*self._model)}: a frame for "
                     f"{_named(request.model_name, request.model_version)} needs a stream of its own"
                 )
-            want = Want(stream.slot.task.wanted(wire.wanted(request)))
+            task, params = stream.slot.task, wire.parameter_values(request.parameters)
+            want = Want(task.wanted(wire.wanted(request)), detect=task.options(params))
             image = _frame_image(request)
         except VisionServeError as exc:
             stream.reject(request.id, client_ts, str(exc))

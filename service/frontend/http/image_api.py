@@ -20,7 +20,7 @@ from service.core.errors import BadInputError, PayloadTooLargeError, Unsupported
 from service.frontend import request as path
 from service.frontend.http.validation import integer_queries
 from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS
-from service.frontend.state import ServerState
+from service.frontend.state import ModelSlot, ServerState
 from service.frontend.tasks import Want
 from service.frontend.timing import Timing
 
@@ -56,6 +56,16 @@ def server_of(request: Request[Any, Any, Any]) -> ServerState:
 def timing_of(request: Request[Any, Any, Any]) -> Timing:
     timing: Timing = request.scope["state"]["timing"]
     return timing
+
+
+def require_task(slot: ModelSlot, task: str, route: str) -> None:
+    """Refuse a request on the route of another task, naming the route that fits the model."""
+    if slot.spec.task != task:
+        fits = "detect" if slot.spec.task == "detect" else "classify"
+        raise BadInputError(
+            f"model {slot.name!r} is a {slot.spec.task} model: {route} does not fit it; "
+            f"POST /v1/models/{slot.name}/{fits} instead"
+        )
 
 
 async def read_images(request: Request[Any, Any, Any], limit: int) -> tuple[list[bytes], list[str | None], bool]:
@@ -140,6 +150,7 @@ async def classify(
     names: list[str | None] = []
 
     async def parse(where: path.Target) -> path.Ask:
+        require_task(where.slot, "classify", "/classify")
         images, found, single = await read_images(request, server.settings.max_images_per_request)
         names.extend(found)
         # A raw body is the whole request: its image's failure is the request's (400, 500, 504, ...).

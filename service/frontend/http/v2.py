@@ -253,7 +253,7 @@ async def _parse(request: Request[Any, Any, Any], server: ServerState, where: pa
     priority, timeout_ms = request_options(params)
     binary = flag("parameters.binary_data_output", params.get("binary_data_output"))
     outputs = [(o.name, o.parameters or {}) for o in req.outputs or []]
-    want = Want(where.slot.task.wanted(outputs, binary))
+    want = Want(where.slot.task.wanted(outputs, binary), detect=where.slot.task.options(params))
     return protocol.ask_of(server, where.slot, inputs, want, priority=priority, timeout_ms=timeout_ms, id=req.id)
 
 

@@ -1,0 +1,90 @@
+"""The image API for detectors: ``POST /v1/models/{m}/detect`` with a raw image body or multipart files, as
+classify takes them.
+
+One result per image, in order: its ``width`` and ``height`` as a viewer shows it (EXIF orientation applied) and
+its ``detections`` (``{"box", "label", "index", "score"}``, best first, boxes in the image's own pixels), or its own
+``error``. A classify call on a detector, or a detect call on a classifier, is refused (400) naming the route that
+fits.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from litestar import Request, post
+from litestar.params import FromPath, Parameter, PathParameter
+
+from service.core.answers import Detection, DetectResponse, DetectResult
+from service.core.boxes import BoxFormat
+from service.frontend import request as path
+from service.frontend.detect_options import MAX_DETECTIONS, detect_options
+from service.frontend.http.image_api import ERROR_RESPONSES, read_images, require_task, server_of, timing_of
+from service.frontend.http.validation import integer_queries
+from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS
+from service.frontend.tasks import Want
+
+
+@post(
+    ["/v1/models/{model:str}/detect", "/v1/models/{model:str}/versions/{version:str}/detect"],
+    summary="Detect objects in images",
+    description="Raw image body (image/jpeg, image/png, image/webp, image/bmp) or multipart/form-data files. "
+    "One result per image, in order, with its boxes in the image's own pixels; a bad file in a multipart request "
+    "gets its own error.",
+    status_code=200,
+    tags=["image API"],
+    responses=ERROR_RESPONSES,
+    opt={"records_requests": True},
+    guards=[integer_queries],
+)
+async def detect(
+    request: Request[Any, Any, Any],
+    model: FromPath[str],
+    version: Annotated[str | None, PathParameter()] = None,
+    score_threshold: Annotated[float, Parameter(ge=0, le=1, description="boxes scoring less are dropped")] = 0.25,
+    iou_threshold: Annotated[
+        float, Parameter(ge=0, le=1, description="of two boxes overlapping more, the lower scored is dropped")
+    ] = 0.45,
+    max_detections: Annotated[
+        int, Parameter(ge=1, le=MAX_DETECTIONS, description="at most this many boxes an image")
+    ] = 100,
+    classes: Annotated[
+        list[str] | None, Parameter(description="keep only these classes (repeated; labels or indices)")
+    ] = None,
+    class_agnostic: Annotated[bool, Parameter(description="suppress across classes")] = False,
+    box_format: Annotated[BoxFormat, Parameter(description="xyxy, xywh (corner, size) or cxcywh")] = "xyxy",
+    normalized: Annotated[bool, Parameter(description="boxes as fractions of the image's width and height")] = False,
+    priority: Annotated[
+        int, Parameter(ge=0, le=MAX_INT, description="lower is served first; 0 is the default level")
+    ] = 0,
+    timeout_ms: Annotated[
+        float | None, Parameter(gt=0, le=MAX_TIMEOUT_MS, description="deadline in the queue (milliseconds)")
+    ] = None,
+) -> DetectResponse:
+    server = server_of(request)
+    where = path.target(server, model, version, request.headers, aliases=False)
+    names: list[str | None] = []
+
+    async def parse(where: path.Target) -> path.Ask:
+        require_task(where.slot, "detect", "/detect")
+        options = detect_options(
+            where.slot.spec.labels, score_threshold=score_threshold, iou_threshold=iou_threshold,
+            max_detections=max_detections, classes=classes, class_agnostic=class_agnostic, box_format_=box_format,
+            normalized=normalized,
+        )  # fmt: skip
+        images, found, single = await read_images(request, server.settings.max_images_per_request)
+        names.extend(found)
+        want = Want(detect=options)
+        return path.Ask(want, images, priority=priority, timeout_ms=timeout_ms, each=not single)
+
+    def encode(answer: path.Answer) -> DetectResponse:
+        transforms = answer.ask.transforms or [None] * len(names)
+        results = []
+        for name, error, found, where in zip(names, answer.errors, answer.predictions, transforms, strict=True):
+            if error is not None or where is None:
+                results.append(DetectResult(filename=name, error=str(error)))
+                continue
+            detections = [Detection(**d) for d in found or []]  # type: ignore[arg-type]
+            results.append(DetectResult(filename=name, width=where.width, height=where.height, detections=detections))
+        return DetectResponse(model=answer.slot.name, version=answer.version, results=results)
+
+    return await path.answer(where, timing_of(request), parse, encode)
