@@ -245,11 +245,11 @@ def export_model(
     int8_data: Int8Source | None = None,
 ) -> ExportReport:
     """Export ``eager`` (a uint8 classifier) in each requested format, gate on parity, write what passes.
-
-    ``artifact_model`` is what gets exported when it differs from the reference (tests use it to prove that a
-    broken wrapper is refused); by default it is ``eager`` itself.
+    ``artifact_model`` is exported instead when given (tests prove a broken wrapper is refused); by default ``eager``.
     """
     check_request(request)
+    if spec.task != "classify":  # the gate compares top-1 and logits: on a detector's rows it measures nothing
+        raise ConfigError(f"{spec.name} is a detector: its export needs the detection parity gate, not built yet")
     eager = eager.eval()
     candidates = module_candidates((artifact_model or eager).eval(), spec, request)
 

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
+from models.canvases import CanvasParams
 from service.core.errors import CheckpointError, ConfigError
 from service.core.spec import ModelSpec, decode_spec, encode_spec
 
@@ -53,6 +54,45 @@ class Extension(msgspec.Struct, frozen=True, kw_only=True):
     at_epoch: int
 
 
+class DetectionEpoch(msgspec.Struct, frozen=True, kw_only=True):
+    """One detector epoch (a fixed number of steps, each on freshly generated canvases): its mean losses, and where
+    its time went."""
+
+    epoch: int
+    steps: int
+    loss: float
+    heatmap_loss: float  # focal loss on the class heatmaps
+    size_loss: float  # L1 of width and height, in stride-4 cells
+    offset_loss: float  # L1 of the centre's sub-cell offset
+    duration_s: float
+    generate_s: float  # of which making canvases and their targets
+    canvases_per_s: float
+
+
+class DetectionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """How a detector was trained and judged: the canvas generator's parameters, the held-out digits, the AP
+    definition (``models/detection_eval.py``) and its figures on held-out canvases."""
+
+    generator: CanvasParams
+    train_digits: int  # how many of scikit-learn's 1,797 digits the training canvases drew from
+    heldout_digits: tuple[int, ...]  # the indices of the others: the only ones on held-out canvases
+    heldout_canvases: int
+    ap_definition: str
+    score_threshold: float  # candidates below it are dropped before suppression
+    nms_iou: float  # per-class suppression
+    map_50: float  # mean over classes of AP at IoU 0.5
+    map_75: float
+    ap_50: dict[str, float | None]  # label -> AP at IoU 0.5 (None: no box of that class held out)
+    ap_75: dict[str, float | None]
+    steps: int
+    canvases_seen: int
+    max_detections: int  # K, the candidates a canvas the graph answers
+    threads: int  # torch's intra-op threads while training
+    generate_s: float  # of the run's time, making canvases and targets
+    eval_s: float
+    history: tuple[DetectionEpoch, ...]
+
+
 class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
     """How a checkpoint was trained."""
 
@@ -81,6 +121,7 @@ class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):
     extensions: tuple[Extension, ...] = ()  # each extension of the run, in order; () for a run never extended
     # What the run's own figures say is wrong with it, in words (validation far below training in its last epochs).
     warnings: tuple[str, ...] = ()
+    detection: DetectionRecord | None = None  # detectors only; their val_accuracy is None and history empty
 
 
 @dataclass(frozen=True)

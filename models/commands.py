@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from rich.progress import TaskID
 
     from models.checkpoint import EpochRecord
+    from models.config import TrainConfig
     from models.train import TrainResult
 
 _DEFAULTS_NOTE = "smallcnn on digits with these defaults reaches >= 97% validation accuracy in well under a minute"
@@ -33,16 +34,29 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--dataset",
         default="digits",
         help="digits (scikit-learn's bundled handwritten digits), folder:PATH (one sub-folder per class), "
-        "or synthetic[:N] (generated images)",
+        "or synthetic[:N] (generated images); for a detector (--arch digitdet): canvases (those digits pasted on "
+        "generated images)",
     )
     p.add_argument(
         "--epochs",
         type=int,
-        default=15,
-        help="training epochs (default: 15); with --resume, more than the checkpoint's extends its run",
+        default=None,
+        help="training epochs (default: 15; detectors 14, an epoch being 50 steps of fresh canvases); with --resume, "
+        "more than the checkpoint's extends its run",
     )
-    p.add_argument("--batch-size", type=int, default=32, help="images per optimisation step (per process)")
-    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate (SGD, one-cycle schedule)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="images per optimisation step (per process) (default: 32; detectors 64)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate (default: 0.05, SGD on a one-cycle schedule; detectors 0.003, AdamW with a warm-up "
+        "then a cosine decay)",
+    )
     p.add_argument("--weight-decay", type=float, default=5e-4, help="weight decay")
     p.add_argument("--seed", type=int, default=0, help="random seed; the same seed repeats a run")
     p.add_argument("--device", default="auto", help="auto (CUDA when usable, else CPU), cpu, cuda or cuda:N")
@@ -80,7 +94,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--limit-batches",
         type=int,
         default=None,
-        help="train and validate on at most this many batches per epoch (benchmarks, smoke runs); default: all",
+        help="train and validate on at most this many batches per epoch (benchmarks, smoke runs; detectors: steps "
+        "per epoch, and held-out canvases of that many batches); default: all",
     )
     p.add_argument(
         "--resume",
@@ -136,7 +151,7 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
 class _RichProgress:
     """A progress bar per epoch with running loss and accuracy, and a line per finished epoch."""
 
-    def __init__(self, epochs: int, enabled: bool) -> None:
+    def __init__(self, epochs: int, enabled: bool, *, accuracy: bool = True) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -146,7 +161,7 @@ class _RichProgress:
             TextColumn("epoch {task.fields[epoch]}/{task.fields[epochs]}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}  acc {task.fields[acc]:.1%}"),
+            TextColumn("loss {task.fields[loss]:.4f}" + ("  acc {task.fields[acc]:.1%}" if accuracy else "")),
             TimeElapsedColumn(),
             console=self.console,
             transient=True,
@@ -170,6 +185,10 @@ class _RichProgress:
         if self.task is not None:
             self.progress.update(self.task, advance=1, loss=loss, acc=accuracy)
 
+    def note(self, line: str) -> None:
+        """A line above the bar (a detector's finished epoch)."""
+        self.console.print(line)
+
     def end_epoch(self, record: EpochRecord) -> None:
         val = "n/a" if record.val_accuracy is None else f"{record.val_accuracy:.2%}"
         busy = record.data_wait_s + record.compute_s
@@ -183,16 +202,25 @@ class _RichProgress:
         )
 
 
+# (epochs, batch size, learning rate) when the flags leave them out, by the architecture's task.
+_TASK_DEFAULTS = {"classify": (15, 32, 0.05), "detect": (14, 64, 3e-3)}
+
+
 def train_from_args(args: argparse.Namespace) -> TrainResult:
     """Run training as the flags say, with progress bars; rank 0 prints the summary."""
+    from models.registry import get_architecture
     from models.train import BatchProgress, TrainConfig, train
 
+    task = get_architecture(args.arch).task
+    if task == "classify" and args.dataset == "canvases":
+        raise ConfigError("--dataset canvases trains a detector: choose --arch digitdet (see `visionserve models`)")
+    epochs, batch_size, lr = _TASK_DEFAULTS[task]
     config = TrainConfig(
         arch=args.arch,
         dataset=args.dataset,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
+        epochs=epochs if args.epochs is None else args.epochs,
+        batch_size=batch_size if args.batch_size is None else args.batch_size,
+        lr=lr if args.lr is None else args.lr,
         weight_decay=args.weight_decay,
         seed=args.seed,
         device=args.device,
@@ -205,6 +233,8 @@ def train_from_args(args: argparse.Namespace) -> TrainResult:
         resume=args.resume,
         limit_batches=args.limit_batches,
     )
+    if task == "detect":
+        return _train_detector(config, enabled=not args.no_progress)
     with _RichProgress(config.epochs, enabled=not args.no_progress) as bar:
         progress: BatchProgress = bar  # type: ignore[assignment]
         result = train(config, progress=progress)
@@ -229,6 +259,30 @@ def train_from_args(args: argparse.Namespace) -> TrainResult:
     if result.best_path:
         best = f"{rec.best_val_accuracy:.2%}" if rec.best_val_accuracy is not None else "n/a"
         print(f"best epoch {rec.best_epoch} (validation accuracy {best}) kept in {result.best_path}")
+    return result
+
+
+def _train_detector(config: TrainConfig, *, enabled: bool) -> TrainResult:
+    """A detector's run (``models/detect_train.py``), with the same bars, and its held-out figures."""
+    from models.detect_train import train_detector
+
+    with _RichProgress(config.epochs, enabled=enabled, accuracy=False) as bar:
+        result = train_detector(config, progress=bar)
+    rec, det = result.record, result.record.detection
+    assert det is not None
+    per_class = "  ".join(f"{label} {'n/a' if ap is None else f'{ap:.3f}'}" for label, ap in det.ap_50.items())
+    print(
+        f"trained {config.arch} on {rec.dataset} ({det.steps} steps, {det.canvases_seen} canvases of "
+        f"{det.train_digits} training digits) on {rec.device} in {rec.duration_s:.1f} s "
+        f"({det.generate_s:.1f} s making canvases; torch threads: {det.threads})"
+    )
+    print(
+        f"held out ({det.heldout_canvases} canvases of {len(det.heldout_digits)} unseen digits): "
+        f"mAP@0.5 {det.map_50:.3f}  mAP@0.75 {det.map_75:.3f}"
+    )
+    print(f"AP@0.5 per class: {per_class}")
+    if result.path:
+        print(f"checkpoint written to {result.path}")
     return result
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 from torch import nn
@@ -16,6 +17,7 @@ from service.core.errors import ConfigError, UnknownNameError
 from service.core.spec import InputSpec, ModelSpec
 
 Builder = Callable[..., nn.Module]
+Task = Literal["classify", "detect"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class Architecture:
     builder: Builder
     spec: ModelSpec
     description: str
+    # What its forward answers: classifiers logits [N, classes]; detectors [N, K, 6] candidates before suppression
+    # (models/detector.py). `train` picks its loop by it.
+    task: Task = "classify"
 
     def build(self, *, num_classes: int | None = None) -> nn.Module:
         """A fresh model with initial weights (never downloaded)."""
@@ -47,7 +52,7 @@ def with_input_size(spec: ModelSpec, size: int) -> ModelSpec:
 _REGISTRY: dict[str, Architecture] = {}
 
 
-def register(name: str, *, spec: ModelSpec, description: str) -> Callable[[Builder], Builder]:
+def register(name: str, *, spec: ModelSpec, description: str, task: Task = "classify") -> Callable[[Builder], Builder]:
     """Decorator that registers a builder under ``name``; a duplicate name raises ``ValueError``."""
 
     def wrap(builder: Builder) -> Builder:
@@ -55,7 +60,7 @@ def register(name: str, *, spec: ModelSpec, description: str) -> Callable[[Build
             raise ValueError(f"architecture {name!r} is already registered")
         if spec.architecture != name:
             raise ValueError(f"spec.architecture {spec.architecture!r} does not match the name {name!r}")
-        _REGISTRY[name] = Architecture(name=name, builder=builder, spec=spec, description=description)
+        _REGISTRY[name] = Architecture(name=name, builder=builder, spec=spec, description=description, task=task)
         return builder
 
     return wrap

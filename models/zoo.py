@@ -1,4 +1,4 @@
-"""The architectures visionserve ships: ``smallcnn`` and torchvision's ImageNet classifiers.
+"""The architectures visionserve ships: ``smallcnn``, the ``digitdet`` detector and torchvision's ImageNet classifiers.
 
 No weights are ever downloaded: torchvision builders are called with ``weights=None``; a user's own state dict is
 loaded afterwards (``visionserve train/export --weights PATH``).
@@ -12,6 +12,7 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
+from models.detector import DigitDet
 from models.registry import register
 from service.core.spec import InputSpec, ModelSpec
 
@@ -63,6 +64,29 @@ class SmallCNN(nn.Module):
 )
 def smallcnn(*, num_classes: int = 10) -> nn.Module:
     return SmallCNN(num_classes=num_classes)
+
+
+@register(
+    "digitdet",
+    spec=ModelSpec(
+        name="digitdet",
+        architecture="digitdet",
+        input=InputSpec(channels=3, height=96, width=96),
+        resize_size=96,
+        mean=(0.5, 0.5, 0.5),
+        std=(0.5, 0.5, 0.5),
+        labels=DIGIT_LABELS,
+        task="detect",
+        resize="letterbox",
+        pad_value=0,  # the canvases' ground is dark: grey padding would look like clutter to it
+        output_layout="candidates",
+        max_detections=100,
+    ),
+    description="CenterNet-style digit detector: [N, 100, 6] boxes before suppression (the embedded detector)",
+    task="detect",
+)
+def digitdet(*, num_classes: int = 10) -> nn.Module:
+    return DigitDet(num_classes=num_classes)
 
 
 def _torchvision_spec(name: str) -> ModelSpec:

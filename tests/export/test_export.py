@@ -16,7 +16,7 @@ import torch
 from export.exporter import ExportRequest, export_model, export_source
 from export.sources import calibration_images, from_architecture, from_checkpoint
 from models.normalize import Uint8Classifier
-from models.registry import architecture_names
+from models.registry import architecture_names, get_architecture
 from service.core.errors import ConfigError
 from service.core.repository import ModelRepository, random_batch
 from service.core.spec import load_spec
@@ -128,7 +128,8 @@ def test_fp16_variants_are_written_and_reported_unchecked_without_a_gpu(tmp_path
     assert ModelRepository(tmp_path).model("s").latest.fp16_files.keys() == {"onnx", "torchscript"}
 
 
-ZOO = architecture_names()  # every registered model; tests/models/test_registry.py pins which ones those are
+# every registered classifier (tests/models/test_registry.py pins which ones those are); a detector is refused below
+ZOO = [name for name in architecture_names() if get_architecture(name).task == "classify"]
 # The smallest square input each one takes: the registry's floor of 8, but ConvNeXt's 4x4 stem and three 2x2
 # downsamplings need 32. The exporter, the graph and the gate are the same at any size; only the arithmetic shrinks.
 SMALLEST_INPUT = {"convnext_tiny": 32}
@@ -142,6 +143,13 @@ def test_every_zoo_model_exports_to_both_formats(name: str, tmp_path: Path) -> N
     report = export_model(source.eager, source.spec, _request(tmp_path, name, max_batch_size=8))
     assert report.ok, [a.parity.describe() for a in report.artifacts]
     _assert_parity_recorded(tmp_path / name / "1", {"onnx", "torchscript"})
+
+
+def test_a_detector_is_refused_until_its_parity_gate_exists(tmp_path: Path) -> None:
+    source = from_architecture("digitdet", input_size=32)
+    with pytest.raises(ConfigError, match="digitdet is a detector: its export needs the detection parity gate"):
+        export_model(source.eager, source.spec, _request(tmp_path, "digitdet"))
+    assert not (tmp_path / "digitdet").exists()
 
 
 def _visionserve(*args: str) -> subprocess.CompletedProcess[str]:
