@@ -62,16 +62,17 @@ test-fast-models: $(STAMP)
 	VISIONSERVE_TEST_FAST_MODELS=1 $(BIN)/pytest tests/http tests/grpc tests/reliability tests/loadtest \
 		tests/service/test_aoti_served.py $(PYTEST_ARGS)
 
-# The embedded default model ships exported (examples/model_repository/digits: model.onnx, spec.json, config.toml
-# and its training record); `make serve` copies it into the repository when that has no digits yet.
-$(REPOSITORY)/digits:
+# The embedded default models ship exported (examples/model_repository/digits, the classifier, and digits-detect,
+# the detector: model.onnx, spec.json, config.toml and its training record); `make serve` copies each into the
+# repository when that has none of that name yet.
+$(REPOSITORY)/digits $(REPOSITORY)/digits-detect:
 	mkdir -p $(REPOSITORY)
-	cp -R examples/model_repository/digits $(REPOSITORY)/digits
+	cp -R examples/model_repository/$(notdir $@) $@
 
-serve: $(SERVE_STAMP) $(REPOSITORY)/digits
+serve: $(SERVE_STAMP) $(REPOSITORY)/digits $(REPOSITORY)/digits-detect
 	$(SERVE_BIN)/visionserve serve --repository $(REPOSITORY) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-# Make the shipped default model again with the project's own train and export (needs `make install`);
+# Make the shipped default models again with the project's own train and export (needs `make install`);
 # scripts/default_model.py --check holds the shipped one to a fresh run (a test runs it).
 default-model: $(STAMP)
 	$(BIN)/python scripts/default_model.py

@@ -1,4 +1,5 @@
-"""Writing artifacts: an eager uint8 classifier -> ``model.onnx`` (dynamic batch) or ``model.pt`` (TorchScript).
+"""Writing artifacts: an eager uint8 model (a classifier, or a detector) -> ``model.onnx`` (dynamic batch) or
+``model.pt`` (TorchScript).
 
 The graph takes uint8 NCHW and does the float conversion and normalisation inside (:mod:`models.normalize`).
 """
@@ -37,7 +38,14 @@ def example_input(channels: int, height: int, width: int, batch: int = 2) -> tor
     return torch.randint(0, 256, (batch, channels, height, width), dtype=torch.uint8)
 
 
-def to_onnx(model: nn.Module, example: torch.Tensor, path: Path, *, opset: int = DEFAULT_OPSET) -> None:
+def output_name(task: str) -> str:
+    """The ONNX graph's output: ``logits`` for a classifier, ``candidates`` for a detector (its ``output_layout``)."""
+    return "candidates" if task == "detect" else "logits"
+
+
+def to_onnx(
+    model: nn.Module, example: torch.Tensor, path: Path, *, opset: int = DEFAULT_OPSET, output: str = "logits"
+) -> None:
     """Export with torch's ONNX exporter (torch.export based); batch dimension dynamic from 1 to 4096."""
     import onnx
 
@@ -49,7 +57,7 @@ def to_onnx(model: nn.Module, example: torch.Tensor, path: Path, *, opset: int =
             (example,),
             str(path),
             input_names=["input"],
-            output_names=["logits"],
+            output_names=[output],
             dynamic_shapes={"x": {0: batch}},
             opset_version=opset,
             dynamo=True,

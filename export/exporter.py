@@ -40,11 +40,13 @@ from export.artifacts import (
     cuda_toolkit_missing,
     example_input,
     half_model,
+    output_name,
     to_aoti,
     to_onnx,
     to_torchscript,
 )
-from export.parity import FP16, FP32, ParityResult, compare, eager_outputs, exact_fp32, parity_batches
+from export.detect_parity import DetectParityResult, check_parity, refuse_unproved
+from export.parity import FP16, FP32, ParityResult, eager_outputs, exact_fp32, parity_batches
 from export.quantize import INT8_FILE, MIN_SPEEDUP, Int8Data, Int8Options, Int8Verdict, quantize_model
 from service.core.config import CONFIG_FILE, default_config_text, load_config
 from service.core.errors import ConfigError, VisionServeError
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
 FORMATS = ("onnx", "torchscript", "aoti")
 DEFAULT_FORMATS = ("onnx", "torchscript")
 Progress = Callable[[str], None]
+Checked = ParityResult | DetectParityResult  # a classifier's parity, or a detector's
 Int8Source = Callable[[ModelSpec], Int8Data]  # the calibration and held-out images, preprocessed for the spec
 NO_INT8_DATA = (
     "--int8 needs real images to calibrate on and to gate against fp32 (on held-out ones): pass "
@@ -94,7 +97,7 @@ class ArtifactReport:
     file: str
     size_bytes: int
     export_s: float
-    parity: ParityResult | Int8Verdict
+    parity: Checked | Int8Verdict
     latency_ms: dict[int, float] = field(default_factory=dict)
     written: bool = False
 
@@ -200,7 +203,7 @@ def module_candidates(module: nn.Module, spec: ModelSpec, request: ExportRequest
             if fmt == "onnx":
 
                 def produce(path: Path, m: nn.Module = variant) -> None:
-                    to_onnx(m, example_input(*shape), path, opset=request.opset)
+                    to_onnx(m, example_input(*shape), path, opset=request.opset, output=output_name(spec.task))
 
             else:
 
@@ -244,12 +247,11 @@ def export_model(
     progress: Progress | None = None,
     int8_data: Int8Source | None = None,
 ) -> ExportReport:
-    """Export ``eager`` (a uint8 classifier) in each requested format, gate on parity, write what passes.
-    ``artifact_model`` is exported instead when given (tests prove a broken wrapper is refused); by default ``eager``.
-    """
+    """Export ``eager`` (uint8 in: a classifier, or a detector's candidates out) in each requested format, gate on
+    parity (:mod:`export.detect_parity` for a detector), write what passes. ``artifact_model`` is exported instead
+    when given (tests prove a broken wrapper is refused); by default ``eager``."""
     check_request(request)
-    if spec.task != "classify":  # the gate compares top-1 and logits: on a detector's rows it measures nothing
-        raise ConfigError(f"{spec.name} is a detector: its export needs the detection parity gate, not built yet")
+    refuse_unproved(spec, formats=request.formats, int8=request.int8)
     eager = eager.eval()
     candidates = module_candidates((artifact_model or eager).eval(), spec, request)
 
@@ -415,19 +417,20 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
     check_device = candidate.device or ("cpu" if precision == "fp32" else "cuda")
     if precision == "fp16" and (not torch.cuda.is_available() or runnable_device(fmt, check_device) == "cpu"):
         note = NO_CUDA_PROVIDER if torch.cuda.is_available() else "no GPU here"
-        parity = ParityResult(0, math.nan, math.nan, FP16, checked=False, note=note)
+        parity: Checked = ParityResult(0, math.nan, math.nan, FP16, checked=False, note=note)
     else:
         stage.say(f"parity {fmt} {precision}")
         runtime = make_runtime(fmt, stage.spec, target, check_device, stage.max_batch)
         with exact_fp32(check_device if precision == "fp32" else "cpu"):
-            parity = compare(stage.expected, runtime.run, stage.batches, FP32 if precision == "fp32" else FP16)
+            parity = check_parity(stage.spec, stage.expected, runtime.run, stage.batches, precision)
     report = ArtifactReport(fmt, precision, file_name, target.stat().st_size, export_s, parity)
     if runtime is not None and parity.passed and stage.request.latency:
         if runtime.device != stage.device and candidate.device is None:  # a compiled package stays on its own
             runtime.close()
             runtime = make_runtime(fmt, stage.spec, target, runnable_device(fmt, stage.device), stage.max_batch)
         stage.say(f"latency {fmt} {precision} on {runtime.device}")
-        report.latency_ms = measure_latency(runtime, stage.spec, _latency_sizes(stage.max_batch))
+        sizes = sorted({1, min(8, stage.max_batch), stage.max_batch})
+        report.latency_ms = measure_latency(runtime, stage.spec, sizes)
     if runtime is not None:
         runtime.close()
     if not parity.passed:
@@ -436,11 +439,7 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
     return report, _export_record(stage, fmt, precision, file_name, parity)
 
 
-def _latency_sizes(max_batch: int) -> list[int]:
-    return sorted({1, min(8, max_batch), max_batch})
-
-
-def _export_record(stage: _Stage, fmt: str, precision: str, file_name: str, parity: ParityResult) -> ExportRecord:
+def _export_record(stage: _Stage, fmt: str, precision: str, file_name: str, parity: Checked) -> ExportRecord:
     return ExportRecord(
         format="onnx" if fmt == "onnx" else ("aoti" if fmt.startswith("aoti") else "torchscript"),
         file=file_name,
@@ -448,8 +447,7 @@ def _export_record(stage: _Stage, fmt: str, precision: str, file_name: str, pari
         opset=stage.request.opset if fmt == "onnx" else None,
         versions=_versions(),
         source_sha256=stage.source_sha256,
-        parity_max_rel_error=parity.max_rel_error if parity.checked else None,
-        parity_top1_agreement=parity.top1_agreement if parity.checked else None,
+        **parity.record_fields(),
         parity_checked_on=f"{stage.real_source}; {parity.images} images" if parity.checked else parity.note,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )

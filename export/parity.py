@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -52,6 +53,12 @@ class ParityResult:
             self.max_rel_error <= self.tolerance.max_rel_error
             and self.top1_agreement >= self.tolerance.min_top1_agreement
         )
+
+    def record_fields(self) -> dict[str, Any]:
+        """What spec.json's export record holds of this check."""
+        if not self.checked:
+            return {}
+        return {"parity_max_rel_error": self.max_rel_error, "parity_top1_agreement": self.top1_agreement}
 
     def describe(self) -> str:
         if self.error:

@@ -1,4 +1,5 @@
-"""Where an export starts: a visionserve checkpoint, a zoo architecture, and the real images for parity."""
+"""Where an export starts: a visionserve checkpoint, a zoo architecture, and the real images for parity (a
+classifier's validation split; a detector's held-out canvases)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
+from models.canvases import CanvasParams, digit_pool, make_canvases
 from models.checkpoint import apply_weights, file_sha256, load_checkpoint, load_weights
 from models.datasets import IMAGE_EXTENSIONS, load_dataset
 from models.folder import validation_sample
@@ -38,7 +40,11 @@ def from_checkpoint(path: str | Path) -> Source:
     eager = Uint8Classifier(network, ckpt.spec.mean, ckpt.spec.std).eval()
     images: np.ndarray | None = None
     source = "random uint8 batches only (the training dataset is not at hand)"
-    if ckpt.record is not None:
+    if ckpt.record is not None and ckpt.record.detection is not None:
+        images = heldout_canvases(ckpt.record.detection.generator, ckpt.spec)
+        if images is not None:
+            source = f"{len(images)} held-out canvases (digits training never saw) and random uint8 batches"
+    elif ckpt.record is not None:
         try:
             if ckpt.record.dataset.startswith("folder:"):
                 # A sample, not the whole folder: it may hold far more images than parity needs.
@@ -50,6 +56,15 @@ def from_checkpoint(path: str | Path) -> Source:
         if images is not None:
             source = f"{len(images)} validation images of {ckpt.record.dataset} and random uint8 batches"
     return Source(eager, ckpt.spec, ckpt.sha256, images, source)
+
+
+def heldout_canvases(params: CanvasParams, spec: ModelSpec, count: int = MAX_REAL_IMAGES) -> np.ndarray | None:
+    """A detector's held-out canvases (``models/canvases.py``: the training's generator, its held-out seed and the
+    digits training never saw) as the uint8 batch it is served; None when the canvas is not the input's size."""
+    if (spec.input.height, spec.input.width) != (params.canvas_size, params.canvas_size):
+        return None
+    grey = make_canvases(params, count, pool=digit_pool("heldout"), seed=params.heldout_seed).images
+    return np.ascontiguousarray(np.repeat(grey[:, None], spec.input.channels, axis=1))
 
 
 def from_architecture(name: str, *, weights: str | None = None, input_size: int | None = None) -> Source:

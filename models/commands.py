@@ -203,7 +203,7 @@ class _RichProgress:
 
 
 # (epochs, batch size, learning rate) when the flags leave them out, by the architecture's task.
-_TASK_DEFAULTS = {"classify": (15, 32, 0.05), "detect": (14, 64, 3e-3)}
+TASK_DEFAULTS = {"classify": (15, 32, 0.05), "detect": (14, 64, 3e-3)}
 
 
 def train_from_args(args: argparse.Namespace) -> TrainResult:
@@ -214,7 +214,7 @@ def train_from_args(args: argparse.Namespace) -> TrainResult:
     task = get_architecture(args.arch).task
     if task == "classify" and args.dataset == "canvases":
         raise ConfigError("--dataset canvases trains a detector: choose --arch digitdet (see `visionserve models`)")
-    epochs, batch_size, lr = _TASK_DEFAULTS[task]
+    epochs, batch_size, lr = TASK_DEFAULTS[task]
     config = TrainConfig(
         arch=args.arch,
         dataset=args.dataset,

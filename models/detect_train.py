@@ -213,7 +213,7 @@ def _check(config: TrainConfig) -> None:
         )
 
 
-def _prepare(config: TrainConfig, spec: ModelSpec, device: torch.device) -> _Run:
+def _prepare(config: TrainConfig, spec: ModelSpec, device: torch.device, generator: CanvasParams | None) -> _Run:
     torch.manual_seed(config.seed)
     network = get_architecture(config.arch).build(num_classes=len(spec.labels))
     if not isinstance(network, DigitDet):
@@ -224,21 +224,27 @@ def _prepare(config: TrainConfig, spec: ModelSpec, device: torch.device) -> _Run
     steps = min(STEPS_PER_EPOCH, config.limit_batches or STEPS_PER_EPOCH)
     optimizer = torch.optim.AdamW(network.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     return _Run(
-        config=config, params=CanvasParams(canvas_size=spec.input.height, seed=config.seed), device=device,
+        config=config, params=generator or CanvasParams(canvas_size=spec.input.height, seed=config.seed), device=device,
         network=network, normalize=Uint8Normalize(spec.mean, spec.std).to(device), optimizer=optimizer,
         scheduler=_schedule(optimizer, config.epochs * steps), steps_per_epoch=steps,
     )  # fmt: skip
 
 
-def train_detector(config: TrainConfig, *, progress: DetectProgress) -> TrainResult:
-    """Train ``config.arch`` on generated canvases, judge it on held-out ones and write ``config.out``."""
+def train_detector(
+    config: TrainConfig, *, progress: DetectProgress, generator: CanvasParams | None = None
+) -> TrainResult:
+    """Train ``config.arch`` on generated canvases, judge it on held-out ones and write ``config.out``.
+    ``generator``: the canvases' parameters (default: :class:`CanvasParams`' own at the input's size and
+    ``config.seed``), for training and held-out canvases alike; recorded."""
     _check(config)
     started = time.perf_counter()
     spec = get_architecture(config.arch).spec
     if config.input_size is not None:
         spec = with_input_size(spec, config.input_size)
     spec = msgspec.structs.replace(spec, name=f"{config.arch}-{DATASET}", resize_size=spec.input.height)
-    run = _prepare(config, spec, resolve_device(config.device))
+    if generator is not None and generator.canvas_size != spec.input.height:
+        raise ConfigError(f"the canvas size ({generator.canvas_size}) must be the input's ({spec.input.height})")
+    run = _prepare(config, spec, resolve_device(config.device), generator)
     threads, previous = detect_threads(), torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

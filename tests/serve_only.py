@@ -5,6 +5,7 @@ Run by the serving install's own interpreter, it checks, against real servers st
 - torch does not import here, and the commands that need it say which extra installs it (exit 2, no traceback);
 - the shipped default model serves: the README's image classified over HTTP, over gRPC (IMAGE bytes, the
   classification extension), ``/metrics``, the demo page and the OpenAPI UI's assets;
+- the shipped detector serves: the README's canvas answered with its digits;
 - a model with a broken ``model.pt`` beside its ``model.onnx`` serves from the ONNX one;
 - a model whose load raises is reported (its 404 names why, ``/metrics`` counts it) while the others serve, and
   ``--strict-readiness`` holds readiness false meanwhile.
@@ -35,6 +36,8 @@ from service.core.protocol import method_path, pb  # noqa: E402
 
 SHIPPED = ROOT / "examples" / "model_repository" / "digits"
 IMAGE = (ROOT / "examples" / "digit-3.png").read_bytes()
+CANVAS = (ROOT / "examples" / "digits-canvas.png").read_bytes()
+CANVAS_DIGITS = ["3", "7", "8"]  # what the README's canvas holds (its labels, sorted)
 
 
 def check(what: str, ok: bool, detail: object = "") -> None:
@@ -59,6 +62,7 @@ def no_torch() -> None:
 
 def repository(root: Path) -> Path:
     shutil.copytree(SHIPPED, root / "digits")
+    shutil.copytree(SHIPPED.parent / "digits-detect", root / "digits-detect")
     shutil.copytree(SHIPPED, root / "spare")  # a broken TorchScript file beside the ONNX one
     (root / "spare" / "1" / "model.pt").write_bytes(b"PK\x03\x04 not a TorchScript archive")
     shutil.copytree(SHIPPED, root / "broken")  # its load raises (a runtime's own exception)
@@ -88,6 +92,11 @@ def serving(root: Path, log: Path) -> None:
         top = answer.json()["results"][0]["predictions"][0] if answer.status_code == 200 else {}
         check("the shipped model classifies the README's image over HTTP", top.get("label") == "3", answer.text)
         check("... and over gRPC", grpc_top1(server.grpc_target) == "3")
+        boxes = httpx.post(f"{url}/v1/models/digits-detect/detect", content=CANVAS,
+                           headers={"Content-Type": "image/png"}, timeout=60)  # fmt: skip
+        found = boxes.json()["results"][0]["detections"] if boxes.status_code == 200 else []
+        check("the shipped detector finds the README canvas's digits",
+              sorted(d["label"] for d in found) == CANVAS_DIGITS, boxes.text)  # fmt: skip
         spare = httpx.post(f"{url}/v1/models/spare/classify", content=IMAGE, headers={"Content-Type": "image/png"})
         meta = httpx.get(f"{url}/v2/models/spare").json()
         check("a broken model.pt beside model.onnx: served from the ONNX one", spare.status_code == 200

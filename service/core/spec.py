@@ -79,6 +79,24 @@ class Int8Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     speed: Int8Speed | None = None  # against fp32, where the accuracy gate passed or was waived (absent before)
 
 
+class DetectionParity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A detector's artifact against eager PyTorch (export/detect_parity.py): per image, the candidates above the
+    cut (``score_threshold``, or eager's K-th score when all K are above it) matched one to one at IoU >=
+    ``min_iou_limit``; candidates within ``score_margin`` of the cut left out (counted in ``left_out``)."""
+
+    images: int
+    boxes: int  # candidates beyond the margin, eager's and the artifact's together
+    unmatched: int  # of those, without a partner (0 in a written artifact)
+    left_out: int
+    min_iou: float  # the lowest IoU of a matched pair
+    class_agreement: float  # of the matched pairs
+    max_score_error: float  # the largest |eager - artifact| score of a matched pair
+    score_threshold: float
+    score_margin: float
+    min_iou_limit: float
+    max_score_error_limit: float
+
+
 class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How one artifact was made and how closely it matches eager PyTorch (or, for INT8, its fp32 source)."""
 
@@ -93,6 +111,7 @@ class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     parity_checked_on: str | None = None
     created_at: str | None = None
     int8: Int8Record | None = None  # INT8 artifacts only (absent from spec.json files written before INT8)
+    detection_parity: DetectionParity | None = None  # a detector's gate (its parity_* fields are the classifier's)
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from export.exporter import ExportRequest, export_model, export_source
-from export.sources import calibration_images, from_architecture, from_checkpoint
+from export.sources import Source, calibration_images, from_architecture, from_checkpoint
 from models.normalize import Uint8Classifier
 from models.registry import architecture_names, get_architecture
 from service.core.errors import ConfigError
@@ -128,7 +128,8 @@ def test_fp16_variants_are_written_and_reported_unchecked_without_a_gpu(tmp_path
     assert ModelRepository(tmp_path).model("s").latest.fp16_files.keys() == {"onnx", "torchscript"}
 
 
-# every registered classifier (tests/models/test_registry.py pins which ones those are); a detector is refused below
+# every registered classifier (tests/models/test_registry.py pins which ones those are); the detector, whose gate is
+# another, has its own tests below
 ZOO = [name for name in architecture_names() if get_architecture(name).task == "classify"]
 # The smallest square input each one takes: the registry's floor of 8, but ConvNeXt's 4x4 stem and three 2x2
 # downsamplings need 32. The exporter, the graph and the gate are the same at any size; only the arithmetic shrinks.
@@ -145,11 +146,83 @@ def test_every_zoo_model_exports_to_both_formats(name: str, tmp_path: Path) -> N
     _assert_parity_recorded(tmp_path / name / "1", {"onnx", "torchscript"})
 
 
-def test_a_detector_is_refused_until_its_parity_gate_exists(tmp_path: Path) -> None:
-    source = from_architecture("digitdet", input_size=32)
-    with pytest.raises(ConfigError, match="digitdet is a detector: its export needs the detection parity gate"):
-        export_model(source.eager, source.spec, _request(tmp_path, "digitdet"))
-    assert not (tmp_path / "digitdet").exists()
+def _detector(input_size: int = 32) -> Source:
+    """digitdet at a small input, made to answer as a trained one does (seeded). Initial weights put every score near
+    the 0.1 prior, so neighbouring peaks tie to float error, which no trained detector does and no gate should be
+    asked to settle, and every box near zero size: the class heatmaps' weights widened spread the scores, and a
+    size bias of 3 cells gives boxes of about 12 pixels."""
+    source = from_architecture("digitdet", input_size=input_size)
+    out = source.eager.get_submodule("network.out")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        torch.nn.init.normal_(out.weight[:10], std=0.5)
+        out.bias[10:12] = 3.0
+    return source
+
+
+def test_a_detector_exports_with_its_detection_parity_gate(tmp_path: Path) -> None:
+    """Replaces the refusal that stood until this gate existed (test_a_detector_is_refused_until_its_parity_gate_
+    exists): both formats pass, and spec.json records the gate's figures, not the classifier's."""
+    source = _detector()
+    report = export_model(source.eager, source.spec, _request(tmp_path, "det", max_batch_size=8))
+    assert report.ok, [a.parity.describe() for a in report.artifacts]
+    version_dir = tmp_path / "det" / "1"
+    spec = load_spec(version_dir / "spec.json")
+    assert spec.task == "detect" and {e.format for e in spec.exports} == {"onnx", "torchscript"}
+    for record in spec.exports:
+        gate = record.detection_parity
+        assert gate is not None and record.parity_max_rel_error is None and record.parity_top1_agreement is None
+        assert gate.images == 1 + 7 + 8 and gate.boxes > 100 and gate.unmatched == 0 and gate.class_agreement == 1.0
+        assert gate.min_iou >= 0.99 and gate.max_score_error <= gate.max_score_error_limit == 1e-4
+    assert [o.name for o in onnx.load(str(version_dir / "model.onnx")).graph.output] == ["candidates"]
+    assert "boxes matched at IoU >= 0.99" in report.artifacts[0].parity.describe()
+
+
+def test_a_perturbed_detector_artifact_is_refused_by_the_detection_gate(tmp_path: Path) -> None:
+    source = _detector()
+    network = source.eager.get_submodule("network")
+    wrong_std = tuple(s * 1.01 for s in source.spec.std)  # a 1% normalisation slip
+    broken = Uint8Classifier(network, source.spec.mean, wrong_std)
+    report = export_model(source.eager, source.spec, _request(tmp_path, "det", max_batch_size=8), artifact_model=broken)
+    assert not report.ok
+    for artifact in report.artifacts:
+        assert not artifact.parity.passed and not artifact.written and "FAIL" in artifact.parity.describe()
+        assert artifact.parity.max_rel_error > 1e-3, artifact.parity.describe()  # the report says by how much
+    assert not (tmp_path / "det").exists()
+
+
+def test_the_detection_gate_matches_boxes_one_to_one_beyond_the_margin() -> None:
+    from export.detect_parity import DETECT_FP32, match_image
+
+    def rows(*boxes: tuple[float, ...]) -> np.ndarray:
+        out = np.zeros((6, 6), np.float32)  # K = 6: the rest score 0, under the cut
+        out[: len(boxes)] = boxes
+        return out
+
+    eager = rows((10, 10, 30, 30, 0.9, 3), (10, 10, 30, 30, 0.4, 5), (50, 50, 60, 70, 0.3, 1), (0, 0, 9, 9, 0.0505, 2))
+    same = match_image(eager, eager[[1, 0, 2, 3, 4, 5]], DETECT_FP32)  # order is free; the margin row left out
+    assert (same.boxes, same.unmatched, same.left_out, same.class_mismatches) == (6, 0, 2, 0)
+    shifted = eager.copy()
+    shifted[2, :4] += [0.5, 0, 0.5, 0]  # half a pixel on a 10-pixel box: IoU 0.9
+    assert match_image(eager, shifted, DETECT_FP32).unmatched == 2
+    swapped = eager.copy()
+    swapped[0, 5] = 4
+    assert match_image(eager, swapped, DETECT_FP32).class_mismatches == 1
+    dropped = eager.copy()
+    dropped[3, 4] = 0.0495  # within the margin of the 0.05 cut: either side of it is fine
+    assert match_image(eager, dropped, DETECT_FP32).unmatched == 0
+    nudged = eager.copy()
+    nudged[0, 4] += 5e-4
+    assert match_image(eager, nudged, DETECT_FP32).max_score_error == pytest.approx(5e-4, rel=1e-3)
+
+
+def test_int8_and_aotinductor_of_a_detector_are_refused_with_the_reason(tmp_path: Path) -> None:
+    source = _detector()
+    with pytest.raises(ConfigError, match="--int8 of digitdet is refused: it is a detector"):
+        export_model(source.eager, source.spec, _request(tmp_path, "det", int8=True))
+    with pytest.raises(ConfigError, match="--formats aoti of digitdet is refused: it is a detector"):
+        export_model(source.eager, source.spec, _request(tmp_path, "det", formats=("onnx", "aoti")))
+    assert not (tmp_path / "det").exists()
 
 
 def _visionserve(*args: str) -> subprocess.CompletedProcess[str]:

@@ -259,3 +259,56 @@ def test_a_real_server_detects(repo: Path, tmp_path: Path) -> None:
     assert (result["width"], result["height"]) == (517, 333)
     found = np.array(result["detections"][0]["box"])
     assert np.abs(found - (100, 50, 400, 300)).max() <= tolerance(333, 517)
+
+
+SHIPPED_DETECTOR = Path(__file__).parents[2] / "examples" / "model_repository" / "digits-detect"
+
+
+def canvas_image(width: int, height: int, strip: int = 60) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """A generated canvas of held-out digits (2-3, none cut by the border), a ``strip`` rows high band of it holding
+    every digit, resized to ``width`` x ``height``: (its PNG, the digits' boxes in its pixels, their labels). The
+    first seed whose digits fit the band: the same image every run."""
+    from models.canvases import CanvasParams, digit_pool, make_canvases
+
+    params = CanvasParams(min_digits=2, max_digits=3, min_scale_px=16, max_scale_px=32, max_off_border=0.0)
+    for seed in range(200):
+        canvases = make_canvases(params, 1, pool=digit_pool("heldout"), seed=seed)
+        boxes, labels = canvases.objects(0)
+        top = max(0, min(int(boxes[:, 1].min()) - 3, params.canvas_size - strip))
+        if len(boxes) >= 2 and boxes[:, 3].max() <= top + strip - 3:
+            break
+    else:
+        raise AssertionError("no canvas's digits fit the band")
+    band = canvases.images[0, top : top + strip]
+    image = Image.fromarray(band).convert("RGB").resize((width, height), Image.Resampling.BILINEAR)
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    scale = np.array([width / band.shape[1], height / strip] * 2)
+    return out.getvalue(), (boxes - [0, top, 0, top]) * scale, labels
+
+
+def box_iou(a: list[float], b: np.ndarray) -> float:
+    iw = min(a[2], b[2]) - max(a[0], b[0])
+    ih = min(a[3], b[3]) - max(a[1], b[1])
+    inter = max(iw, 0) * max(ih, 0)
+    return float(inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter))
+
+
+def test_the_shipped_detector_finds_a_canvas_digits_in_the_images_own_pixels(tmp_path: Path) -> None:
+    """The detector `make serve` serves (examples/model_repository/digits-detect), served for real: a canvas of
+    held-out digits resized to an odd 301x187 (letterboxed to 96x60 inside the server) comes back with each digit's
+    label and its box, in the 301x187 image's pixels, at IoU >= 0.7."""
+    import httpx
+
+    repo = copy_model(SHIPPED_DETECTOR.parent, tmp_path / "repo", "digits-detect")
+    running = start_server(repo, tmp_path / "server.log", real_models=("digits-detect",))
+    data, boxes, labels = canvas_image(301, 187)
+    r = httpx.post(f"{running.url}/v1/models/digits-detect/detect", content=data,
+                   headers={"content-type": "image/png"}, timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    result = r.json()["results"][0]
+    assert (result["width"], result["height"]) == (301, 187)
+    found = result["detections"]
+    for box, label in zip(boxes, labels, strict=True):
+        best = max((box_iou(d["box"], box) for d in found if d["label"] == str(label)), default=0.0)
+        assert best >= 0.7, (label, box.round(1).tolist(), found)
