@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
@@ -26,7 +27,7 @@ from service.core.protocol import method_path, pb
 from service.launcher import RunningServer, free_port
 from tests.grpc.conftest import wait_for_grpc
 from tests.grpc.test_grpc import images_input, pixels_input
-from tests.http.conftest import metric_value, start_server, stop_server, wait_for_metric
+from tests.http.conftest import busy_model, metric_value, start_server, stop_server, wait_for_metric
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 DIGIT = (EXAMPLES / "digit-3.png").read_bytes()
@@ -152,16 +153,27 @@ def test_a_burst_supersedes_and_every_frame_gets_exactly_one_callback(paced: Run
 def test_frames_older_than_max_age_expire(paced: RunningServer) -> None:
     calls = Callbacks()
     client = tgrpc.InferenceServerClient(paced.grpc_target)
-    client.start_stream(calls)
-    try:
-        send(client, 0, max_age_ms=5)
-        until_computing(paced)  # frame 0's batch computes for DELAY_MS: the frames after it wait past their 5 ms
-        for i in range(1, 10):
-            send(client, i, max_age_ms=60_000)  # the stream's bound is the first frame's
-        got = calls.wait(10)
-    finally:
-        client.stop_stream()
-        client.close()
+
+    def hold() -> int:
+        with httpx.Client(base_url=paced.url, timeout=30) as http:
+            return http.post(
+                "/v1/models/digits/classify", content=DIGIT, headers={"content-type": "image/png"}
+            ).status_code
+
+    # The model's one instance is held by another request, seen computing for DELAY_MS, before the stream opens: every
+    # frame, the first included, waits past its 5 ms on any machine. (Held by frame 0 itself, the test raced: on a
+    # slow start frame 0 expired before any batch computed, and nothing held the rest.)
+    with busy_model(paced.url, "digits", hold) as held:
+        client.start_stream(calls)
+        try:
+            send(client, 0, max_age_ms=5)
+            for i in range(1, 10):
+                send(client, i, max_age_ms=60_000)  # the stream's bound is the first frame's
+            got = calls.wait(10)
+        finally:
+            client.stop_stream()
+            client.close()
+        assert held.result() == 200
     fates = dict(fate(*call) for call in got)
     print(f"\nmax_age_ms 5: {[fate(*call) for call in got]}")
     assert len(got) == 10 and sorted(fates, key=int) == [str(i) for i in range(10)]
