@@ -18,9 +18,16 @@ from service.core.answers import Detection, DetectResponse, DetectResult
 from service.core.boxes import BoxFormat
 from service.frontend import request as path
 from service.frontend.detect_options import MAX_DETECTIONS, detect_options
-from service.frontend.http.image_api import ERROR_RESPONSES, read_images, require_task, server_of, timing_of
+from service.frontend.http.image_api import (
+    ERROR_RESPONSES,
+    PriorityQuery,
+    TimeoutQuery,
+    read_images,
+    require_task,
+    server_of,
+    timing_of,
+)
 from service.frontend.http.validation import integer_queries
-from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS
 from service.frontend.tasks import Want
 
 
@@ -53,12 +60,8 @@ async def detect(
     class_agnostic: Annotated[bool, Parameter(description="suppress across classes")] = False,
     box_format: Annotated[BoxFormat, Parameter(description="xyxy, xywh (corner, size) or cxcywh")] = "xyxy",
     normalized: Annotated[bool, Parameter(description="boxes as fractions of the image's width and height")] = False,
-    priority: Annotated[
-        int, Parameter(ge=0, le=MAX_INT, description="lower is served first; 0 is the default level")
-    ] = 0,
-    timeout_ms: Annotated[
-        float | None, Parameter(gt=0, le=MAX_TIMEOUT_MS, description="deadline in the queue (milliseconds)")
-    ] = None,
+    priority: PriorityQuery = 0,
+    timeout_ms: TimeoutQuery = None,
 ) -> DetectResponse:
     server = server_of(request)
     where = path.target(server, model, version, request.headers, aliases=False)

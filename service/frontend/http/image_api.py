@@ -33,6 +33,13 @@ class ErrorBody(msgspec.Struct):
     error: str
 
 
+# The queries every image route takes (classify and detect), declared once: their ranges are refused by litestar
+# before a handler runs (a 400 worded by validation.py).
+PriorityQuery = Annotated[int, Parameter(ge=0, le=MAX_INT, description="lower is served first; 0 is the default level")]
+TimeoutQuery = Annotated[
+    float | None, Parameter(gt=0, le=MAX_TIMEOUT_MS, description="deadline in the queue (milliseconds)")
+]
+
 ERROR_RESPONSES = {
     code: ResponseSpec(data_container=ErrorBody, description=text)
     for code, text in {
@@ -136,12 +143,8 @@ async def classify(
     model: FromPath[str],
     version: Annotated[str | None, PathParameter()] = None,
     top_k: Annotated[int, Parameter(ge=1, le=1000, description="classes per image")] = 5,
-    priority: Annotated[
-        int, Parameter(ge=0, le=MAX_INT, description="lower is served first; 0 is the default level")
-    ] = 0,
-    timeout_ms: Annotated[
-        float | None, Parameter(gt=0, le=MAX_TIMEOUT_MS, description="deadline in the queue (milliseconds)")
-    ] = None,
+    priority: PriorityQuery = 0,
+    timeout_ms: TimeoutQuery = None,
 ) -> ClassifyResponse:
     # The ranges above are refused by litestar before this runs (a 400 worded by validation.py); NaN fails "> 0",
     # the infinities and 1e400 fail "<=", and nothing past int64 reaches the transport.
