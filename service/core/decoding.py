@@ -1,8 +1,10 @@
 """Decoding many images: a bounded thread pool on the CPU, and batched JPEG decoding on a GPU.
 
 PIL releases the GIL while it decodes and resizes, so a pool of threads uses every core. On CUDA, JPEGs are
-decoded in batches by nvJPEG (``torchvision.io.decode_jpeg(..., device="cuda")``), resized and cropped there; other
-formats, and JPEGs nvJPEG refuses, go through the CPU path. Each image's refusal stays its own.
+decoded in batches by nvJPEG (``torchvision.io.decode_jpeg(..., device="cuda")``), turned upright by their EXIF
+orientation and resized as the spec says (centre crop, letterbox, stretch) there, each with the same
+:class:`Transform` the CPU path records; other formats, and JPEGs nvJPEG refuses, go through the CPU path. Each
+image's refusal stays its own.
 
 What goes to nvJPEG is checked on the CPU first, from the header only (torchvision 0.26-0.29's
 ``decode_jpegs_cuda``, read for this): CMYK/YCCK JPEGs stay on the CPU (nvJPEG's RGB output has no Adobe CMYK
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from service.core.boxes import Transform
+from service.core.boxes import Transform, letterbox_geometry
 from service.core.errors import BadInputError, OverloadedError, VisionServeError
 from service.core.preprocess import (
     DEFAULT_LIMITS,
@@ -166,7 +168,8 @@ GPU_JPEG_MODES = ("RGB", "L", "YCbCr")  # PIL's modes for JPEGs nvJPEG decodes c
 
 
 class GpuJpegDecoder:
-    """Batched JPEG decode, resize and centre crop on a CUDA device; uint8 CHW arrays come back to the host."""
+    """Batched JPEG decode on a CUDA device, EXIF orientation and the spec's resize (centre crop, letterbox or
+    stretch) done there too; uint8 CHW arrays come back to the host, each with its :class:`Transform`."""
 
     def __init__(self, spec: ModelSpec, device: str = "cuda", limits: ImageLimits = DEFAULT_LIMITS) -> None:
         import torch
@@ -180,45 +183,80 @@ class GpuJpegDecoder:
         # A one-channel model takes luma, as the CPU path's convert("L") gives it.
         self.mode = torchvision.io.ImageReadMode.GRAY if spec.input.channels == 1 else torchvision.io.ImageReadMode.RGB
 
-    def _resize_crop(self, image: Any) -> Any:
+    def _upright(self, image: Any, turn: int) -> Any:
+        """``image`` (C, H, W) as a viewer shows it: PIL's transpose for each EXIF orientation, on the device."""
         torch = self.torch
-        _, h, w = image.shape
-        new_w, new_h = resized_size(w, h, self.spec.resize_size)
+        if turn in (5, 7):  # transpose, transverse: the axes swapped (transverse also turned half round)
+            image = image.transpose(1, 2)
+            return image.flip(1, 2) if turn == 7 else image
+        if turn in (6, 8):  # rotate 270 / 90 counter-clockwise
+            return torch.rot90(image, k=1 if turn == 8 else -1, dims=(1, 2))
+        flips = {2: (2,), 3: (1, 2), 4: (1,)}.get(turn)
+        return image.flip(flips) if flips else image
+
+    def _resize(self, image: Any, new_h: int, new_w: int) -> Any:
         x = image.unsqueeze(0).float()
-        x = torch.nn.functional.interpolate(
-            x, size=(new_h, new_w), mode=self.spec.interpolation, antialias=self.spec.interpolation != "nearest"
-        )
-        left, top, right, bottom = crop_box(new_w, new_h, self.spec.input.height, self.spec.input.width)
-        return x[0, :, top:bottom, left:right].round_().clamp_(0, 255).to(torch.uint8)
+        if (new_h, new_w) != tuple(image.shape[1:]):
+            x = self.torch.nn.functional.interpolate(
+                x, size=(new_h, new_w), mode=self.spec.interpolation, antialias=self.spec.interpolation != "nearest"
+            )
+        return x[0].round_().clamp_(0, 255).to(self.torch.uint8)
+
+    def _prepare(self, image: Any) -> tuple[Any, Transform]:
+        """The CPU path's :func:`~service.core.preprocess.prepare`, on the device."""
+        spec = self.spec
+        _, h, w = image.shape
+        in_w, in_h = spec.input.width, spec.input.height
+        if spec.resize == "letterbox":
+            new_w, new_h, left, top = letterbox_geometry(w, h, in_w, in_h)
+            out = self.torch.full((image.shape[0], in_h, in_w), spec.pad_value, dtype=self.torch.uint8,
+                                  device=image.device)  # fmt: skip
+            out[:, top : top + new_h, left : left + new_w] = self._resize(image, new_h, new_w)
+            return out, Transform(w, h, new_w / w, new_h / h, float(left), float(top))
+        if spec.resize == "stretch":
+            return self._resize(image, in_h, in_w), Transform(w, h, in_w / w, in_h / h)
+        new_w, new_h = resized_size(w, h, spec.resize_size)
+        left, top, right, bottom = crop_box(new_w, new_h, in_h, in_w)
+        crop = self._resize(image, new_h, new_w)[:, top:bottom, left:right]
+        return crop, Transform(w, h, new_w / w, new_h / h, float(-left), float(-top))
 
     def decode_many(self, images: Sequence[bytes], cpu: Preprocessor) -> list[Decoded]:
         """JPEGs on the GPU in one batch; everything else (and any JPEG that fails there) through ``cpu``."""
+        return [pixels for pixels, _ in self.decode_transformed(images, cpu)]
+
+    def decode_transformed(self, images: Sequence[bytes], cpu: Preprocessor) -> list[tuple[Decoded, Transform | None]]:
+        """:meth:`decode_many`, each image with its :class:`Transform` (None for a refused one), as the CPU path
+        gives them: boxes map back to the image as a viewer shows it, whichever decoder read it."""
         torch = self.torch
-        out: list[Decoded | None] = [None] * len(images)
-        jpeg_idx: list[int] = []
+        out: list[tuple[Decoded, Transform | None] | None] = [None] * len(images)
+        jpegs: list[tuple[int, int]] = []  # (index, EXIF orientation)
         for i, data in enumerate(images):
             if is_jpeg(data):
                 try:
                     header = open_image(data, self.limits)  # header checks (format, pixel limit) stay on the CPU
                 except BadInputError as exc:
-                    out[i] = exc
+                    out[i] = (exc, None)
                     continue
-                # The CPU path turns an EXIF-oriented image upright and letterboxes or stretches; here only the
-                # centre crop of an image stored upright is done.
-                upright = orientation(header) == 1 and self.spec.resize == "center_crop"
-                if header.mode in GPU_JPEG_MODES and has_jpeg_end(data) and upright:
-                    jpeg_idx.append(i)
-        if jpeg_idx:
-            tensors = [torch.frombuffer(bytearray(images[i]), dtype=torch.uint8) for i in jpeg_idx]
+                if header.mode in GPU_JPEG_MODES and has_jpeg_end(data):
+                    jpegs.append((i, orientation(header)))
+        if jpegs:
+            tensors = [torch.frombuffer(bytearray(images[i]), dtype=torch.uint8) for i, _ in jpegs]
             try:
                 decoded = self.io.decode_jpeg(tensors, mode=self.mode, device=self.device)
             except RuntimeError:
                 decoded = None  # one bad JPEG fails the whole call: those images go through the CPU one by one
             if decoded is not None:
-                crops = torch.stack([self._resize_crop(img) for img in decoded]).cpu().numpy()
-                for row, i in enumerate(jpeg_idx):
-                    out[i] = crops[row]
+                prepared = [
+                    self._prepare(self._upright(img, turn)) for img, (_, turn) in zip(decoded, jpegs, strict=True)
+                ]
+                pixels = torch.stack([p for p, _ in prepared]).cpu().numpy()
+                for row, ((i, _), (_, transform)) in enumerate(zip(jpegs, prepared, strict=True)):
+                    out[i] = (pixels[row], transform)
         rest = [i for i, v in enumerate(out) if v is None]
-        for i, result in zip(rest, cpu.decode_many([images[i] for i in rest]), strict=True):
-            out[i] = result
+        futures = [cpu.submit(images[i]) for i in rest]
+        for i, future in zip(rest, futures, strict=True):
+            try:
+                out[i] = (future.result(), future.transform)
+            except VisionServeError as exc:
+                out[i] = (exc, None)
         return [v for v in out if v is not None]

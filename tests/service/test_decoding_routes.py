@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import msgspec
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -81,3 +83,38 @@ def test_one_jpeg_the_batched_call_rejects_sends_the_batch_to_the_cpu_each_on_it
 def test_end_of_image_marker() -> None:
     assert has_jpeg_end(b"\xff\xd8\xff...\xff\xd9") and has_jpeg_end(b"\xff\xd8\xff...\xff\xd9\x00\x00")
     assert not has_jpeg_end(b"\xff\xd8\xff...\xff")
+
+
+def _marked(height: int, width: int) -> np.ndarray:
+    """Red rising left to right, green top to bottom, a white block in the top-left corner: any wrong turn or flip
+    moves it far from where it belongs."""
+    yy, xx = np.mgrid[0:height, 0:width]
+    image = np.stack([xx * 255 // width, yy * 255 // height, np.full_like(xx, 60)], axis=-1).astype(np.uint8)
+    image[: height // 4, : width // 5] = 255
+    return image
+
+
+@pytest.mark.parametrize("resize", ["center_crop", "letterbox", "stretch"])
+def test_the_gpu_path_turns_each_exif_orientation_upright_and_resizes_as_the_cpu_path_does(resize: str) -> None:
+    spec = msgspec.structs.replace(SPEC, resize=resize, pad_value=114)
+    gpu, sent = _decoder()
+    gpu.spec = spec
+    files = []
+    for turn in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = turn
+        buf = io.BytesIO()
+        Image.fromarray(_marked(240, 320)).save(buf, format="JPEG", quality=95, exif=exif)
+        files.append(buf.getvalue())
+    pool = Preprocessor(spec, workers=2)
+    try:
+        out = gpu.decode_transformed(files, pool)
+        reference = [(f.result(), f.transform) for f in [pool.submit(data) for data in files]]
+    finally:
+        pool.close()
+    assert sent == [8]  # every orientation on the device, none sent back to the CPU
+    for turn, ((pixels, where), (expected, expected_where)) in enumerate(zip(out, reference, strict=True), 1):
+        assert isinstance(pixels, np.ndarray) and pixels.shape == expected.shape == (3, 224, 224), turn
+        assert where == expected_where, turn  # the same transform: boxes map back alike
+        assert (where.width, where.height) == ((240, 320) if turn >= 5 else (320, 240)), turn
+        assert np.abs(pixels.astype(float) - expected.astype(float)).mean() < 4.0, (turn, resize)
