@@ -120,13 +120,17 @@ class Rollouts:
                           configured.candidate)  # fmt: skip
                 return
             primary = max(others)
-            self._begin(name, primary, configured.candidate, configured)
+            try:
+                self._begin(name, primary, configured.candidate, configured)
+            except VisionServeError as exc:
+                log.error("model %s: [rollout] refused: %s; no rollout", name, exc)
+                return
             log.info("model %s: %s of v%s beside v%s started from config.toml", name, configured.mode,
                      configured.candidate, primary)  # fmt: skip
 
     def _begin(self, name: str, primary: int, candidate: int, config: RolloutConfig) -> Rollout:
         engines = self.table.models[name]
-        _check_same_input(engines[primary], engines[candidate])
+        _check_judged(engines[primary], engines[candidate])
         rollout = Rollout(name, primary, candidate, config, list(engines[primary].spec.labels))
         self.by_model[name] = rollout
         self.serving[name] = primary
@@ -388,8 +392,17 @@ class Rollouts:
             write_state(rollout, entry.path)
 
 
-def _check_same_input(primary: ModelEngine, candidate: ModelEngine) -> None:
+def _check_judged(primary: ModelEngine, candidate: ModelEngine) -> None:
+    """A rollout compares top-1 classes of both versions on the same decoded image: both must be classifiers
+    taking the same input."""
     a, b = primary.spec, candidate.spec
+    for side in (primary, candidate):
+        if side.spec.task != "classify":
+            raise BadInputError(
+                f"v{side.version.version} of {a.name!r} is a {side.spec.task} model: a rollout judges agreement of "
+                "top-1 classes, which says nothing about boxes; a detector's new version is placed by a reload "
+                "(or served beside as another version) until rollouts judge boxes"
+            )
     if a.input != b.input or (a.resize_size, a.interpolation) != (b.resize_size, b.interpolation):
         raise BadInputError(
             f"v{candidate.version.version} takes other input than v{primary.version.version} "

@@ -75,7 +75,9 @@ class FakeEngine:
     def __init__(self, model: str, number: int) -> None:
         self.batcher = FakeBatcher()
         self.version = SimpleNamespace(model=model, version=number)
-        self.spec = SimpleNamespace(input=(3, 8, 8), resize_size=8, interpolation="bilinear", labels=["a", "b"])
+        self.spec = SimpleNamespace(
+            name=model, task="classify", input=(3, 8, 8), resize_size=8, interpolation="bilinear", labels=["a", "b"]
+        )
         self.closed = False
 
     async def close(self, timeout_s: float = 30.0) -> None:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import msgspec
 
 from service.core.config import RolloutConfig
+from service.core.errors import BadInputError
 from service.engine.ondemand import Residency
 from service.engine.rollout import Rollouts
 from service.engine.table import ModelTable
@@ -87,6 +88,29 @@ def test_a_rollout_from_config_starts_when_its_model_loads(tmp_path: Path) -> No
     document = parts.rollouts.document("m")
     assert document["state"] == "running" and document["mode"] == "canary" and document["candidate"] == 2
     assert parts.rollouts.routes() == {"m": 1}
+
+
+def test_a_detectors_rollout_is_refused_by_request_and_from_config(tmp_path: Path) -> None:
+    """A rollout judges top-1 agreement, which says nothing about boxes: a detector's is refused with the reason,
+    and the candidate loaded for it goes again with its charge."""
+
+    async def scenario() -> None:
+        parts = Parts(tmp_path, versions=(1,))
+        parts.table.models["m"][1].spec.task = "detect"
+        try:
+            await parts.call("start", settings=SHADOW)
+        except BadInputError as exc:
+            assert "is a detect model" in str(exc) and "top-1" in str(exc)
+        else:
+            raise AssertionError("a detector's rollout started")
+        assert set(parts.table.models["m"]) == {1} and VersionKey("m", 2) not in parts.memory.accounts.charges
+        assert parts.rollouts.document("m")["state"] == "none"
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+    configured = Parts(tmp_path, versions=(1, 2), rollout=RolloutConfig(candidate=2, mode="canary", fraction=0.5))
+    configured.table.models["m"][2].spec.task = "detect"
+    configured.rollouts.loaded(configured.entry)  # logged, no rollout; the model loads as ever
+    assert configured.rollouts.document("m")["state"] == "none" and configured.rollouts.routes() == {}
 
 
 def test_a_cancelled_rollout_request_is_released_at_once(tmp_path: Path) -> None:
