@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from service.core.settings import ServerSettings
 from service.inprocess import InProcessServer
 from tests.conftest import copy_model
 from tests.http.conftest import start_server
+from tests.http.test_image_api import digit_png
 
 IN_W, IN_H = 64, 48
 LABELS = ("zero", "one", "two")
@@ -312,3 +314,33 @@ def test_the_shipped_detector_finds_a_canvas_digits_in_the_images_own_pixels(tmp
     for box, label in zip(boxes, labels, strict=True):
         best = max((box_iou(d["box"], box) for d in found if d["label"] == str(label)), default=0.0)
         assert best >= 0.7, (label, box.round(1).tolist(), found)
+
+
+def test_a_detector_and_a_classifier_share_one_memory_budget(repo: Path, tmp_path: Path) -> None:
+    """Both on demand, 100 MB each (their config's ``[faults] resident_bytes``) under a 150 MB budget: each request
+    to the other task's model evicts the idle one and loads its own, and each answers as its task does."""
+    import httpx
+
+    root = tmp_path / "repo"
+    for name in ("bright", "digits"):
+        shutil.copytree(repo / name, root / name)
+        (root / name / "config.toml").write_text(
+            'residency = "on_demand"\nmax_batch_size = 8\nmax_queue_delay_ms = 1.0\n'
+            "[faults]\nresident_bytes = 100000000\n"
+        )
+    running = start_server(root, tmp_path / "server.log", "--memory-budget", "cpu=150MB",
+                           real_models=("bright", "digits"))  # fmt: skip
+    box = (30, 20, 70, 50)
+    png = encoded(upright(80, 100, box))
+    digit, label = digit_png(0)
+    for _ in range(2):  # detector, classifier, detector, classifier: each load evicts the other
+        found = httpx.post(f"{running.url}/v1/models/bright/detect", content=png,
+                           headers={"content-type": "image/png"}, timeout=60)  # fmt: skip
+        assert found.status_code == 200, found.text
+        assert np.abs(np.array(found.json()["results"][0]["detections"][0]["box"]) - box).max() <= tolerance(80, 100)
+        classified = httpx.post(f"{running.url}/v1/models/digits/classify", content=digit,
+                                headers={"content-type": "image/png"}, timeout=60)  # fmt: skip
+        assert classified.status_code == 200, classified.text
+        assert classified.json()["results"][0]["predictions"][0]["label"] == str(label)
+    resident = httpx.get(f"{running.url}/v1/models").json()
+    assert [m["name"] for m in resident if m["resident"]] == ["digits"]  # the detector went to make room
