@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from typing import TYPE_CHECKING
 
+from service.core.layouts import LAYOUTS
+
 if TYPE_CHECKING:
     from export.exporter import ExportReport, Int8Source
     from export.quantize import Int8Data
@@ -78,6 +80,23 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="nchw", choices=["nchw", "nhwc"], help="outside models: float input layout")
     p.add_argument("--resize-size", type=int, default=None, help="outside models: shorter side before the crop")
     p.add_argument(
+        "--task", default="classify", choices=["classify", "detect"], help="outside models: what the outputs mean; "
+        "default: classify",
+    )  # fmt: skip
+    p.add_argument(
+        "--output-layout", default=None, choices=list(LAYOUTS),
+        help="outside detectors (--task detect): yolo (ultralytics' raw [N, 4+C, A], either orientation), yolov5 "
+        "(objectness column), end2end ([N, K, 6] rows, suppressed by the graph), efficientnms (TensorRT's num_dets, "
+        "det_boxes, det_scores, det_classes) or candidates; required with --task detect",
+    )  # fmt: skip
+    p.add_argument(
+        "--resize", default=None, choices=["center_crop", "letterbox", "stretch"],
+        help="outside models: how an image meets the input; default: letterbox for detectors, center_crop otherwise",
+    )  # fmt: skip
+    p.add_argument(
+        "--pad-value", type=int, default=114, help="outside detectors: the letterbox's grey (0-255); default: 114"
+    )
+    p.add_argument(
         "--device",
         default="auto",
         help="device for the latency figures and the --int8 speed gate: auto, cpu, cuda, cuda:N",
@@ -140,6 +159,20 @@ def _min_speedup(text: str) -> float:
     return value
 
 
+def _check_outside(args: argparse.Namespace) -> None:
+    """An outside model's description, before torch is imported."""
+    from service.core.errors import ConfigError
+
+    if not args.labels:
+        raise ConfigError("--labels is required with --onnx or --torchscript")
+    if args.input_size is None:
+        raise ConfigError("--input-size is required with --onnx or --torchscript (e.g. 224 or 224x224)")
+    if args.task == "detect" and args.output_layout is None:
+        raise ConfigError(f"--task detect needs --output-layout ({', '.join(LAYOUTS)})")
+    if args.task != "detect" and args.output_layout is not None:
+        raise ConfigError("--output-layout is for detectors: add --task detect")
+
+
 def print_report(report: ExportReport) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -183,10 +216,7 @@ def run_export(args: argparse.Namespace) -> int:
     # before any model is built or image read (a bad --formats was refused only after the model was built and, for a
     # checkpoint, its validation images loaded).
     if args.onnx or args.torchscript:
-        if not args.labels:
-            raise ConfigError("--labels is required with --onnx or --torchscript")
-        if args.input_size is None:
-            raise ConfigError("--input-size is required with --onnx or --torchscript (e.g. 224 or 224x224)")
+        _check_outside(args)
     elif args.arch and args.input_size is not None and args.input_size[0] != args.input_size[1]:
         raise ConfigError("--input-size with --arch takes one SIZE (square inputs)")
 
@@ -226,14 +256,7 @@ def run_export(args: argparse.Namespace) -> int:
             torchscript_path=args.torchscript,
             request=request,
             labels=outside.read_labels(args.labels),
-            description=outside.InputDescription(
-                height=args.input_size[0],
-                width=args.input_size[1],
-                mean=args.mean or outside.IMAGENET_MEAN,
-                std=args.std or outside.IMAGENET_STD,
-                layout=args.layout,
-                resize_size=args.resize_size,
-            ),
+            description=outside.described(args),
             calibration=args.calibration_images,
             progress=progress,
             int8_data=_int8_source(args, dataset=None),

@@ -22,7 +22,7 @@ the figures (:class:`service.core.spec.DetectionParity`) are written into spec.j
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +31,12 @@ import numpy as np
 
 from export.parity import FP16, FP32, ParityResult, compare
 from service.core.errors import ConfigError
+from service.core.layouts import image_rows, top_rows
 from service.core.spec import DetectionParity, ModelSpec
 
 SCORE_THRESHOLD = 0.05  # models/detection_eval.py's: below it candidates add nothing measurable to AP
 EMPTY_BOX_PX = 1e-3  # two empty boxes are the same box when their corners agree this closely, in input pixels
+PARITY_ROWS = 300  # a layout read by the server: each image's best rows compared (an end-to-end YOLO's own K)
 NOT_PROVED = "until the detector's own issue lands"  # the INT8 and AOTInductor refusals end with this
 
 
@@ -204,17 +206,32 @@ def compare_detections(
     return DetectParityResult(images, boxes, unmatched, left_out, min_iou, agreement, worst, tolerance)
 
 
+def parity_rows(spec: ModelSpec, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """What the gate compares of a computed batch: a classifier's logits; a detector's candidate rows ``[N, K, 6]``
+    (the graph's own for ``candidates``; for other layouts each image's :data:`PARITY_ROWS` best rows as the server
+    reads them, :mod:`service.core.layouts`)."""
+    if spec.task != "detect" or spec.output_layout == "candidates":
+        return np.asarray(next(iter(outputs.values())), dtype=np.float32)
+    rows = image_rows(spec.output_layout, outputs, spec.num_classes, SCORE_THRESHOLD)
+    return top_rows(rows, PARITY_ROWS)
+
+
 def check_parity(
     spec: ModelSpec,
     reference: Sequence[np.ndarray],
-    run: Callable[[np.ndarray], np.ndarray],
+    run: Callable[[np.ndarray], Mapping[str, np.ndarray]],
     batches: Sequence[np.ndarray],
     precision: str,
 ) -> ParityResult | DetectParityResult:
-    """The gate that fits ``spec``'s task: detection parity for a detector, logits and top-1 for a classifier."""
+    """The gate that fits ``spec``'s task: detection parity for a detector, logits and top-1 for a classifier;
+    ``run`` answers a batch's named outputs (``reference``: :func:`parity_rows` of the reference's)."""
+
+    def rows(batch: np.ndarray) -> np.ndarray:
+        return parity_rows(spec, run(batch))
+
     if spec.task == "detect":
-        return compare_detections(reference, run, batches, DETECT_FP32 if precision == "fp32" else DETECT_FP16)
-    return compare(reference, run, batches, FP32 if precision == "fp32" else FP16)
+        return compare_detections(reference, rows, batches, DETECT_FP32 if precision == "fp32" else DETECT_FP16)
+    return compare(reference, rows, batches, FP32 if precision == "fp32" else FP16)
 
 
 def refuse_unproved(spec: ModelSpec, *, formats: Sequence[str], int8: bool) -> None:

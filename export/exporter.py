@@ -422,7 +422,8 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
         stage.say(f"parity {fmt} {precision}")
         runtime = make_runtime(fmt, stage.spec, target, check_device, stage.max_batch)
         with exact_fp32(check_device if precision == "fp32" else "cpu"):
-            parity = check_parity(stage.spec, stage.expected, runtime.run, stage.batches, precision)
+            outputs = runtime.submit_outputs  # every named output, on the runtime's own worker thread
+            parity = check_parity(stage.spec, stage.expected, lambda b: outputs(b).result(), stage.batches, precision)
     report = ArtifactReport(fmt, precision, file_name, target.stat().st_size, export_s, parity)
     if runtime is not None and parity.passed and stage.request.latency:
         if runtime.device != stage.device and candidate.device is None:  # a compiled package stays on its own

@@ -16,12 +16,14 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 from torch import nn
 
+from export.detect_parity import parity_rows
 from export.exporter import (
     DEFAULT_FORMATS,
     Candidate,
@@ -36,12 +38,14 @@ from export.sources import calibration_images
 from models.checkpoint import file_sha256
 from models.normalize import Uint8Classifier
 from service.core.errors import ConfigError
+from service.core.layouts import Layout, check_outputs
 from service.core.repository import onnx_single_input
-from service.core.spec import InputSpec, ModelSpec
+from service.core.spec import InputSpec, ModelSpec, Resize, Task
 from service.runtime import load_torchscript
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+UNIT_MEAN, UNIT_STD = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)  # x / 255: what YOLO exports take
 
 
 def read_labels(path: str | Path) -> tuple[str, ...]:
@@ -73,6 +77,28 @@ class InputDescription:
     std: tuple[float, ...] = IMAGENET_STD
     layout: str = "nchw"  # the outside model's float input layout: nchw or nhwc
     resize_size: int | None = None
+    task: Task = "classify"
+    output_layout: Layout | None = None  # a detector's (service/core/layouts.py)
+    resize: Resize = "center_crop"
+    pad_value: int = 114
+
+
+def described(args: Any) -> InputDescription:
+    """The input description of ``export --onnx/--torchscript``'s arguments: a detector takes x / 255 (mean 0, std
+    1) and is letterboxed by default, as YOLO exports are; a classifier ImageNet's normalisation and a centre crop."""
+    detect = args.task == "detect"
+    return InputDescription(
+        height=args.input_size[0],
+        width=args.input_size[1],
+        mean=args.mean or (UNIT_MEAN if detect else IMAGENET_MEAN),
+        std=args.std or (UNIT_STD if detect else IMAGENET_STD),
+        layout=args.layout,
+        resize_size=args.resize_size,
+        task=args.task,
+        output_layout=args.output_layout,
+        resize=args.resize or ("letterbox" if detect else "center_crop"),
+        pad_value=args.pad_value,
+    )
 
 
 def outside_spec(name: str, kind: str, labels: Sequence[str], desc: InputDescription) -> ModelSpec:
@@ -88,6 +114,10 @@ def outside_spec(name: str, kind: str, labels: Sequence[str], desc: InputDescrip
             mean=tuple(desc.mean),
             std=tuple(desc.std),
             labels=tuple(labels),
+            task=desc.task,
+            output_layout=desc.output_layout,
+            resize=desc.resize,
+            pad_value=desc.pad_value,
         )
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"the input description is inconsistent: {exc}") from exc
@@ -188,15 +218,22 @@ class OnnxReference:
         self.one_at_a_time = meta[0].shape[:1] == [1]  # a graph with a fixed batch of one
 
     def __call__(self, batch: np.ndarray) -> np.ndarray:
+        """The first output, as float32 (a classifier's logits)."""
+        return np.asarray(next(iter(self.outputs(batch).values())), dtype=np.float32)
+
+    def outputs(self, batch: np.ndarray) -> dict[str, np.ndarray]:
+        """Every output by name, batch-first."""
         if self.one_at_a_time and len(batch) > 1:
-            return np.concatenate([self(batch[i : i + 1]) for i in range(len(batch))])
+            each = [self.outputs(batch[i : i + 1]) for i in range(len(batch))]
+            return {name: np.concatenate([one[name] for one in each]) for name in each[0]}
         if self.uint8:
             x: np.ndarray = batch
         else:
             x = ((batch.astype(np.float32) / 255.0 - self.mean) / self.std).astype(self.dtype)
             if self.layout == "nhwc":
                 x = x.transpose(0, 2, 3, 1)
-        return np.asarray(self.session.run(None, {self.name: np.ascontiguousarray(x)})[0], dtype=np.float32)
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.session.run(None, {self.name: np.ascontiguousarray(x)}), strict=True))
 
 
 def runs_batches(session_run: OnnxReference, spec: ModelSpec) -> bool:
@@ -221,10 +258,13 @@ def _probe_onnx(wrapped: Path, src: Path, spec: ModelSpec, labels: Sequence[str]
     the report's notes (a batch of one fixed inside the graph, served unbatched)."""
     probe = OnnxReference(wrapped, spec, layout)
     try:
-        first = probe(np.zeros((1, 3, spec.input.height, spec.input.width), np.uint8))
+        outputs = probe.outputs(np.zeros((1, 3, spec.input.height, spec.input.width), np.uint8))
     except Exception as exc:
         raise ConfigError(f"{src} does not run on a batch of the described input: {exc}") from exc
-    _check_width(first, labels, src)
+    if spec.output_layout is not None:  # a detector: its real output shapes held to its layout
+        check_outputs(spec.output_layout, {k: list(v.shape) for k, v in outputs.items()}, len(labels))
+    else:
+        _check_width(np.asarray(next(iter(outputs.values()))), labels, src)
     if runs_batches(probe, spec):
         return []
     return [
@@ -279,7 +319,7 @@ def place_outside_model(
                 spec,
                 request,
                 [candidate],
-                lambda batches: [original(b) for b in batches],
+                lambda batches: [parity_rows(spec, original.outputs(b)) for b in batches],
                 real_images=images,
                 real_source=real_source,
                 source_sha256=sha,
@@ -287,6 +327,11 @@ def place_outside_model(
                 notes=notes,
                 int8_data=int8_data,
             )
+    if spec.task == "detect":
+        raise ConfigError(
+            "an outside detector is placed from ONNX (--onnx): its outputs are checked against --output-layout by "
+            "name and shape there; export it to ONNX first (ultralytics: yolo export model=M.pt format=onnx)"
+        )
     if "onnx" in request.formats and request.formats != DEFAULT_FORMATS:
         raise ConfigError("a TorchScript model goes into the repository as TorchScript: use --formats torchscript")
     request = msgspec.structs.replace(request, formats=("torchscript",))

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from service.core.errors import ConfigError
+from service.core.layouts import LAYOUTS, Layout
 
 SPEC_FILE = "spec.json"
 
@@ -23,9 +24,9 @@ Task = Literal["classify", "detect"]
 # the centre (torchvision's classification transform); ``letterbox`` keeps the aspect, scales the image to fit the
 # input and centres it on ``pad_value``; ``stretch`` scales each axis to the input's, aspect not kept.
 Resize = Literal["center_crop", "letterbox", "stretch"]
-# What a detector's graph outputs (before suppression, which the server does). ``candidates``: one float32 tensor
-# ``[N, K, 6]``, each row x1, y1, x2, y2 in input pixels, score, class index.
-OutputLayout = Literal["candidates"]
+# What a detector's graph outputs: ``candidates`` (the project's own: ``[N, K, 6]`` rows of x1, y1, x2, y2 in input
+# pixels, score, class), YOLO exports and graphs that suppress themselves (service/core/layouts.py).
+OutputLayout = Layout
 
 
 class InputSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -154,7 +155,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if not self.labels:
             raise ValueError("labels must hold at least one class name")
         if self.task == "detect" and self.output_layout is None:
-            raise ValueError('a detector (task "detect") needs output_layout: "candidates"')
+            raise ValueError(f'a detector (task "detect") needs output_layout: one of {", ".join(LAYOUTS)}')
         if self.task != "detect" and self.output_layout is not None:
             raise ValueError(f'output_layout is for detectors (task "detect"), got it on task {self.task!r}')
         if self.resize == "center_crop" and self.resize_size < max(self.input.height, self.input.width):

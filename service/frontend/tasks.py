@@ -23,6 +23,7 @@ import numpy as np
 
 from service.core.boxes import DetectOptions, Transform, formatted, identity, suppress, to_original
 from service.core.errors import BadInputError
+from service.core.layouts import image_rows, select, suppresses
 from service.core.scores import classification_strings, predictions, softmax
 from service.core.spec import ModelSpec
 from service.core.status import InferResult
@@ -168,8 +169,9 @@ class Classify:
 
 
 class Detect:
-    """Detection: the graph's candidates (``output_layout`` "candidates": ``[N, K, 6]``, x1, y1, x2, y2 in input
-    pixels, score, class) suppressed per image with the request's :class:`DetectOptions`. v2 answers ``DETECTIONS``
+    """Detection: the graph's outputs read as each image's candidate rows (x1, y1, x2, y2 in input pixels, score,
+    class; :mod:`service.core.layouts`), suppressed per image with the request's :class:`DetectOptions` (or, for a
+    graph that suppresses itself, only thresholded and selected). v2 answers ``DETECTIONS``
     (FP32 ``[N, max_detections, 6]``, the rows past an image's count zero) and ``NUM_DETECTIONS`` (INT32 ``[N]``);
     the image API and streams each image's ``{"box", "label", "index", "score"}``, best first."""
 
@@ -179,6 +181,17 @@ class Detect:
         self.labels = spec.labels
         self.default = DetectOptions(max_detections=spec.max_detections)
         self.input = identity(spec.input.width, spec.input.height)
+        self.layout = spec.output_layout
+        self.suppresses = suppresses(spec.output_layout)
+
+    def refuse_suppression(self, given: Sequence[str]) -> None:
+        """Refuse a request's suppression options (``given``: those it set) on a graph that suppresses itself:
+        they would act on nothing."""
+        if given and not self.suppresses:
+            raise BadInputError(
+                f"{' and '.join(given)}: this detector's graph suppresses its own boxes (output_layout "
+                f"{self.layout}), so the server suppresses nothing; score_threshold, classes and max_detections apply"
+            )
 
     def outputs(self) -> list[OutputSpec]:
         return [
@@ -198,16 +211,22 @@ class Detect:
         return tuple(wanted)
 
     def options(self, params: Mapping[str, Any]) -> DetectOptions | None:
+        self.refuse_suppression([name for name in ("iou_threshold", "class_agnostic") if name in params])
         return v2_options(params, self.labels, self.default)
 
     def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
         options = want.detect or self.default
-        candidates = next(iter(result.outputs.values()))  # "candidates": the graph's one output
-        each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(candidates)
-        kept = [to_original(suppress(rows, options), t) for rows, t in zip(candidates, each, strict=True)]
+        rows = image_rows(self.layout, result.outputs, len(self.labels), options.score_threshold)
+        each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(rows)
+        kept = [to_original(self._keep(r, options), t) for r, t in zip(rows, each, strict=True)]
         tensors = [self._tensor(out.name, kept, options.max_detections) for out in want.outputs]
         listed = [] if want.outputs else [self._listed(k, t, options) for k, t in zip(kept, each, strict=True)]
         return Post(tensors, listed, [len(k) for k in kept])
+
+    def _keep(self, rows: np.ndarray, options: DetectOptions) -> np.ndarray:
+        if self.suppresses:
+            return suppress(rows, options)
+        return select(rows, options.score_threshold, options.classes, options.max_detections)
 
     def _tensor(self, name: str, kept: list[np.ndarray], most: int) -> OutputTensor:
         if name == NUM_DETECTIONS:

@@ -28,7 +28,7 @@ from service.frontend.http.image_api import (
     timing_of,
 )
 from service.frontend.http.validation import integer_queries
-from service.frontend.tasks import Want
+from service.frontend.tasks import Detect, Want
 
 
 @post(
@@ -49,15 +49,16 @@ async def detect(
     version: Annotated[str | None, PathParameter()] = None,
     score_threshold: Annotated[float, Parameter(ge=0, le=1, description="boxes scoring less are dropped")] = 0.25,
     iou_threshold: Annotated[
-        float, Parameter(ge=0, le=1, description="of two boxes overlapping more, the lower scored is dropped")
-    ] = 0.45,
+        float | None,
+        Parameter(ge=0, le=1, description="of two boxes overlapping more, the lower scored is dropped (default 0.45)"),
+    ] = None,
     max_detections: Annotated[
         int, Parameter(ge=1, le=MAX_DETECTIONS, description="at most this many boxes an image")
     ] = 100,
     classes: Annotated[
         list[str] | None, Parameter(description="keep only these classes (repeated; labels or indices)")
     ] = None,
-    class_agnostic: Annotated[bool, Parameter(description="suppress across classes")] = False,
+    class_agnostic: Annotated[bool | None, Parameter(description="suppress across classes (default false)")] = None,
     box_format: Annotated[BoxFormat, Parameter(description="xyxy, xywh (corner, size) or cxcywh")] = "xyxy",
     normalized: Annotated[bool, Parameter(description="boxes as fractions of the image's width and height")] = False,
     priority: PriorityQuery = 0,
@@ -69,10 +70,13 @@ async def detect(
 
     async def parse(where: path.Target) -> path.Ask:
         require_task(where.slot, "detect", "/detect")
+        given = {"iou_threshold": iou_threshold, "class_agnostic": class_agnostic}
+        if isinstance(where.slot.task, Detect):  # require_task saw to that
+            where.slot.task.refuse_suppression([name for name, value in given.items() if value is not None])
         options = detect_options(
-            where.slot.spec.labels, score_threshold=score_threshold, iou_threshold=iou_threshold,
-            max_detections=max_detections, classes=classes, class_agnostic=class_agnostic, box_format_=box_format,
-            normalized=normalized,
+            where.slot.spec.labels, score_threshold=score_threshold,
+            iou_threshold=0.45 if iou_threshold is None else iou_threshold, max_detections=max_detections,
+            classes=classes, class_agnostic=bool(class_agnostic), box_format_=box_format, normalized=normalized,
         )  # fmt: skip
         images, found, single = await read_images(request, server.settings.max_images_per_request)
         names.extend(found)

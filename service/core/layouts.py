@@ -1,0 +1,154 @@
+"""What a detector's graph answers (its spec's ``output_layout``), read into one form: each image's candidate rows
+``[K, 6]`` (x1, y1, x2, y2 in input pixels, score, class), which the server then suppresses or, for a graph that
+suppressed them itself, only selects. numpy only: the serving install has no torch.
+
+- ``candidates``: the project's own detectors, ``[N, K, 6]`` rows as above; suppressed here.
+- ``yolo``: ultralytics' YOLOv8/v11 export with ``nms=False``, ``[N, 4 + C, A]`` (centre x, centre y, width, height,
+  then one score per class for each of A anchors; ``[N, A, 4 + C]`` is read too): score and class are the best
+  class's; suppressed here.
+- ``yolov5``: ``[N, A, 5 + C]`` (box, objectness, class scores; either orientation): score is objectness times the
+  best class's score; suppressed here.
+- ``end2end``: YOLOv10 / YOLO26 style ``[N, K, 6]`` rows of x1, y1, x2, y2, confidence, class, suppressed by the
+  graph's own design: thresholded and selected here, never suppressed.
+- ``efficientnms``: TensorRT's EfficientNMS plugin outputs ``num_dets`` ``[N, 1]``, ``det_boxes`` ``[N, K, 4]``,
+  ``det_scores`` ``[N, K]``, ``det_classes`` ``[N, K]``: each image's first ``num_dets`` rows, already suppressed.
+
+:func:`check_outputs` holds a graph's real output shapes to its layout (the export's refusal names what does not
+fit); :func:`image_rows` reads a computed batch, dropping rows under the score threshold before building them (a
+YOLO head's 8,400 anchors leave a few hundred).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Final, Literal
+
+import numpy as np
+
+from service.core.errors import ConfigError
+
+Layout = Literal["candidates", "yolo", "yolov5", "end2end", "efficientnms"]
+LAYOUTS: Final[tuple[Layout, ...]] = ("candidates", "yolo", "yolov5", "end2end", "efficientnms")
+SUPPRESSED_BY_GRAPH: Final = ("end2end", "efficientnms")  # the server only thresholds and selects these
+EFFICIENT_NMS: Final = ("num_dets", "det_boxes", "det_scores", "det_classes")
+Shape = Sequence[int | str | None]  # a dimension may be symbolic (ONNX) or unknown
+
+
+def suppresses(layout: str | None) -> bool:
+    """Whether the server suppresses this layout's rows (False: the graph did)."""
+    return layout not in SUPPRESSED_BY_GRAPH
+
+
+def _known(dim: int | str | None) -> int | None:
+    return dim if isinstance(dim, int) and dim > 0 else None
+
+
+def yolo_channels_first(shape: Shape, width: int) -> bool:
+    """Whether a YOLO output of ``shape`` ``[N, a, b]`` holds its ``width`` values per anchor on axis 1 (the
+    ultralytics default, also taken when both axes are ``width``), else on axis 2; refused when neither is."""
+    a, b = (_known(d) for d in shape[1:3])
+    if a == width:
+        return True
+    if b == width:
+        return False
+    raise ConfigError(f"neither axis 1 nor axis 2 of its output {list(shape)} is {width} values per anchor")
+
+
+def check_outputs(layout: Layout, outputs: Mapping[str, Shape], num_classes: int) -> None:
+    """Refuse a graph whose outputs (name -> shape, batch first) do not fit ``layout`` with ``num_classes``
+    labels, naming what does not fit."""
+    names = list(outputs)
+
+    def one(rank: int) -> Shape:
+        if len(names) != 1:
+            raise ConfigError(f"output_layout {layout} takes one output, the graph has {len(names)}: {names}")
+        shape = outputs[names[0]]
+        if len(shape) != rank:
+            raise ConfigError(f"output_layout {layout} takes a rank-{rank} output, {names[0]} is {list(shape)}")
+        return shape
+
+    try:
+        if layout in ("candidates", "end2end"):
+            shape = one(3)
+            if _known(shape[2]) != 6:
+                raise ConfigError(f"rows of 6 (x1, y1, x2, y2, score, class) on axis 2, got {list(shape)}")
+        elif layout in ("yolo", "yolov5"):
+            width = num_classes + (4 if layout == "yolo" else 5)
+            yolo_channels_first(one(3), width)
+        else:
+            missing = [n for n in EFFICIENT_NMS if n not in outputs]
+            if missing:
+                raise ConfigError(f"outputs {', '.join(EFFICIENT_NMS)} are needed; missing {missing} of {names}")
+            if _known(outputs["det_boxes"][-1]) != 4:
+                raise ConfigError(f"det_boxes must end in 4 coordinates, is {list(outputs['det_boxes'])}")
+    except ConfigError as exc:
+        labels = f"{num_classes} labels"
+        raise ConfigError(f"the graph's outputs do not fit output_layout {layout} ({labels}): {exc}") from None
+
+
+def image_rows(
+    layout: str | None, outputs: Mapping[str, np.ndarray], num_classes: int, score_threshold: float = 0.0
+) -> list[np.ndarray]:
+    """Each image's candidate rows ``[K, 6]`` float32 of a computed batch, those scoring under
+    ``score_threshold`` left out."""
+    if layout == "efficientnms":
+        return _efficient_nms(outputs, score_threshold)
+    out = next(iter(outputs.values()))
+    if layout in ("yolo", "yolov5"):
+        return [_yolo(image, layout, num_classes, score_threshold) for image in out]
+    return [_above(np.asarray(image, dtype=np.float32).reshape(-1, 6), score_threshold) for image in out]
+
+
+def _above(rows: np.ndarray, threshold: float) -> np.ndarray:
+    return rows[rows[:, 4] >= threshold] if threshold > 0 else rows
+
+
+def _yolo(image: np.ndarray, layout: str, num_classes: int, threshold: float) -> np.ndarray:
+    width = num_classes + (4 if layout == "yolo" else 5)
+    first = yolo_channels_first((0, *image.shape), width)
+    values = np.asarray(image if first else image.T, dtype=np.float32)  # [width, A]
+    classes = values[width - num_classes :]
+    score = classes.max(axis=0)  # the best class's score; its index only for the anchors kept (a fraction)
+    if layout == "yolov5":
+        score *= values[4]
+    keep = np.flatnonzero(score >= threshold) if threshold > 0 else np.arange(len(score))
+    cx, cy, w, h = values[:4, keep]
+    rows = np.empty((len(keep), 6), dtype=np.float32)
+    rows[:, 0], rows[:, 1] = cx - w / 2, cy - h / 2
+    rows[:, 2], rows[:, 3] = cx + w / 2, cy + h / 2
+    rows[:, 4], rows[:, 5] = score[keep], classes[:, keep].argmax(axis=0)
+    return rows
+
+
+def _efficient_nms(outputs: Mapping[str, np.ndarray], threshold: float) -> list[np.ndarray]:
+    counts = np.asarray(outputs["num_dets"]).reshape(len(outputs["num_dets"]), -1)[:, 0]
+    boxes, scores, classes = outputs["det_boxes"], outputs["det_scores"], outputs["det_classes"]
+    images = []
+    for i, count in enumerate(counts):
+        n = int(max(0, min(int(count), boxes.shape[1])))
+        rows = np.empty((n, 6), dtype=np.float32)
+        rows[:, :4] = boxes[i, :n]
+        rows[:, 4] = scores[i, :n]
+        rows[:, 5] = classes[i, :n]
+        images.append(_above(rows, threshold))
+    return images
+
+
+def top_rows(rows: list[np.ndarray], k: int) -> np.ndarray:
+    """``[N, k, 6]``: each image's ``k`` best rows, best first, padded with zero rows (the parity gate compares
+    fixed shapes; a zero row scores under any threshold it vouches for)."""
+    out = np.zeros((len(rows), k, 6), dtype=np.float32)
+    for i, image in enumerate(rows):
+        best = image[np.argsort(-image[:, 4], kind="stable")[:k]]
+        out[i, : len(best)] = best
+    return out
+
+
+def select(rows: np.ndarray, score_threshold: float, classes: Sequence[int] | None, most: int) -> np.ndarray:
+    """A graph's own suppressed rows, as asked: those at or above ``score_threshold`` of ``classes`` (None: all),
+    best first, at most ``most``; nothing suppressed."""
+    rows = np.asarray(rows, dtype=np.float32).reshape(-1, 6)
+    rows = rows[(rows[:, 4] >= score_threshold) & np.isfinite(rows).all(axis=1)]
+    if classes is not None:
+        rows = rows[np.isin(rows[:, 5], np.asarray(classes, dtype=np.float32))]
+    return rows[np.argsort(-rows[:, 4], kind="stable")[:most]]
