@@ -28,6 +28,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "service.client.commands",
         "classify image files and folders to CSV/JSONL, via a server or in-process",
     ),
+    "detect": (
+        "service.client.commands",
+        "find the objects in image files and folders with a detector, to CSV/JSONL, via a server or in-process",
+    ),
     "export": ("export.commands", "export to ONNX, TorchScript or AOTInductor with proven parity into a repository"),
     "tune": ("service.tune.commands", "find the settings that serve the most at a p99 target here, and prove it"),
     "rollout": ("service.client.rollout", "start, watch, promote or abort a server's rollout of a candidate version"),

@@ -1,10 +1,12 @@
-"""The Python client of the image API, synchronous and asynchronous, over httpx.
+"""The Python client of the image API, synchronous and asynchronous, over httpx: ``classify`` for classifiers,
+``detect`` for detectors, one path under both (:class:`~service.client.kinds.Kind`: the route and the result type
+are all they differ in).
 
-Images go as ``multipart/form-data`` files, several per request, in order; every image gets its own
-:class:`ImageResult`. A list larger than the server's ``--max-images`` is split: the client starts from
-``max_images_per_request`` and, when the server refuses a request as holding too many images (413 "... over the
-limit of N"), it learns N and splits again, so nothing needs configuring to match a server. Overload answers and
-dropped connections are retried under a :class:`RetryPolicy`.
+Images go as ``multipart/form-data`` files, several per request, in order; every image gets its own result
+(:class:`ImageResult`, :class:`DetectedImage`). A list larger than the server's ``--max-images`` is split: the
+client starts from ``max_images_per_request`` and, when the server refuses a request as holding too many images
+(413 "... over the limit of N"), it learns N and splits again, so nothing needs configuring to match a server.
+Overload answers and dropped connections are retried under a :class:`RetryPolicy`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import re
 import time
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -20,8 +23,10 @@ import msgspec
 
 from service.client.errors import ClientError
 from service.client.images import ImageInput, encode
+from service.client.kinds import CLASSIFY, DETECT, DetectedImage, Kind, R, answer_of, detect_query
 from service.client.retry import Attempts, RetryPolicy
-from service.core.answers import ClassifyResponse, ImageResult
+from service.core.answers import ImageResult
+from service.core.boxes import BoxFormat
 
 File = tuple[str, bytes, str]  # (filename, data, media type)
 
@@ -53,13 +58,13 @@ class _Base:
         self.requests_sent = 0  # counting every attempt, retries included
         self.retries = 0
 
-    def _route(self, model: str | None, version: int | None) -> str:
+    def _route(self, model: str | None, version: int | None, kind: Kind[Any]) -> str:
         model = model or self.model
         if not model:
-            raise ValueError("no model named: pass model= to the client or to classify()")
+            raise ValueError(f"no model named: pass model= to the client or to {kind.action}()")
         version = version if version is not None else self.version
         where = f"/v1/models/{quote(model, safe='')}"
-        return where + (f"/versions/{int(version)}" if version is not None else "") + "/classify"
+        return where + (f"/versions/{int(version)}" if version is not None else "") + f"/{kind.action}"
 
     @staticmethod
     def _files(images: ImageInput | Sequence[ImageInput]) -> list[File]:
@@ -86,12 +91,12 @@ class _Base:
             )
         raise ClientError(f"cannot reach {self.url}: {exc} (after {tries})", retries=attempts.retries) from exc
 
-    def _read(self, response: httpx.Response, files: list[File]) -> tuple[list[ImageResult], list[list[File]]]:
+    def _read(self, response: httpx.Response, files: list[File], kind: Kind[R]) -> tuple[list[R], list[list[File]]]:
         """(results, []) from a request's answer, or ([], the smaller requests to send instead of a refused one)."""
         status = response.status_code
         if status == 200:
             try:
-                answer = msgspec.json.decode(response.content, type=ClassifyResponse)
+                answer = answer_of(response.content, kind)
             except msgspec.DecodeError as exc:
                 raise ClientError(f"{self.url} answered 200 with an unexpected body: {exc}", status=200) from exc
             if len(answer.results) != len(files):
@@ -107,7 +112,7 @@ class _Base:
             self.max_images_per_request = max(1, min(self.max_images_per_request, limit))
             return [], self._chunks(files)
         if status in (400, 413, 415) and len(files) == 1:  # the one image is the whole request: its own failure
-            return [ImageResult(error=message, filename=files[0][0])], []
+            return [kind.result(error=message, filename=files[0][0])], []
         raise ClientError(f"{self.url} answered {status}: {message}", status=status)
 
 
@@ -158,24 +163,59 @@ class Client(_Base):
 
         Raises :class:`ClientError` when a request is refused as a whole (an unknown model: 404) or the server
         cannot be reached within the retry policy; an image the server cannot use gets its own ``error``."""
-        route = self._route(model, version)
-        out: list[ImageResult] = []
+        return self._ask(CLASSIFY, images, {"top_k": top_k}, model, version)
+
+    def detect(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        score_threshold: float = 0.25,
+        iou_threshold: float | None = None,
+        max_detections: int = 100,
+        classes: Sequence[str | int] | None = None,
+        class_agnostic: bool | None = None,
+        box_format: BoxFormat = "xyxy",
+        normalized: bool = False,
+        model: str | None = None,
+        version: int | None = None,
+    ) -> list[DetectedImage]:
+        """One :class:`DetectedImage` per image, in order, from a detector's ``/detect`` route: the image's ``width``
+        and ``height`` (as a viewer shows it) and its ``detections`` (best first, boxes in its own pixels), or its
+        own ``error``. The options are the route's, each sent as given; ``iou_threshold`` and ``class_agnostic``
+        only when given (the server's defaults are 0.45 and false), since a detector whose graph suppresses its own
+        boxes refuses them. ``images`` and the errors raised as :meth:`classify`'s."""
+        query = detect_query(
+            score_threshold=score_threshold, iou_threshold=iou_threshold, max_detections=max_detections,
+            classes=classes, class_agnostic=class_agnostic, box_format=box_format, normalized=normalized,
+        )  # fmt: skip
+        return self._ask(DETECT, images, query, model, version)
+
+    def _ask(
+        self,
+        kind: Kind[R],
+        images: ImageInput | Sequence[ImageInput],
+        query: dict[str, Any],
+        model: str | None,
+        version: int | None,
+    ) -> list[R]:
+        route = self._route(model, version, kind)
+        out: list[R] = []
         for chunk in self._chunks(self._files(images)):
-            out.extend(self._classify_files(route, chunk, top_k))
+            out.extend(self._send(kind, route, chunk, query))
         return out
 
-    def _classify_files(self, route: str, files: list[File], top_k: int) -> list[ImageResult]:
-        results, resend = self._read(self._post(route, files, top_k), files)
+    def _send(self, kind: Kind[R], route: str, files: list[File], query: dict[str, Any]) -> list[R]:
+        results, resend = self._read(self._post(route, files, query), files, kind)
         for chunk in resend:
-            results.extend(self._classify_files(route, chunk, top_k))
+            results.extend(self._send(kind, route, chunk, query))
         return results
 
-    def _post(self, route: str, files: list[File], top_k: int) -> httpx.Response:
+    def _post(self, route: str, files: list[File], query: dict[str, Any]) -> httpx.Response:
         attempts = self.retry.start()
         while True:
             self.requests_sent += 1
             try:
-                response = self._http.post(route, params={"top_k": top_k}, files=[("file", f) for f in files])
+                response = self._http.post(route, params=query, files=[("file", f) for f in files])
             except httpx.TransportError as exc:
                 time.sleep(self._retry_or_raise(attempts, None, exc))
                 continue
@@ -231,29 +271,60 @@ class AsyncClient(_Base):
         version: int | None = None,
     ) -> list[ImageResult]:
         """As :meth:`Client.classify`."""
-        route = self._route(model, version)
+        return await self._ask(CLASSIFY, images, {"top_k": top_k}, model, version)
+
+    async def detect(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        score_threshold: float = 0.25,
+        iou_threshold: float | None = None,
+        max_detections: int = 100,
+        classes: Sequence[str | int] | None = None,
+        class_agnostic: bool | None = None,
+        box_format: BoxFormat = "xyxy",
+        normalized: bool = False,
+        model: str | None = None,
+        version: int | None = None,
+    ) -> list[DetectedImage]:
+        """As :meth:`Client.detect`."""
+        query = detect_query(
+            score_threshold=score_threshold, iou_threshold=iou_threshold, max_detections=max_detections,
+            classes=classes, class_agnostic=class_agnostic, box_format=box_format, normalized=normalized,
+        )  # fmt: skip
+        return await self._ask(DETECT, images, query, model, version)
+
+    async def _ask(
+        self,
+        kind: Kind[R],
+        images: ImageInput | Sequence[ImageInput],
+        query: dict[str, Any],
+        model: str | None,
+        version: int | None,
+    ) -> list[R]:
+        route = self._route(model, version, kind)
         chunks = self._chunks(self._files(images))
         gate = asyncio.Semaphore(self.max_concurrency)
 
-        async def one(chunk: list[File]) -> list[ImageResult]:
+        async def one(chunk: list[File]) -> list[R]:
             async with gate:
-                return await self._classify_files(route, chunk, top_k)
+                return await self._send(kind, route, chunk, query)
 
         done = await asyncio.gather(*(one(chunk) for chunk in chunks))
         return [r for results in done for r in results]
 
-    async def _classify_files(self, route: str, files: list[File], top_k: int) -> list[ImageResult]:
-        results, resend = self._read(await self._post(route, files, top_k), files)
+    async def _send(self, kind: Kind[R], route: str, files: list[File], query: dict[str, Any]) -> list[R]:
+        results, resend = self._read(await self._post(route, files, query), files, kind)
         for chunk in resend:
-            results.extend(await self._classify_files(route, chunk, top_k))
+            results.extend(await self._send(kind, route, chunk, query))
         return results
 
-    async def _post(self, route: str, files: list[File], top_k: int) -> httpx.Response:
+    async def _post(self, route: str, files: list[File], query: dict[str, Any]) -> httpx.Response:
         attempts = self.retry.start()
         while True:
             self.requests_sent += 1
             try:
-                response = await self._http.post(route, params={"top_k": top_k}, files=[("file", f) for f in files])
+                response = await self._http.post(route, params=query, files=[("file", f) for f in files])
             except httpx.TransportError as exc:
                 await asyncio.sleep(self._retry_or_raise(attempts, None, exc))
                 continue

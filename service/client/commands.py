@@ -1,30 +1,37 @@
-"""``visionserve classify``: every image below some paths, through a server (``--url``) or in this process, to a
-CSV or JSON Lines file, with progress, retries, ``--resume`` and a summary. Exits 1 when any image failed."""
+"""``visionserve classify`` and ``visionserve detect``: every image below some paths, through a server (``--url``)
+or in this process, to a CSV or JSON Lines file, with progress, retries, ``--resume`` and a summary. Exits 1 when
+any image failed.
+
+The two commands are one run (:func:`run_files`, :func:`_run`); a :class:`Job` is all they differ in: the rows
+(:mod:`service.client.output`'s tables), the client's call and the in-process one, and the words of the summary.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import msgspec
+from typing import TYPE_CHECKING, Any, Generic
 
 from service.client.client import DEFAULT_MAX_IMAGES_PER_REQUEST
 from service.client.errors import ClientError
 from service.client.images import discover
-from service.client.output import Output
+from service.client.kinds import DetectedImage, R
+from service.client.output import ClassifyTable, DetectTable, Output, Table
 from service.client.retry import RetryPolicy
+from service.client.summary import Tally, print_summary, progress_bar, reason_of
 from service.core.answers import ImageResult
 from service.core.arguments import integer_in, number_in
+from service.core.boxes import BOX_FORMATS, DetectOptions
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.progress import Progress
+
+    from service.client.client import AsyncClient
+    from service.client.local import LocalModel
 
 # The flags' ranges: argparse refuses anything else as a usage error naming the flag (exit status 2). The top-k
 # range is the server's (image API ``top_k``); the others bound what one run may hold at once or wait for.
@@ -34,22 +41,50 @@ MAX_CONCURRENCY = 1024
 MAX_IMAGES_PER_REQUEST = 4096
 MAX_ATTEMPTS = 1000
 MAX_SECONDS = 86400  # a day
+MAX_DETECTIONS = 10_000  # the detect route's limit
 
-ClassifyChunk = Callable[[list[bytes], list[str]], Awaitable[list[ImageResult]]]
+Chunk = Callable[[list[bytes], list[str]], Awaitable[list[R]]]
 
 
 def add_classify_arguments(p: argparse.ArgumentParser) -> None:
+    _add_arguments(p, "classify", "Classify")
+    p.add_argument("--top-k", type=integer_in(1, MAX_TOP_K), default=5, help=f"classes per image, 1 to {MAX_TOP_K}")
+
+
+def add_detect_arguments(p: argparse.ArgumentParser) -> None:
+    _add_arguments(p, "detect", "Find the objects in")
+    p.epilog = (
+        "CSV: one row per box (path, model, version, width, height, label, index, score, the box's columns, "
+        "error), one row with an empty label and box for an image with none; JSON Lines: one line per image."
+    )
+    p.add_argument("--score-threshold", type=number_in(0, 1), default=0.25,
+                   help="boxes scoring less are dropped, 0 to 1")  # fmt: skip
+    p.add_argument("--iou-threshold", type=number_in(0, 1), default=None,
+                   help="of two boxes overlapping more, the lower scored goes, 0 to 1 (default: 0.45)")  # fmt: skip
+    p.add_argument("--max-detections", type=integer_in(1, MAX_DETECTIONS), default=100,
+                   help=f"at most this many boxes an image, 1 to {MAX_DETECTIONS}")  # fmt: skip
+    p.add_argument("--classes", nargs="+", default=None, metavar="CLASS",
+                   help="keep only these classes (labels or indices)")  # fmt: skip
+    p.add_argument("--class-agnostic", action="store_true", default=None,
+                   help="suppress across classes (default: per class)")  # fmt: skip
+    p.add_argument("--box-format", choices=BOX_FORMATS, default="xyxy",
+                   help="xyxy (x1, y1, x2, y2), xywh (corner, size), cxcywh (centre, size)")  # fmt: skip
+    p.add_argument("--normalized", action="store_true",
+                   help="boxes as fractions of the image's width and height (default: in pixels)")  # fmt: skip
+
+
+def _add_arguments(p: argparse.ArgumentParser, command: str, verb: str) -> None:
+    """The flags both commands take."""
     p.description = (
-        "Classify image files and folders (recursively; image files are told by their content) into a CSV or JSON "
-        "Lines file: through a server with --url, or in this process from --repository without it. Exits 1 when "
-        "any image failed."
+        f"{verb} image files and folders (recursively; image files are told by their content), written to a CSV or "
+        "JSON Lines file: through a server with --url, or in this process from --repository without it. Exits 1 "
+        "when any image failed."
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files and folders")
-    p.add_argument("--url", default=None, help="the server, e.g. http://127.0.0.1:8000; none: classify in-process")
+    p.add_argument("--url", default=None, help=f"the server, e.g. http://127.0.0.1:8000; none: {command} in-process")
     p.add_argument("--model", required=True, help="model name")
     p.add_argument("--version", type=integer_in(1, MAX_VERSION), default=None,
                    help="model version; default: the highest")  # fmt: skip
-    p.add_argument("--top-k", type=integer_in(1, MAX_TOP_K), default=5, help=f"classes per image, 1 to {MAX_TOP_K}")
     p.add_argument(
         "--concurrency",
         type=integer_in(1, MAX_CONCURRENCY),
@@ -88,50 +123,73 @@ def add_classify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="device without --url: auto (config.toml's), cpu, cuda, cuda:N")
 
 
-class Tally(msgspec.Struct, kw_only=True):
-    """What a run did, for the summary."""
+@dataclass(frozen=True)
+class Job(Generic[R]):
+    """What one command is to the shared run: its name and the summary's verb, its rows, a failed image's result,
+    and its call through the client and in this process."""
 
-    ok: int = 0
-    failed: int = 0
-    reasons: dict[str, int] = msgspec.field(default_factory=dict)
-    latencies_s: list[float] = msgspec.field(default_factory=list)
-    requests: int = 0
-    retries: int = 0
-    seconds: float = 0.0
-
-
-def reason_of(error: str) -> str:
-    """The kind of a failure, for counting: an image's message up to its detail, e.g. "not a recognised image"."""
-    return error.split(":", 1)[0].strip()[:80] or "unknown"
+    command: str
+    done: str  # "classified 12 images in ..."
+    table: Table[R]
+    failed: Callable[[str], R]
+    remote: Callable[[AsyncClient, list[bytes]], Awaitable[list[R]]]
+    local: Callable[[LocalModel, list[bytes], list[str]], list[R]]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of ``values`` (q in 0..100)."""
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[rank]
+def classify_job(args: argparse.Namespace) -> Job[ImageResult]:
+    return Job(
+        "classify", "classified", ClassifyTable(args.top_k), lambda error: ImageResult(error=error),
+        lambda client, datas: client.classify(datas, top_k=args.top_k),
+        lambda local, datas, names: local.classify(datas, top_k=args.top_k, names=names),
+    )  # fmt: skip
 
 
-async def classify_files(
+def detect_job(args: argparse.Namespace) -> Job[DetectedImage]:
+    options: dict[str, Any] = {
+        "score_threshold": args.score_threshold, "iou_threshold": args.iou_threshold,
+        "max_detections": args.max_detections, "class_agnostic": args.class_agnostic, "box_format": args.box_format,
+        "normalized": args.normalized,
+    }  # fmt: skip
+
+    checked: dict[int, DetectOptions] = {}  # the options as the loaded model takes them, checked once
+
+    def local(model: LocalModel, datas: list[bytes], names: list[str]) -> list[DetectedImage]:
+        from service.client.local import detect_options
+
+        if id(model) not in checked:
+            checked[id(model)] = detect_options(model, classes=args.classes, **options)
+        return model.detect(datas, checked[id(model)], names=names)
+
+    return Job(
+        "detect", "searched", DetectTable(args.box_format), lambda error: DetectedImage(error=error),
+        lambda client, datas: client.detect(datas, classes=args.classes, **options), local,
+    )  # fmt: skip
+
+
+async def run_files(
     files: Sequence[Path],
-    classify_chunk: ClassifyChunk,
+    chunk_of: Chunk[R],
     *,
     chunk_size: int,
     concurrency: int,
-    output: Output,
+    output: Output[R],
     tally: Tally,
     advance: Callable[[int], None],
+    failed: Callable[[str], R],
 ) -> None:
-    """Classify ``files`` in chunks, ``concurrency`` chunks at a time, writing each result as it comes."""
+    """Send ``files`` in chunks, ``concurrency`` chunks at a time, writing each result as it comes; ``failed``: the
+    result of an image that got no answer (its file unreadable, its request refused)."""
     chunks = [list(files[i : i + chunk_size]) for i in range(0, len(files), chunk_size)]
     queue: asyncio.Queue[list[Path]] = asyncio.Queue()
     for chunk in chunks:
         queue.put_nowait(chunk)
 
-    def record(path: Path, result: ImageResult, reason: str | None = None) -> None:
+    def record(path: Path, result: R, reason: str | None = None) -> None:
         output.write(str(path), result)
         if result.ok:
             tally.ok += 1
+            if isinstance(result, DetectedImage):
+                tally.boxes = (tally.boxes or 0) + len(result.detections or [])
         else:
             tally.failed += 1
             key = reason or reason_of(result.error or "")
@@ -143,17 +201,17 @@ async def classify_files(
             datas, readable = await asyncio.to_thread(_read_all, chunk)
             for path, data in zip(chunk, datas, strict=True):
                 if isinstance(data, str):
-                    record(path, ImageResult(error=data), "unreadable file")
+                    record(path, failed(data), "unreadable file")
             if readable:
                 started = time.perf_counter()
                 try:
                     good = [d for d in datas if isinstance(d, bytes)]
-                    results = await classify_chunk(good, [p.name for p in readable])
+                    results = await chunk_of(good, [p.name for p in readable])
                 except ClientError as exc:
                     if exc.status == 404:
                         raise  # an unknown model or version: every request would fail the same way
                     reason = "no answer (connection)" if exc.status is None else f"HTTP {exc.status}"
-                    results = [ImageResult(error=str(exc)) for _ in readable]
+                    results = [failed(str(exc)) for _ in readable]
                     for path, result in zip(readable, results, strict=True):
                         record(path, result, reason)
                 else:
@@ -187,61 +245,15 @@ def _read_all(paths: list[Path]) -> tuple[list[bytes | str], list[Path]]:
     return out, readable
 
 
-def _progress(total: int, enabled: bool, console: Console) -> Progress:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        Task,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.text import Text
-
-    class RateColumn(ProgressColumn):
-        def render(self, task: Task) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text(f"{speed:,.1f} images/s" if speed else "- images/s", style="progress.data.speed")
-
-    return Progress(
-        TextColumn("classify"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        RateColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not enabled,
-    )
-
-
-def print_summary(tally: Tally, *, skipped: int, passed_over: int, out: str | None, console: Console) -> None:
-    total = tally.ok + tally.failed
-    rate = total / tally.seconds if tally.seconds > 0 else 0.0
-    line = f"classified {total} images in {tally.seconds:.1f} s ({rate:,.1f} images/s): {tally.ok} ok, "
-    line += f"{tally.failed} failed"
-    if skipped:
-        line += f"; {skipped} skipped (already in {out})"
-    if passed_over:
-        line += f"; {passed_over} files passed over (not images)"
-    console.print(line, highlight=False)
-    if tally.reasons:
-        console.print("failures by reason:", highlight=False)
-        for reason, count in Counter(tally.reasons).most_common():
-            console.print(f"  {count:>6}  {reason}", highlight=False, markup=False)
-    if tally.latencies_s:
-        p50, p90, p99 = (percentile(tally.latencies_s, q) * 1000 for q in (50, 90, 99))
-        console.print(
-            f"requests: {tally.requests} ({tally.retries} retries); latency per request p50 {p50:.1f} ms, "
-            f"p90 {p90:.1f} ms, p99 {p99:.1f} ms",
-            highlight=False,
-        )
-
-
 def run_classify(args: argparse.Namespace) -> int:
+    return _run_command(args, classify_job(args))
+
+
+def run_detect(args: argparse.Namespace) -> int:
+    return _run_command(args, detect_job(args))
+
+
+def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:
     from rich.console import Console
 
     err = Console(stderr=True, soft_wrap=True)  # a summary line stays one line in a log
@@ -253,26 +265,29 @@ def run_classify(args: argparse.Namespace) -> int:
     if not files:
         err.print(f"no image files under {', '.join(args.paths)}", highlight=False)
         return 2
-    output = Output(args.out, top_k=args.top_k, resume=args.resume, overwrite=args.overwrite)
+    output: Output[Any] = Output(args.out, job.table, resume=args.resume, overwrite=args.overwrite)
     todo = [f for f in files if str(f) not in output.done]
-    tally = Tally()
+    tally = Tally(boxes=0 if job.command == "detect" else None)
     interrupted = False
     try:
         if todo:
-            asyncio.run(_run(args, todo, output, tally, err))
+            asyncio.run(_run(args, job, todo, output, tally, err))
     except KeyboardInterrupt:
         interrupted = True  # what was done is in the file (rows are flushed per request): --resume goes on
     finally:
         output.close()
-    print_summary(tally, skipped=len(files) - len(todo), passed_over=passed_over, out=args.out, console=err)
+    skipped = len(files) - len(todo)
+    print_summary(tally, skipped=skipped, passed_over=passed_over, out=args.out, console=err, done=job.done)
     if interrupted:
         raise KeyboardInterrupt
     return 1 if tally.failed else 0
 
 
-async def _run(args: argparse.Namespace, todo: list[Path], output: Output, tally: Tally, err: Console) -> None:
-    progress = _progress(len(todo), not args.no_progress, err)
-    task = progress.add_task("classify", total=len(todo))
+async def _run(
+    args: argparse.Namespace, job: Job[R], todo: list[Path], output: Output[R], tally: Tally, err: Console
+) -> None:
+    progress = progress_bar(job.command, not args.no_progress, err)
+    task = progress.add_task(job.command, total=len(todo))
 
     def advance(n: int) -> None:
         progress.advance(task, n)
@@ -291,31 +306,32 @@ async def _run(args: argparse.Namespace, todo: list[Path], output: Output, tally
             max_concurrency=args.concurrency,  # sizes its connection pool; each call here is one request
         )
 
-        async def remote(datas: list[bytes], _names: list[str]) -> list[ImageResult]:
-            return await client.classify(datas, top_k=args.top_k)
+        async def remote(datas: list[bytes], _names: list[str]) -> list[R]:
+            return await job.remote(client, datas)
 
         try:
             with progress:
-                await classify_files(todo, remote, chunk_size=args.images_per_request, concurrency=args.concurrency,
-                                     output=output, tally=tally, advance=advance)  # fmt: skip
+                await run_files(todo, remote, chunk_size=args.images_per_request, concurrency=args.concurrency,
+                                output=output, tally=tally, advance=advance, failed=job.failed)  # fmt: skip
         finally:
             tally.requests, tally.retries = client.requests_sent, client.retries
             await client.aclose()
     else:
-        from service.client.local import LocalClassifier
+        from service.client.local import LocalModel
 
         if not args.no_progress:
             err.print(f"loading {args.model} from {args.repository} ...", highlight=False)
-        local = LocalClassifier(args.repository, args.model, version=args.version, device=args.device)
+        local = LocalModel(args.repository, args.model, version=args.version, device=args.device)
 
-        async def in_process(datas: list[bytes], names: list[str]) -> list[ImageResult]:
-            return await asyncio.to_thread(local.classify, datas, top_k=args.top_k, names=names)
+        async def in_process(datas: list[bytes], names: list[str]) -> list[R]:
+            return await asyncio.to_thread(job.local, local, datas, names)
 
         try:
+            local.require(job.command)
             with progress:
                 # Two chunks at once: one decodes in the pool while the other runs on the device.
-                await classify_files(todo, in_process, chunk_size=local.max_batch_size, concurrency=2, output=output,
-                                     tally=tally, advance=advance)  # fmt: skip
+                await run_files(todo, in_process, chunk_size=local.max_batch_size, concurrency=2, output=output,
+                                tally=tally, advance=advance, failed=job.failed)  # fmt: skip
         finally:
             tally.requests = len(tally.latencies_s)
             local.close()

@@ -1,21 +1,27 @@
-"""Classifying in this process, with no server: what ``visionserve classify`` does without ``--url``.
+"""Classifying or detecting in this process, with no server: what ``visionserve classify`` and ``visionserve
+detect`` do without ``--url``.
 
 The model is loaded from the repository through the runtimes the server uses (:func:`make_runtime`, the same
-backend choice), images are decoded by the server's CPU pool (:class:`Preprocessor`, the same limits and
-messages), and scores are the same softmax top-k, so a folder gives the same answers either way. This is the one
-module of the client that needs the runtimes; the HTTP client never imports it.
+backend choice), images are decoded by the server's CPU pool (:class:`Preprocessor`, the same limits, messages and
+per-image transforms), and answers come from the same functions: softmax top-k, or the server's suppression and its
+mapping of boxes back to the image's own pixels (:mod:`service.core.boxes`), so a folder gives the same answers
+either way. This is the one module of the client that needs the runtimes; the HTTP client never imports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from service.core.answers import ImageResult, Prediction
+from service.client.kinds import DetectedImage
+from service.core.answers import Detection, ImageResult, Prediction
+from service.core.boxes import DetectOptions, Transform, formatted, suppress, to_original
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
-from service.core.errors import VisionServeError
+from service.core.errors import ConfigError, VisionServeError
+from service.core.layouts import image_rows, select, suppresses
 from service.core.repository import ModelRepository
 from service.core.scores import softmax
 from service.core.scores import top_k as best_k
@@ -35,8 +41,9 @@ def resolve_device(config: ModelConfig, device: str) -> str:
         return "cpu"
 
 
-class LocalClassifier:
-    """One model version loaded in this process; :meth:`classify` answers as the image API does."""
+class LocalModel:
+    """One model version loaded in this process; :meth:`classify` and :meth:`detect` answer as the image API's
+    routes do."""
 
     def __init__(self, repository: str, model: str, *, version: int | None = None, device: str = "auto") -> None:
         entry = ModelRepository(repository).model(model)
@@ -48,6 +55,18 @@ class LocalClassifier:
         self.max_batch_size = config.max_batch_size
         self.runtime: RuntimeLike = make_runtime(self.version, config, self.backend, self.device)
         self.pool = Preprocessor(self.version.spec)
+        self.task = self.version.spec.task
+        self.layout = self.version.spec.output_layout
+
+    def require(self, task: str) -> None:
+        """Refuse the command of another task (``visionserve classify`` of a detector: ConfigError naming the
+        command that fits), as the image routes refuse the route of another task."""
+        if self.task != task:
+            fits = "detect" if self.task == "detect" else "classify"
+            raise ConfigError(
+                f"model {self.model!r} is a {self.task} model: visionserve {task} does not fit it; run "
+                f"visionserve {fits} instead"
+            )
 
     def classify(
         self, images: Sequence[bytes], *, top_k: int = 5, names: Sequence[str | None] | None = None
@@ -79,6 +98,95 @@ class LocalClassifier:
                 ]
         return results
 
+    def detect(
+        self, images: Sequence[bytes], options: DetectOptions, *, names: Sequence[str | None] | None = None
+    ) -> list[DetectedImage]:
+        """One result per encoded image, in order: its size as a viewer shows it and its detections (the server's
+        suppression with ``options``, boxes in its own pixels, best first), or its own error."""
+        results = [
+            DetectedImage(filename=name, model=self.model, version=self.version.version)
+            for name in (names or [None] * len(images))
+        ]
+        futures = [self.pool.submit(data) for data in images]
+        decoded: list[tuple[np.ndarray, Transform]] = []
+        good: list[int] = []
+        for i, future in enumerate(futures):
+            try:
+                pixels = future.result()
+            except VisionServeError as exc:
+                results[i].error = str(exc)
+                continue
+            assert future.transform is not None  # set with the pixels
+            decoded.append((pixels, future.transform))
+            good.append(i)
+        for start in range(0, len(good), self.max_batch_size):
+            rows = list(range(start, min(start + self.max_batch_size, len(good))))
+            try:
+                outputs = self.runtime.submit_outputs(np.stack([decoded[r][0] for r in rows])).result()
+            except VisionServeError as exc:
+                for r in rows:
+                    results[good[r]].error = str(exc)
+                continue
+            found = image_rows(self.layout, outputs, len(self.version.spec.labels), options.score_threshold)
+            for r, candidates in zip(rows, found, strict=True):
+                where = decoded[r][1]
+                kept = to_original(self._keep(candidates, options), where)
+                result = results[good[r]]
+                result.width, result.height = where.width, where.height
+                result.detections = self._listed(kept, where, options)
+        return results
+
+    def _keep(self, rows: np.ndarray, options: DetectOptions) -> np.ndarray:
+        """As the server keeps them: suppressed, or only selected where the graph suppressed them itself."""
+        if suppresses(self.layout):
+            return suppress(rows, options)
+        return select(rows, options.score_threshold, options.classes, options.max_detections)
+
+    def _listed(self, kept: np.ndarray, where: Transform, options: DetectOptions) -> list[Detection]:
+        labels = self.version.spec.labels
+        boxes = formatted(kept[:, :4], options.box_format, where.width, where.height, options.normalized).tolist()
+        return [
+            Detection(box=box, label=labels[c] if 0 <= c < len(labels) else str(c), index=c, score=score)
+            for box, c, score in zip(boxes, kept[:, 5].astype(np.int64).tolist(), kept[:, 4].tolist(), strict=True)
+        ]
+
     def close(self) -> None:
         self.runtime.close()
         self.pool.close()
+
+
+def detect_options(
+    model: LocalModel,
+    *,
+    classes: Sequence[str] | None = None,
+    iou_threshold: float | None = None,
+    class_agnostic: bool | None = None,
+    **options: Any,
+) -> DetectOptions:
+    """``options`` (the flags, checked by argparse) with ``classes`` named by label or index, as the detect route
+    takes them; an unknown class, or a suppression option for a graph that suppresses its own boxes, is a
+    ConfigError, as the route refuses them."""
+    given = [name for name, value in (("--iou-threshold", iou_threshold), ("--class-agnostic", class_agnostic))
+             if value is not None]  # fmt: skip
+    if given and not suppresses(model.layout):
+        raise ConfigError(
+            f"{' and '.join(given)}: the graph of {model.model!r} suppresses its own boxes (output_layout "
+            f"{model.layout}), so nothing is suppressed here; --score-threshold, --classes and --max-detections apply"
+        )
+    labels = model.version.spec.labels
+    indices: list[int] = []
+    for name in classes or ():
+        text = name.strip()
+        if text in labels:
+            indices.append(labels.index(text))
+        elif text.isascii() and text.isdigit() and int(text) < len(labels):
+            indices.append(int(text))
+        else:
+            raise ConfigError(
+                f"--classes: unknown class {name!r}: name a label ({', '.join(labels[:20])}) or an index from 0 to "
+                f"{len(labels) - 1}"
+            )
+    return DetectOptions(
+        iou_threshold=0.45 if iou_threshold is None else iou_threshold, class_agnostic=bool(class_agnostic),
+        classes=None if classes is None else tuple(sorted(set(indices))), **options,
+    )  # fmt: skip

@@ -8,7 +8,9 @@ before compute, or by the engine at its deadline: ``expired``), else takes it th
 stream has at most one frame computing, so a fast stream cannot crowd slow ones out of the engine's queue.
 
 Every frame gets exactly one answer through ``emit``, a plain callback (the transport's outbox), in the order its
-fate is decided: ``result``, ``superseded``, ``expired`` or ``error``.
+fate is decided: ``result``, ``superseded``, ``expired`` or ``error``. A classifier's result holds the frame's
+``predictions``; a detector's its ``detections`` and the frame's ``width`` and ``height`` as a viewer shows it (EXIF
+orientation applied), the size its boxes are in; a frame that asked for v2 outputs (gRPC) its ``outputs``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ log = logging.getLogger("visionserve.stream")
 
 DEFAULT_MAX_AGE_MS = 500.0
 MAX_AGE_LIMIT_MS = 60_000.0
+DEFAULT_TOP_K = 5
 OUTCOMES = STREAM_OUTCOMES  # a frame's fate: every frame gets exactly one
 
 
@@ -65,9 +68,11 @@ Emit = Callable[[dict[str, Any]], None]
 
 class FrameStream:
     """One client's stream to ``where`` (a resolved model version and its route). ``emit`` receives every answer
-    (a dict, docs/streams.md): a result holds the frame's ``predictions`` (the stream's ``top_k``) or, for a frame
-    that says what it wants (:attr:`Frame.want`), its v2 ``outputs`` (:class:`~service.frontend.tasks.OutputTensor`,
-    never JSON); ``on_outcome(outcome, age_s)`` hears of each frame's fate (the metrics)."""
+    (a dict, docs/streams.md): a result holds what the stream's ``want`` asks for (a classifier's ``predictions``,
+    its ``top_k``; a detector's ``detections``, with its suppression options, and the frame's ``width`` and
+    ``height``) or, for a frame that says what it wants (:attr:`Frame.want`), its v2 ``outputs``
+    (:class:`~service.frontend.tasks.OutputTensor`, never JSON); ``on_outcome(outcome, age_s)`` hears of each frame's
+    fate (the metrics)."""
 
     def __init__(
         self,
@@ -75,7 +80,7 @@ class FrameStream:
         emit: Emit,
         *,
         max_age_ms: float = DEFAULT_MAX_AGE_MS,
-        top_k: int = 5,
+        want: Want | None = None,
         on_outcome: Callable[[str, float], None] | None = None,
         protocol: str = "stream",
     ) -> None:
@@ -83,7 +88,8 @@ class FrameStream:
         self.slot = where.slot
         self.emit = emit
         self.max_age_ms = max_age_ms
-        self.want = Want(top_k=top_k)
+        self.want = want or Want(top_k=DEFAULT_TOP_K)
+        self.detects = self.slot.task.name == "detect"
         self.on_outcome = on_outcome
         self.protocol = protocol
         self.counts = StreamCounts()
@@ -181,9 +187,15 @@ class FrameStream:
             "queue": round(timing.queue_s * 1000.0, 3),
             "compute": round(timing.compute_s * 1000.0, 3),
         }
-        held: dict[str, Any] = {"predictions": answer.predictions[0]} if ask.want.top_k else {}
-        if answer.tensors:
+        held: dict[str, Any] = {}
+        if ask.want.outputs:
             held["outputs"] = answer.tensors
+        elif self.detects:
+            shown = ask.transforms[0] if ask.transforms else None
+            assert shown is not None  # a frame that decoded has its transform (the boxes' image)
+            held.update(detections=answer.predictions[0] or [], width=shown.width, height=shown.height)
+        elif ask.want.top_k:
+            held["predictions"] = answer.predictions[0]
         self._answer(frame, "result", version=answer.version, **held, timings_ms=timings)
 
     # ---- answers ----------------------------------------------------------------------------------------------
@@ -203,18 +215,23 @@ def _itself(answer: Answer) -> Answer:
     return answer
 
 
-def stream_options(max_age_ms: Any, top_k: Any) -> tuple[float, int]:
-    """``max_age_ms`` and ``top_k`` of a stream, checked (BadInputError names the bad one)."""
+def stream_max_age(value: Any) -> float:
+    """A stream's ``max_age_ms``, checked (BadInputError names it): default 500, in (0, 60000]."""
     try:
-        age = DEFAULT_MAX_AGE_MS if max_age_ms in (None, "") else float(max_age_ms)
+        age = DEFAULT_MAX_AGE_MS if value in (None, "") else float(value)
     except (TypeError, ValueError):
         age = float("nan")
     if not 0 < age <= MAX_AGE_LIMIT_MS:
-        raise BadInputError(f"max_age_ms must be a number in (0, {MAX_AGE_LIMIT_MS:g}], got {max_age_ms!r}")
+        raise BadInputError(f"max_age_ms must be a number in (0, {MAX_AGE_LIMIT_MS:g}], got {value!r}")
+    return age
+
+
+def stream_top_k(value: Any) -> int:
+    """A classifier's stream's ``top_k``, checked (BadInputError names it): default 5, at least 1."""
     try:
-        k = 5 if top_k in (None, "") else int(top_k)
+        k = DEFAULT_TOP_K if value in (None, "") else int(value)
     except (TypeError, ValueError):
         k = 0
     if k < 1:
-        raise BadInputError(f"top_k must be an integer >= 1, got {top_k!r}")
-    return age, k
+        raise BadInputError(f"top_k must be an integer >= 1, got {value!r}")
+    return k

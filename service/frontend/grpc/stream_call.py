@@ -18,7 +18,7 @@ from service.frontend import request as path
 from service.frontend.grpc import wire
 from service.frontend.outbox import StreamSession
 from service.frontend.state import ServerState
-from service.frontend.stream import Frame, FrameStream, stream_options
+from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_top_k
 from service.frontend.tasks import Want
 
 
@@ -84,9 +84,12 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
 
     def _start(self, request: pb.ModelInferRequest, params: dict[str, Any]) -> FrameStream:
         where = path.target(self.server, request.model_name, request.model_version, wire.metadata(self.context))
-        max_age_ms, top_k = stream_options(params.get("max_age_ms"), params.get("top_k"))
+        max_age_ms = stream_max_age(params.get("max_age_ms"))
+        # Each frame says what its answer holds (its outputs, a detector's thresholds): the stream's want is only
+        # a classifier's top_k, checked as the WebSocket checks it.
+        want = None if where.slot.task.name == "detect" else Want(top_k=stream_top_k(params.get("top_k")))
         stream = FrameStream(
-            where, self.emit, max_age_ms=max_age_ms, top_k=top_k, on_outcome=self.server.stream_outcome(where.slot.name)
+            where, self.emit, max_age_ms=max_age_ms, want=want, on_outcome=self.server.stream_outcome(where.slot.name)
         )
         self._open.enter_context(self.server.stream_open(where.slot.name, self))
         self._model = (request.model_name, request.model_version)

@@ -4,6 +4,12 @@ The reader feeds :class:`~service.frontend.stream.FrameStream` (latest-frame sem
 streams' one bounded outbox (:mod:`service.frontend.outbox`, gRPC's too), so a client that stops reading is cut off
 (1008) instead of holding answers, and frames, in server memory. A drain answers every frame the stream holds, then
 closes with 1001.
+
+The query says what each answer holds: a classifier's ``top_k``; a detector's suppression, the detect route's
+options (``score_threshold``, ``iou_threshold``, ``max_detections``, ``classes`` repeated, ``class_agnostic``,
+``box_format``, ``normalized``), checked by the same function as there. Each query a model's task does not take is
+passed over, as the image routes pass over a query they do not declare: a page or a load test that sends ``top_k``
+to every model reaches a detector too.
 """
 
 from __future__ import annotations
@@ -13,17 +19,21 @@ import base64
 import binascii
 import contextlib
 import json
+import re
 import struct
 from typing import Annotated, Any
 
 from litestar import WebSocket, websocket
+from litestar.datastructures import MultiDict
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
 from service.frontend import request as path
+from service.frontend.detect_options import detect_options
 from service.frontend.outbox import StreamSession
-from service.frontend.state import ServerState
-from service.frontend.stream import Frame, FrameStream, stream_options
+from service.frontend.state import ModelSlot, ServerState
+from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_top_k
+from service.frontend.tasks import Detect, Want
 
 FRAME_FORMAT = 'docs/streams.md: a binary message is a 4-byte header length, a JSON header {"id", "ts"}, then the image'
 CLOSE_TIMEOUT_S = 2.0
@@ -108,18 +118,60 @@ async def stream(
     await socket.accept()
     params = socket.query_params
     try:
-        max_age_ms, top_k = stream_options(params.get("max_age_ms"), params.get("top_k"))
+        max_age_ms = stream_max_age(params.get("max_age_ms"))
         where = path.target(server, model, version, dict(socket.headers), aliases=False)
+        want = stream_want(where.slot, params)
     except VisionServeError as exc:
         code = UNKNOWN_MODEL if exc.http_status == 404 else POLICY if exc.http_status == 400 else INTERNAL
         await socket.send_text(json.dumps({"id": None, "status": "error", "error": str(exc)}))
         await socket.close(code=code, reason=str(exc)[:120])
         return
     name = where.slot.name
-    stream_args = {"where": where, "max_age_ms": max_age_ms, "top_k": top_k, "on_outcome": server.stream_outcome(name)}
+    stream_args = {"where": where, "max_age_ms": max_age_ms, "want": want, "on_outcome": server.stream_outcome(name)}
     session = Session(socket, server, stream_args)
     try:
         with server.stream_open(name, session):
             await session.serve()
     finally:
         session.done.set()
+
+
+# The detect route's queries as this route reads them from the query string: (detect_options' keyword, type).
+DETECT_QUERIES = {
+    "score_threshold": ("score_threshold", "number"),
+    "iou_threshold": ("iou_threshold", "number"),
+    "max_detections": ("max_detections", "integer"),
+    "class_agnostic": ("class_agnostic", "flag"),
+    "box_format": ("box_format_", "text"),
+    "normalized": ("normalized", "flag"),
+}
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def stream_want(slot: ModelSlot, params: MultiDict[Any]) -> Want:
+    """What each frame's answer holds, from the query: a classifier's ``top_k`` predictions, or a detector's
+    detections under the detect route's options (:func:`~service.frontend.detect_options.detect_options`; a bad
+    one is a BadInputError naming it)."""
+    if slot.spec.task != "detect":
+        return Want(top_k=stream_top_k(params.get("top_k")))
+    if isinstance(slot.task, Detect):  # a graph that suppresses its own boxes refuses the suppression's options
+        slot.task.refuse_suppression([name for name in ("iou_threshold", "class_agnostic") if name in params])
+    found = {keyword: _typed(kind, params[name]) for name, (keyword, kind) in DETECT_QUERIES.items() if name in params}
+    classes = params.getall("classes", None)
+    return Want(detect=detect_options(slot.spec.labels, classes=classes, **found))
+
+
+def _typed(kind: str, text: str) -> Any:
+    """A query's text as the type its check takes; text that is not one goes on as it is, for the check to refuse
+    with the value sent (``score_threshold must be a number from 0 to 1, got 'high'``)."""
+    if kind == "number":
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    if kind == "integer":
+        return int(text) if _INTEGER.fullmatch(text) else text
+    if kind == "flag":
+        return _FLAGS.get(text.lower(), text)
+    return text
