@@ -17,11 +17,11 @@ import numpy as np
 
 from service.client.kinds import DetectedImage
 from service.core.answers import Detection, ImageResult, Prediction
-from service.core.boxes import DetectOptions, Transform, formatted, suppress, to_original
+from service.core.boxes import DetectOptions, Transform, formatted, to_original
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
 from service.core.errors import ConfigError, VisionServeError
-from service.core.layouts import image_rows, select, suppresses
+from service.core.layouts import image_rows, keep, suppresses
 from service.core.repository import ModelRepository
 from service.core.scores import softmax
 from service.core.scores import top_k as best_k
@@ -130,17 +130,11 @@ class LocalModel:
             found = image_rows(self.layout, outputs, len(self.version.spec.labels), options.score_threshold)
             for r, candidates in zip(rows, found, strict=True):
                 where = decoded[r][1]
-                kept = to_original(self._keep(candidates, options), where)
+                kept = to_original(keep(self.layout, candidates, options), where)
                 result = results[good[r]]
                 result.width, result.height = where.width, where.height
                 result.detections = self._listed(kept, where, options)
         return results
-
-    def _keep(self, rows: np.ndarray, options: DetectOptions) -> np.ndarray:
-        """As the server keeps them: suppressed, or only selected where the graph suppressed them itself."""
-        if suppresses(self.layout):
-            return suppress(rows, options)
-        return select(rows, options.score_threshold, options.classes, options.max_detections)
 
     def _listed(self, kept: np.ndarray, where: Transform, options: DetectOptions) -> list[Detection]:
         labels = self.version.spec.labels

@@ -25,6 +25,7 @@ from typing import Final, Literal
 
 import numpy as np
 
+from service.core.boxes import DetectOptions, suppress
 from service.core.errors import ConfigError
 
 Layout = Literal["candidates", "yolo", "yolov5", "end2end", "efficientnms"]
@@ -152,3 +153,11 @@ def select(rows: np.ndarray, score_threshold: float, classes: Sequence[int] | No
     if classes is not None:
         rows = rows[np.isin(rows[:, 5], np.asarray(classes, dtype=np.float32))]
     return rows[np.argsort(-rows[:, 4], kind="stable")[:most]]
+
+
+def keep(layout: str | None, rows: np.ndarray, options: DetectOptions) -> np.ndarray:
+    """One image's rows as the server keeps them: suppressed with ``options``, or, where the graph suppressed them
+    itself, only selected (every path: the image API, v2, streams, the in-process client)."""
+    if suppresses(layout):
+        return suppress(rows, options)
+    return select(rows, options.score_threshold, options.classes, options.max_detections)

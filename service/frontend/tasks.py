@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from service.core.boxes import DetectOptions, Transform, formatted, identity, suppress, to_original
+from service.core.boxes import DetectOptions, Transform, formatted, identity, to_original
 from service.core.errors import BadInputError
-from service.core.layouts import image_rows, select, suppresses
+from service.core.layouts import image_rows, keep, suppresses
 from service.core.scores import classification_strings, predictions, softmax
 from service.core.spec import ModelSpec
 from service.core.status import InferResult
@@ -218,15 +218,10 @@ class Detect:
         options = want.detect or self.default
         rows = image_rows(self.layout, result.outputs, len(self.labels), options.score_threshold)
         each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(rows)
-        kept = [to_original(self._keep(r, options), t) for r, t in zip(rows, each, strict=True)]
+        kept = [to_original(keep(self.layout, r, options), t) for r, t in zip(rows, each, strict=True)]
         tensors = [self._tensor(out.name, kept, options.max_detections) for out in want.outputs]
         listed = [] if want.outputs else [self._listed(k, t, options) for k, t in zip(kept, each, strict=True)]
         return Post(tensors, listed, [len(k) for k in kept])
-
-    def _keep(self, rows: np.ndarray, options: DetectOptions) -> np.ndarray:
-        if self.suppresses:
-            return suppress(rows, options)
-        return select(rows, options.score_threshold, options.classes, options.max_detections)
 
     def _tensor(self, name: str, kept: list[np.ndarray], most: int) -> OutputTensor:
         if name == NUM_DETECTIONS:
