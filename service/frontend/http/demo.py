@@ -5,16 +5,19 @@ What it does: pick, drop or paste several images; each is classified in a reques
 server's own ``Server-Timing`` for it) and shown as a thumbnail with its top-k, or with its own error. Changing the
 model or top-k re-runs the images on screen. Labels, file names and error messages are inserted as text, never as
 HTML: a model's labels come from its ``spec.json``, which the page does not trust. A small SVG chart draws the
-server's ``total`` duration of recent requests. A table lists the served models: state, device, residency (pinned
-or on demand), whether each is in memory and what it is charged there; read again after each answer, since a
-request may load an on-demand model and evict another. Below it, each model with a rollout (docs/rollouts.md): mode,
-primary -> candidate, samples compared, agreement with its interval, latency ratio, shed and the verdict, read from
-``GET /v2/models/{m}/rollout`` with the table (a 404, from a server without rollouts, counts as no rollout). Then
-the live mode (``demo_live.py``): the camera or a video file streamed to the model, each frame's answer as it comes.
+server's ``total`` duration of recent requests. A detector's images go to its detect route instead, and each
+one's boxes are listed and drawn over it, filtered in the browser by a score-threshold slider (``demo_boxes.py``).
+A table lists the served models: state, device, residency (pinned or on demand), whether each is in memory and
+what it is charged there; read again after each answer, since a request may load an on-demand model and evict
+another. Below it, each model with a rollout (docs/rollouts.md): mode, primary -> candidate, samples compared,
+agreement with its interval, latency ratio, shed and the verdict, read from ``GET /v2/models/{m}/rollout`` with the
+table (a 404, from a server without rollouts, counts as no rollout). Then the live mode (``demo_live.py``): the
+camera or a video file streamed to the model, each frame's answer as it comes.
 """
 
 from __future__ import annotations
 
+from service.frontend.http.demo_boxes import BOXES_SCRIPT, BOXES_STYLE, SCORE_CONTROL
 from service.frontend.http.demo_live import LIVE_SCRIPT, LIVE_SECTION, LIVE_STYLE
 
 _PAGE = """<!doctype html>
@@ -43,14 +46,16 @@ _PAGE = """<!doctype html>
  #chart polyline { fill: none; stroke: #36c; stroke-width: 1.5; }
  #rollouts td { white-space: nowrap; }
  #rollouts td.verdict { white-space: normal; }
+/* boxes: style */
 /* live: style */
 </style></head>
 <body>
 <h1>visionserve</h1>
 <div class="controls">
  <label for="model">Model</label> <select id="model"></select>
- <label for="topk">Classes per image (top-k)</label>
+ <label for="topk" id="topk-label">Classes per image (top-k)</label>
  <input id="topk" type="number" value="5" min="1" max="1000" inputmode="numeric">
+<!-- boxes: control -->
 </div>
 <div id="drop">
  <p id="drop-help">Drop images here, paste them (Ctrl+V or Cmd+V), or choose files.</p>
@@ -58,7 +63,7 @@ _PAGE = """<!doctype html>
  <input id="file" type="file" accept="image/*" multiple aria-describedby="drop-help">
 </div>
 <p id="error" role="alert"></p>
-<ul id="grid" aria-label="classified images" aria-live="polite"></ul>
+<ul id="grid" aria-label="images and their answers" aria-live="polite"></ul>
 <!-- live: section -->
 <h2>Server latency of recent requests</h2>
 <svg id="chart" viewBox="0 0 300 60" preserveAspectRatio="none" role="img" aria-labelledby="latency">
@@ -95,10 +100,12 @@ async function loadModels(first = false) {
     const r = await fetch('/v1/models');
     const models = await r.json();
     if (!r.ok) throw new Error(models.error || r.statusText);
+    for (const m of models) modelTasks[m.name] = m.task || 'classify';
     if (first) {
       $('model').replaceChildren(...models.map(m =>
         new Option(`${m.name} (v${m.version}, ${m.device}, ${m.precision})`, m.name)));
       if (!models.length) $('error').textContent = 'No model is served.';
+      taskControls();
     }
     $('models').querySelector('tbody').replaceChildren(...models.map(m => el('tr', {className: 'model'},
       el('td', {}, `${m.name} v${m.version}`), el('td', {}, String(m.state)),
@@ -193,7 +200,9 @@ function predictionRow(p) {
 
 function newCard(file) {
   const img = el('img', {alt: file.name || 'pasted image', src: URL.createObjectURL(file)});
-  const card = el('li', {className: 'card'}, img, el('p', {className: 'name'}, file.name || 'pasted image'),
+  const boxes = svgEl('svg', {class: 'boxes', 'aria-hidden': 'true'});  // a detector's boxes (demo_boxes.py)
+  const card = el('li', {className: 'card'}, el('div', {className: 'view'}, img, boxes),
+    el('p', {className: 'name'}, file.name || 'pasted image'), el('p', {className: 'found'}),
     el('table', {className: 'predictions'}, el('tbody')),
     el('p', {className: 'error', role: 'alert'}), el('p', {className: 'timing'}));
   card.setAttribute('aria-busy', 'true');
@@ -204,11 +213,12 @@ async function classify(item) {
   const run = ++item.run;  // an answer to an older run (before the model or top-k changed) is dropped
   const card = item.card;
   card.setAttribute('aria-busy', 'true');
-  const url = `/v1/models/${encodeURIComponent($('model').value)}/classify?top_k=` +
-    encodeURIComponent($('topk').value);
+  const detector = isDetector(), model = encodeURIComponent($('model').value);
+  const url = detector ? `/v1/models/${model}/detect?score_threshold=${BOX_REQUEST_THRESHOLD}`
+    : `/v1/models/${model}/classify?top_k=` + encodeURIComponent($('topk').value);
   const form = new FormData();
   form.append('file', item.file, item.file.name || 'pasted');
-  let predictions = [], error = '', timing = '';
+  let predictions = [], found = null, error = '', timing = '';
   try {
     const started = performance.now();
     const r = await fetch(url, {method: 'POST', body: form});
@@ -222,12 +232,15 @@ async function classify(item) {
       .map(k => `${k} ${st[k].toFixed(1)} ms`).join(', ') + `; round trip ${roundTrip.toFixed(1)} ms`;
     if (!r.ok) error = body.error || `${r.status} ${r.statusText}`;
     else if (body.results[0].error) error = body.results[0].error;
+    else if (detector) found = body.results[0];
     else predictions = body.results[0].predictions;
   } catch (e) {
     error = `The request failed: ${e.message}`;
   }
   if (run !== item.run) return;
   card.querySelector('tbody').replaceChildren(...predictions.map(predictionRow));
+  item.found = found;
+  showBoxes(item);
   card.querySelector('.error').textContent = error;
   card.querySelector('.timing').textContent = timing ? `server: ${timing}` : '';
   card.setAttribute('aria-busy', 'false');
@@ -238,7 +251,7 @@ function show(files) {
   files = [...files].filter(f => f instanceof File);
   if (!files.length) return;
   for (const old of images) URL.revokeObjectURL(old.card.querySelector('img').src);
-  images = files.map(file => ({file, card: newCard(file), run: 0}));
+  images = files.map(file => ({file, card: newCard(file), run: 0, found: null}));
   $('grid').replaceChildren(...images.map(i => i.card));
   rerun();
 }
@@ -261,12 +274,16 @@ document.addEventListener('paste', (e) => {
   const files = [...(e.clipboardData ? e.clipboardData.files : [])];
   if (files.length) { e.preventDefault(); show(files); }
 });
+// boxes: script
 loadModels(true);
 // live: script
 </script></body></html>
 """
 PAGE = (
-    _PAGE.replace("/* live: style */\n", LIVE_STYLE)
+    _PAGE.replace("/* boxes: style */\n", BOXES_STYLE)
+    .replace("<!-- boxes: control -->\n", SCORE_CONTROL)
+    .replace("// boxes: script\n", BOXES_SCRIPT)
+    .replace("/* live: style */\n", LIVE_STYLE)
     .replace("<!-- live: section -->\n", LIVE_SECTION)
     .replace("// live: script\n", LIVE_SCRIPT)
 )

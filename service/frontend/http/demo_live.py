@@ -6,7 +6,8 @@ Each tick draws the video's frame to a canvas (what was sent stays on screen) an
 ``{"id", "ts"}`` (``ts``: the page's ``performance.now()``, echoed back, so the round trip is measured), the image.
 A tick is skipped while the previous frame is still being encoded, or while the socket holds more than a megabyte
 unsent (counted as skipped: the page never queues frames the server will only supersede). Each answer is shown as
-it arrives: the frame's status and age, its round trip, the top classes of the last result, and running counts of
+it arrives: the frame's status and age, its round trip, the top classes of the last result (a detector's boxes:
+listed, and drawn over the frame on screen, filtered by the page's score-threshold slider), and running counts of
 frames sent, answered, superseded, expired and failed. Stopping waits (a few seconds at most) for the answers to
 the frames already sent, so the counts add up: answered + superseded + expired + errors = sent. Changing the model,
 top-k or max age while live opens a new stream (its counts start again). Labels, reasons and errors from the server
@@ -16,7 +17,8 @@ are inserted as text, never as HTML.
 from __future__ import annotations
 
 LIVE_STYLE = """ #live-view { display: flex; flex-wrap: wrap; gap: 1rem; align-items: flex-start; margin-top: .5rem; }
- #live-canvas { width: 20rem; max-width: 100%; background: #f4f4f4; border: 1px solid #ddd; }
+ #live-picture { width: 20rem; max-width: 100%; border: 1px solid #ddd; }
+ #live-canvas { display: block; width: 100%; background: #f4f4f4; }  /* no border: the boxes' overlay covers it */
  #live-answer { flex: 1; min-width: 14rem; }
  #live-toggle[aria-pressed="true"] { background: #b00; color: #fff; }
  #live-counts, #live-last { font-size: .9rem; }
@@ -25,8 +27,8 @@ LIVE_STYLE = """ #live-view { display: flex; flex-wrap: wrap; gap: 1rem; align-i
 LIVE_SECTION = """<section id="live-section" aria-labelledby="live-title">
 <h2 id="live-title">Live</h2>
 <p id="live-help">Stream the camera, or a video file, to the model: a frame at each tick of the rate, each answered
- with its classes and its age. Frames that come faster than the model answers are superseded by newer ones, and a
- frame older than the max age is dropped (expired).</p>
+ with its classes (a detector's boxes, drawn over the frame) and its age. Frames that come faster than the model
+ answers are superseded by newer ones, and a frame older than the max age is dropped (expired).</p>
 <div class="controls">
  <label for="live-source">Source</label>
  <select id="live-source"><option value="camera">Camera</option><option value="video">Video file</option></select>
@@ -41,12 +43,16 @@ LIVE_SECTION = """<section id="live-section" aria-labelledby="live-title">
 <p id="live-status" role="status">Not streaming.</p>
 <div id="live-view">
  <video id="live-video" muted playsinline hidden></video>
- <canvas id="live-canvas" width="320" height="240" role="img" aria-label="The frame sent last"></canvas>
+ <div id="live-picture" class="view">
+  <canvas id="live-canvas" width="320" height="240" role="img" aria-label="The frame sent last"></canvas>
+  <svg id="live-boxes" class="boxes" aria-hidden="true"></svg>
+ </div>
  <div id="live-answer">
   <p id="live-last">Frame <span id="live-frame">none</span>: <span id="live-result">no answer yet</span>,
    age <span id="live-age">-</span>, round trip <span id="live-rtt">-</span>.
    <span id="live-detail" class="error"></span></p>
-  <table id="live-predictions" class="predictions" aria-label="Classes of the last answered frame"><tbody></tbody>
+  <table id="live-predictions" class="predictions" aria-label="Classes or boxes of the last answered frame"><tbody>
+  </tbody>
   </table>
   <p id="live-counts">Sent <span id="live-sent">0</span>, answered <span id="live-answered">0</span>,
    superseded <span id="live-superseded">0</span>, expired <span id="live-expired">0</span>,
@@ -65,7 +71,7 @@ const LIVE_FIELDS = {sent: 'live-sent', answered: 'live-answered', superseded: '
   expired: 'live-expired', error: 'live-errors', skipped: 'live-skipped'};
 const LIVE_OUTCOME = {result: 'answered', superseded: 'superseded', expired: 'expired', error: 'error'};
 const live = {on: false, socket: null, release: null, timer: 0, id: 0, encoding: false, finish: null,
-  counts: {}, what: ''};
+  counts: {}, what: '', found: null};  // found: a detector's last result, {width, height, detections}
 
 function liveCounts(reset = false) {
   for (const [key, id] of Object.entries(LIVE_FIELDS)) {
@@ -114,7 +120,10 @@ function liveConnect() {
   const {maxAge} = liveOptions();
   if (live.socket) live.socket.close(1000, 'the page opened another stream');
   const model = $('model').value;
-  const query = new URLSearchParams({max_age_ms: String(maxAge), top_k: $('topk').value});
+  // A detector is asked for every box down to the slider's lowest value, which then filters them here.
+  const query = new URLSearchParams(isDetector(model)
+    ? {max_age_ms: String(maxAge), score_threshold: String(BOX_REQUEST_THRESHOLD)}
+    : {max_age_ms: String(maxAge), top_k: $('topk').value});
   const scheme = location.protocol === 'https:' ? 'wss:' : 'ws:';
   const socket = new WebSocket(`${scheme}//${location.host}/v1/models/${encodeURIComponent(model)}/stream?${query}`);
   socket.onmessage = (e) => { if (socket === live.socket) liveAnswer(e.data); };
@@ -128,6 +137,8 @@ function liveConnect() {
   };
   live.socket = socket;
   live.id = 0;
+  live.found = null;
+  liveBoxes();
   liveCounts(true);
 }
 
@@ -170,7 +181,11 @@ function liveAnswer(text) {
     : status === 'expired' ? `Expired at ${a.stage}${a.reason ? `: ${a.reason}` : ''}.`
     : status === 'error' ? String(a.error) : '';
   if (status === 'result') {
-    $('live-predictions').querySelector('tbody').replaceChildren(...(a.predictions || []).map(predictionRow));
+    const canvas = $('live-canvas');
+    live.found = Array.isArray(a.detections)
+      ? {width: a.width || canvas.width, height: a.height || canvas.height, detections: a.detections} : null;
+    if (live.found) liveBoxes();
+    else $('live-predictions').querySelector('tbody').replaceChildren(...(a.predictions || []).map(predictionRow));
   }
   if (live.finish && liveAnswered() >= live.counts.sent) live.finish();
 }
@@ -214,6 +229,13 @@ function liveStop(why = '') {
   if (!socket || socket.readyState !== WebSocket.OPEN || liveAnswered() >= live.counts.sent) { live.finish(); return; }
   $('live-status').textContent = 'Stopping: waiting for the answers to the frames sent.';
   waiting = setTimeout(live.finish, LIVE_STOP_WAIT_MS);
+}
+
+// A detector's last boxes, above the score threshold, listed and drawn over the frame; cleared otherwise.
+function liveBoxes() {
+  drawBoxes($('live-boxes'), live.found);
+  if (live.found) $('live-predictions').querySelector('tbody').replaceChildren(...keptBoxes(live.found.detections)
+    .map(detectionRow));
 }
 
 $('live-toggle').addEventListener('click', () => (live.on ? liveStop() : liveStart()));

@@ -1,5 +1,6 @@
-"""``GET /``: the demo page (``demo.py``), where a person drops images and sees the classes, the scores and the
-timings; ``/docs``; ``GET /v1/models``."""
+"""``GET /``: the demo page (``demo.py``), where a person drops images and sees the classes, or a detector's boxes
+drawn over each image, the scores and the timings; ``/docs``; ``GET /v1/models`` (each model's ``task``,
+``classify`` or ``detect``, tells the page which route and view fit it)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ async def list_models(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "name": name,
+                "task": slot.spec.task,
                 "version": slot.version.version,
                 "versions": sorted(versions),
                 "state": state.state,

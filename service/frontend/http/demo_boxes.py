@@ -1,0 +1,140 @@
+"""The demo page's detector view (``demo.py`` puts these in the page): each image's boxes and labels drawn over it,
+and over the live mode's frame, with a score-threshold slider.
+
+The page asks a detector for every box down to :data:`REQUEST_SCORE_THRESHOLD` once, and the slider (default 0.25,
+the API's default) filters the boxes drawn and listed in the browser, so moving it sends no request. Boxes come in
+the image's own pixels as a viewer shows it (EXIF orientation applied), as the browser shows the image too. Each
+overlay is an SVG over the shown image whose ``viewBox`` is those pixels: its default ``preserveAspectRatio``
+(``xMidYMid meet``) places them exactly as ``object-fit: contain`` places the image, so a box lands on its pixels
+at any size; strokes and labels are drawn at a fixed screen size, redrawn when the image's size changes. Labels come
+from the model's ``spec.json`` and are inserted as text, never as HTML.
+"""
+
+from __future__ import annotations
+
+# The lowest score a detector is asked for: the slider's range starts here. The parity gate's threshold
+# (examples/model_repository/digits-detect/1/spec.json) is 0.05 too: below it scores are noise.
+REQUEST_SCORE_THRESHOLD = 0.05
+# Magenta: far from the grey canvases, photos' common colours and the page's own; the browser test looks for it.
+BOX_COLOUR = "#ff00ff"
+
+BOXES_STYLE = f""" .view {{ position: relative; }}
+ svg.boxes {{ position: absolute; inset: 0; width: 100%; height: 100%; pointer-events: none; overflow: hidden; }}
+ svg.boxes .outline {{ fill: none; stroke: {BOX_COLOUR}; stroke-width: 3px; vector-effect: non-scaling-stroke; }}
+ svg.boxes .tag-bg {{ fill: {BOX_COLOUR}; }}
+ svg.boxes text {{ fill: #000; font-family: system-ui, sans-serif; }}
+ #grid.detect {{ grid-template-columns: repeat(auto-fill, minmax(20rem, 1fr)); }}
+ #grid.detect .card img {{ height: 16rem; }}
+ td.box {{ font-size: .8rem; color: #555; white-space: nowrap; }}
+ .found {{ font-size: .85rem; margin: .25rem 0; }}
+ #score {{ vertical-align: middle; }}
+"""
+
+# Beside the model picker; shown for a detector, in top-k's place.
+SCORE_CONTROL = """ <span id="score-control" hidden>
+  <label for="score">Score threshold</label>
+  <input id="score" type="range" min="@LOW@" max="1" step="0.01" value="0.25" aria-describedby="score-help">
+  <output id="score-value" for="score">0.25</output>
+  <span id="score-help" hidden>Boxes scoring less are neither drawn nor listed.</span>
+ </span>
+""".replace("@LOW@", str(REQUEST_SCORE_THRESHOLD))
+
+BOXES_SCRIPT = r"""
+// ---- Boxes: a detector's answer drawn over its image (demo_boxes.py) ----
+const BOX_REQUEST_THRESHOLD = @LOW@;  // asked of the server once; the slider filters above it, here
+const BOX_FONT_PX = 12;                 // label size on screen, whatever the image's scale
+const SVG_NS = 'http://www.w3.org/2000/svg';
+const modelTasks = {};                  // model name -> 'classify' | 'detect', from /v1/models
+
+const isDetector = (name = $('model').value) => modelTasks[name] === 'detect';
+const scoreThreshold = () => Number($('score').value);
+const keptBoxes = (detections) => (detections || []).filter(d => d.score >= scoreThreshold());
+const percentText = (score) => (100 * score).toFixed(1) + '%';
+
+function svgEl(tag, attrs = {}) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  return node;
+}
+
+// One box of an answer in a list: its label (text, never markup), score and box in the image's pixels.
+function detectionRow(d) {
+  return el('tr', {className: 'detection'}, el('td', {className: 'label'}, String(d.label)),
+    el('td', {className: 'score'}, percentText(d.score)),
+    el('td', {className: 'box'}, d.box.map(v => v.toFixed(1)).join(', ')));
+}
+
+// The boxes an SVG overlay last drew are drawn again when its size changes: labels and strokes keep their size.
+const boxesResized = new ResizeObserver((entries) => { for (const e of entries) paintBoxes(e.target); });
+
+// Draws ``found`` ({width, height, detections}: boxes in the image's own pixels) over the element ``svg`` covers,
+// or clears it (null).
+function drawBoxes(svg, found) {
+  svg.found = found;
+  boxesResized.observe(svg);
+  paintBoxes(svg);
+}
+
+function paintBoxes(svg) {
+  const found = svg.found;
+  if (!found || !found.width || !found.height) { svg.replaceChildren(); svg.removeAttribute('viewBox'); return; }
+  const {width, height} = found;
+  svg.setAttribute('viewBox', `0 0 ${width} ${height}`);
+  const shown = svg.getBoundingClientRect();
+  const unit = 1 / (Math.min(shown.width / width, shown.height / height) || 1);  // a screen pixel, in image pixels
+  const font = BOX_FONT_PX * unit, pad = 2 * unit, tagHeight = font + 2 * pad;
+  const boxes = keptBoxes(found.detections).map((d) => {
+    const [x1, y1, x2, y2] = d.box;
+    const text = svgEl('text', {'font-size': font, 'dominant-baseline': 'text-before-edge'});
+    text.textContent = `${d.label} ${percentText(d.score)}`;  // text, never markup
+    const background = svgEl('rect', {class: 'tag-bg', height: tagHeight});
+    const group = svgEl('g', {class: 'box'});
+    group.append(svgEl('rect', {class: 'outline', x: x1, y: y1, width: Math.max(0, x2 - x1),
+      height: Math.max(0, y2 - y1)}), svgEl('g', {class: 'tag'}));
+    group.lastChild.append(background, text);
+    return {group, text, background, x1, y1};
+  });
+  svg.replaceChildren(...boxes.map(b => b.group));
+  // Placed once in the document, where text can be measured: above its box, or inside it where the image's top
+  // edge leaves no room; kept within the image on the right.
+  for (const {text, background, x1, y1} of boxes) {
+    const measured = text.getComputedTextLength();
+    const tagWidth = (measured || 0.6 * font * text.textContent.length) + 2 * pad;
+    const x = Math.max(0, Math.min(x1, width - tagWidth));
+    const y = y1 >= tagHeight ? y1 - tagHeight : y1;
+    background.setAttribute('x', x);
+    background.setAttribute('y', y);
+    background.setAttribute('width', tagWidth);
+    text.setAttribute('x', x + pad);
+    text.setAttribute('y', y + pad);
+  }
+}
+
+// A card's detector answer (item.found) shown: its boxes above the threshold listed and drawn; none for a classifier.
+function showBoxes(item) {
+  const card = item.card, found = item.found;
+  drawBoxes(card.querySelector('svg.boxes'), found);
+  if (!found) { card.querySelector('.found').textContent = ''; return; }
+  const kept = keptBoxes(found.detections);
+  card.querySelector('tbody').replaceChildren(...kept.map(detectionRow));
+  card.querySelector('.found').textContent = `${kept.length} of ${found.detections.length} boxes at score ` +
+    `${scoreThreshold().toFixed(2)} or more (image ${found.width} x ${found.height} pixels)`;
+}
+
+// The controls that fit the picked model: top-k for a classifier, the score threshold for a detector.
+function taskControls() {
+  const detector = isDetector();
+  $('topk').hidden = $('topk-label').hidden = detector;
+  $('score-control').hidden = !detector;
+  $('grid').classList.toggle('detect', detector);
+}
+
+function thresholdChanged() {
+  $('score-value').textContent = scoreThreshold().toFixed(2);
+  for (const item of images) if (item.found) showBoxes(item);
+  if (typeof liveBoxes === 'function') liveBoxes();
+}
+
+$('score').addEventListener('input', thresholdChanged);
+$('model').addEventListener('change', taskControls);
+""".replace("@LOW@", str(REQUEST_SCORE_THRESHOLD))
