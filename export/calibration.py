@@ -1,6 +1,7 @@
 """The images ``--int8`` calibrates on and gates against fp32 with, always two disjoint sets: a dataset's training
-split and its validation split (with labels), a folder's files taken alternately, or, for ungated speed work only,
-generated photo-like JPEGs. Every image goes through the model's own preprocessing."""
+split and its validation split (with labels), a detector's generated canvases (held-out ones with their boxes), a
+folder's files taken alternately, or, for ungated speed work only, generated photo-like JPEGs. Every image goes
+through the model's own preprocessing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from export.quantize import MAX_CALIBRATION, Int8Data
+from models.canvases import Canvases, CanvasParams, digit_pool, make_canvases
 from models.datasets import IMAGE_EXTENSIONS, load_dataset
 from service.core.errors import BadInputError, ConfigError
 from service.core.preprocess import preprocess_image
@@ -16,6 +18,7 @@ from service.core.samples import photo_like_jpegs
 from service.core.spec import ModelSpec
 
 MAX_HELD_OUT = 1024
+CALIBRATION_SEED = 7_919  # canvases' calibration stream (seed, 0, this): a 3-tuple, apart from training's (seed, step)
 
 
 def from_dataset(name: str, spec: ModelSpec) -> Int8Data:
@@ -75,3 +78,26 @@ def _preprocess(path: Path, spec: ModelSpec) -> np.ndarray:
         return preprocess_image(path.read_bytes(), spec)
     except BadInputError as exc:
         raise ConfigError(f"calibration image {path} is unusable: {exc}") from exc
+
+
+def from_canvases(params: CanvasParams, spec: ModelSpec, held_out: int = 256) -> Int8Data:
+    """A detector trained on generated canvases (models/canvases.py): calibrate on canvases of training digits
+    (a seed training's steps never draw), gate on the held-out canvases (digits training never saw) with their
+    known boxes, so the labelled mAP is checked too."""
+    if (spec.input.height, spec.input.width) != (params.canvas_size, params.canvas_size):
+        raise ConfigError(f"the checkpoint's canvases are {params.canvas_size} px, its input {spec.input}")
+
+    def batch(canvases: Canvases) -> np.ndarray:
+        return np.ascontiguousarray(np.repeat(canvases.images[:, None], spec.input.channels, axis=1))
+
+    calibration = make_canvases(
+        params, MAX_CALIBRATION, pool=digit_pool("train"), seed=(params.seed, 0, CALIBRATION_SEED)
+    )
+    held = make_canvases(params, held_out, pool=digit_pool("heldout"), seed=params.heldout_seed)
+    return Int8Data(
+        calibration=batch(calibration),
+        calibration_source=f"{MAX_CALIBRATION} generated canvases of training digits",
+        held_out=batch(held),
+        held_out_source=f"{held_out} held-out canvases (digits training never saw), their boxes known",
+        held_out_labels=[held.objects(i) for i in range(len(held))],
+    )

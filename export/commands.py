@@ -121,6 +121,11 @@ def _add_int8_arguments(p: argparse.ArgumentParser) -> None:
         "speed; default: 0.05 (int8 at most 0.95x fp32's time)",
     )
     p.add_argument(
+        "--int8-min-map", type=float, default=0.95,
+        help="with --int8, a detector: the least mAP@0.5 of int8's boxes with fp32's as the truth, on held-out "
+        "images; default: 0.95",
+    )  # fmt: skip
+    p.add_argument(
         "--int8-allow-slower",
         action="store_true",
         help="with --int8: write it even when it is not faster than fp32, with a warning and the figures, marked "
@@ -242,6 +247,7 @@ def run_export(args: argparse.Namespace) -> int:
         int8_exclude=tuple(n.strip() for n in args.int8_exclude.split(",") if n.strip()),
         int8_min_speedup=args.int8_min_speedup,
         int8_allow_slower=args.int8_allow_slower,
+        int8_min_map=args.int8_min_map,
     )
     exporter.check_request(request)
     err = Console(stderr=True)
@@ -298,6 +304,13 @@ def _int8_source(args: argparse.Namespace, dataset: str | None) -> Int8Source | 
     folder = args.calibration_images
     if folder:
         return lambda spec: calibration.from_folder(folder, spec)
+    if dataset == "canvases":  # a detector's: the generator it trained on, from its checkpoint
+        from models.checkpoint import load_checkpoint
+
+        record = load_checkpoint(args.checkpoint).record
+        if record is not None and record.detection is not None:
+            params = record.detection.generator
+            return lambda spec: calibration.from_canvases(params, spec)
     if dataset is not None:
 
         def from_dataset(spec: ModelSpec) -> Int8Data:

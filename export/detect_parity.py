@@ -37,7 +37,6 @@ from service.core.spec import DetectionParity, ModelSpec
 SCORE_THRESHOLD = 0.05  # models/detection_eval.py's: below it candidates add nothing measurable to AP
 EMPTY_BOX_PX = 1e-3  # two empty boxes are the same box when their corners agree this closely, in input pixels
 PARITY_ROWS = 300  # a layout read by the server: each image's best rows compared (an end-to-end YOLO's own K)
-NOT_PROVED = "until the detector's own issue lands"  # the INT8 and AOTInductor refusals end with this
 
 
 class DetectTolerance(msgspec.Struct, frozen=True):
@@ -234,18 +233,13 @@ def check_parity(
     return compare(reference, rows, batches, FP32 if precision == "fp32" else FP16)
 
 
-def refuse_unproved(spec: ModelSpec, *, formats: Sequence[str], int8: bool) -> None:
+def refuse_unproved(spec: ModelSpec, *, formats: Sequence[str]) -> None:
     """Refuse what the detection gate does not prove yet, with the reason, before any work (a classifier passes)."""
     if spec.task != "detect":
         return
-    if int8:
-        raise ConfigError(
-            f"--int8 of {spec.name} is refused: it is a detector, and the INT8 gate judges agreement with fp32 by "
-            f"top-1 answers, which mean nothing on a detector's boxes; INT8 detectors wait {NOT_PROVED}"
-        )
     if "aoti" in formats:
         raise ConfigError(
             f"--formats aoti of {spec.name} is refused: it is a detector, and an AOTInductor package of one (its "
             f"top-K decoding compiled with a dynamic batch) has not been proved against eager; export onnx and "
-            f"torchscript, which the detection parity gate checks; AOTInductor detectors wait {NOT_PROVED}"
+            "torchscript, which the detection parity gate checks"
         )

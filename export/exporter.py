@@ -46,8 +46,9 @@ from export.artifacts import (
     to_torchscript,
 )
 from export.detect_parity import DetectParityResult, check_parity, refuse_unproved
+from export.int8_gate import MIN_BOX_MAP, NO_INT8_DATA, Int8Verdict
 from export.parity import FP16, FP32, ParityResult, eager_outputs, exact_fp32, parity_batches
-from export.quantize import INT8_FILE, MIN_SPEEDUP, Int8Data, Int8Options, Int8Verdict, quantize_model
+from export.quantize import INT8_FILE, MIN_SPEEDUP, Int8Data, Int8Options, quantize_model
 from service.core.config import CONFIG_FILE, default_config_text, load_config
 from service.core.errors import ConfigError, VisionServeError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
@@ -63,12 +64,6 @@ DEFAULT_FORMATS = ("onnx", "torchscript")
 Progress = Callable[[str], None]
 Checked = ParityResult | DetectParityResult  # a classifier's parity, or a detector's
 Int8Source = Callable[[ModelSpec], Int8Data]  # the calibration and held-out images, preprocessed for the spec
-NO_INT8_DATA = (
-    "--int8 needs real images to calibrate on and to gate against fp32 (on held-out ones): pass "
-    "--calibration-images DIR (half calibrate, half are held out; class sub-folders named as the labels add an "
-    "accuracy check), or export a checkpoint whose dataset is at hand; for speed work on a model whose predictions "
-    "mean nothing, --int8-ungated calibrates on generated images and marks the artifact ungated"
-)
 
 
 class ExportRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,6 +83,7 @@ class ExportRequest(msgspec.Struct, frozen=True, kw_only=True):
     int8_exclude: tuple[str, ...] = ()  # graph nodes kept in float
     int8_min_speedup: float = MIN_SPEEDUP  # int8 must take at most 1 - this of fp32's time on the export's device
     int8_allow_slower: bool = False  # write it even when it is not that much faster, marked in spec.json
+    int8_min_map: float = MIN_BOX_MAP  # a detector's: mAP@0.5 of int8's boxes against fp32's
 
 
 @dataclass
@@ -251,7 +247,7 @@ def export_model(
     parity (:mod:`export.detect_parity` for a detector), write what passes. ``artifact_model`` is exported instead
     when given (tests prove a broken wrapper is refused); by default ``eager``."""
     check_request(request)
-    refuse_unproved(spec, formats=request.formats, int8=request.int8)
+    refuse_unproved(spec, formats=request.formats)
     eager = eager.eval()
     candidates = module_candidates((artifact_model or eager).eval(), spec, request)
 
@@ -474,9 +470,10 @@ def _int8_artifact(stage: _Stage, data: Int8Data, reports: list[ArtifactReport])
     target = stage.folder / INT8_FILE
     request = stage.request
     options = Int8Options(method=request.int8_method, ungated=request.int8_ungated, exclude=request.int8_exclude,
-                          min_speedup=request.int8_min_speedup, allow_slower=request.int8_allow_slower)  # fmt: skip
+                          min_speedup=request.int8_min_speedup, allow_slower=request.int8_allow_slower,
+                          min_box_map=request.int8_min_map)  # fmt: skip
     started = time.perf_counter()
-    verdict = quantize_model(fp32, target, data, options, device=stage.device, progress=stage.say)
+    verdict = quantize_model(fp32, target, data, options, device=stage.device, progress=stage.say, spec=stage.spec)
     report = ArtifactReport("onnx", "int8", INT8_FILE, 0, time.perf_counter() - started, verdict)
     reports.append(report)
     if not target.is_file():

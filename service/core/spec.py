@@ -61,17 +61,23 @@ class Int8Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     gated: bool
     passed: bool  # the figures met the gate (recorded for ungated artifacts too)
-    top1_agreement: float  # with fp32, on the held-out images
+    top1_agreement: float | None = None  # a classifier's, with fp32, on the held-out images
     fp32_accuracy: float | None = None  # where the held-out images' labels are known
     int8_accuracy: float | None = None
-    min_top1_agreement: float
-    max_accuracy_drop: float  # a fraction: 0.01 is one point
+    min_top1_agreement: float | None = None
+    # A detector's (export/int8_gate.py): mAP@0.5 of int8's boxes with fp32's as the truth, and where the held-out
+    # images' boxes are known each one's labelled mAP@0.5.
+    box_map50_vs_fp32: float | None = None
+    min_box_map50: float | None = None
+    fp32_map50: float | None = None
+    int8_map50: float | None = None
+    max_accuracy_drop: float  # a fraction: 0.01 is one point (of accuracy, or of a detector's labelled mAP)
     held_out_images: int
     held_out_source: str
     calibration_images: int
     calibration_source: str
     calibration_method: Literal["minmax", "entropy", "percentile"]
-    methods_tried: dict[str, float] = {}  # method -> top-1 agreement with fp32 on the calibration images
+    methods_tried: dict[str, float] = {}  # method -> agreement with fp32 (as judged) on the calibration images
     per_channel: bool = True
     activation_type: str = "QUInt8"
     weight_type: str = "QInt8"

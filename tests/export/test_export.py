@@ -216,10 +216,8 @@ def test_the_detection_gate_matches_boxes_one_to_one_beyond_the_margin() -> None
     assert match_image(eager, nudged, DETECT_FP32).max_score_error == pytest.approx(5e-4, rel=1e-3)
 
 
-def test_int8_and_aotinductor_of_a_detector_are_refused_with_the_reason(tmp_path: Path) -> None:
+def test_aotinductor_of_a_detector_is_refused_with_the_reason(tmp_path: Path) -> None:
     source = _detector()
-    with pytest.raises(ConfigError, match="--int8 of digitdet is refused: it is a detector"):
-        export_model(source.eager, source.spec, _request(tmp_path, "det", int8=True))
     with pytest.raises(ConfigError, match="--formats aoti of digitdet is refused: it is a detector"):
         export_model(source.eager, source.spec, _request(tmp_path, "det", formats=("onnx", "aoti")))
     assert not (tmp_path / "det").exists()
