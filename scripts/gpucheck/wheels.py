@@ -32,6 +32,11 @@ CARRIED = {
     "python_multipart": "python-multipart", "polyfactory": "polyfactory", "faker": "faker",
     "rich_click": "rich-click", "sniffio": "sniffio", "uvicorn": "uvicorn", "httptools": "httptools",
     "zmq": "pyzmq", "swagger_ui_bundle": "swagger-ui-bundle-v2", "websockets": "websockets",
+    # LitServe, the peer `make gpu-speed` serves the same model in (scripts/gpuspeed/litserve_app.py), and what
+    # it needs beyond the machine's packages and the above.
+    "litserve": "litserve", "fastapi": "fastapi", "starlette": "starlette", "pydantic": "pydantic",
+    "pydantic_core": "pydantic-core", "annotated_types": "annotated-types", "typing_inspection": "typing-inspection",
+    "opentelemetry.trace": "opentelemetry-api",
 }  # fmt: skip
 # Never installed from .whl/, even when a wheel is there: the machine's own builds of these must stay.
 NEVER_INSTALL = ("torch", "torchvision", "numpy", "pillow", "onnx", "onnxruntime", "onnxruntime-gpu", "triton")
@@ -51,14 +56,19 @@ def carried_distributions() -> list[str]:
 
 
 def download_command(python_version: str = "3.12", folder: str = ".whl") -> list[str]:
-    """``pip download`` of every carried wheel for ``python_version`` on x86-64 Linux, without dependencies."""
+    """``pip download`` of every carried wheel for ``python_version`` on x86-64 Linux, without dependencies, at the
+    versions of ``constraints.txt``."""
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                  "manylinux1_x86_64", "any"]  # fmt: skip
     cmd = ["python3", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
            python_version, "--implementation", "cp"]  # fmt: skip
     for platform in platforms:
         cmd += ["--platform", platform]
-    return [*cmd, "-d", folder, *carried_distributions()]
+    # The versions the suite ran with: without dependencies pip takes each name's newest on its own, and a pair
+    # that must match (pydantic pins pydantic-core exactly) could come apart.
+    constraints = Path(__file__).resolve().parents[2] / "constraints.txt"
+    pinned = ["-c", str(constraints)] if constraints.is_file() else []
+    return [*cmd, *pinned, "-d", folder, *carried_distributions()]
 
 
 def wheel_tags(wheel: Path) -> set[str]:

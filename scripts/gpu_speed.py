@@ -1,0 +1,372 @@
+"""The GPU's own speed figures in one command (``make gpu-speed``): resnet50 served from JPEG bytes, beside its
+in-process limit and LitServe on the same GPU, with one report of every number.
+
+In order, each a subprocess of the command line (``python -m service.cli ...``) so that what is measured is what
+users run:
+
+1. environment and install: versions and devices; what the machine lacks, from the carried wheels (``.whl/``);
+2. export: resnet50 as TorchScript, fp16 on the GPU, parity-gated;
+3. bench: the runtime alone with CUDA graphs at batch 1..256, and the pipeline from JPEG bytes with the CPU decoders
+   and with nvJPEG at the served batch size;
+4. litserve: the same TorchScript file in LitServe (``scripts/gpuspeed/litserve_app.py``; ``max_batch_size`` 64,
+   ``batch_timeout`` 5 ms) at 1, 2, 4 and 8 workers, loaded by the load tester's engine (closed loop to saturation,
+   then open loop at 70% of that worker count's best), its best taken;
+5. serve: ``visionserve serve`` loaded by ``visionserve loadtest`` from 500x375 JPEGs, one image a request: closed
+   loop to saturation, open loop at 70% of the best and at LitServe's own 70% load (run after LitServe for that);
+   each step with the server's CPU use, and the best against the bench's pipeline with the CPU decoders;
+6. detector: the embedded detector served on the device at c=8, where the load tester can post to ``/detect``.
+
+The load generator and every server run on the same split of the cores. Each step fails alone (the report says
+why, the next runs); the report is rewritten after every step; the budget (480 s) is cut per step. ``--dry-run``:
+the same commands and flags on the CPU with tiny sizes, so that CI proves the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gpu_check import ENVIRONMENT_CODE, _ints
+from gpucheck.install import install_carried
+from gpucheck.outputs import step_summary
+from gpucheck.proc import StepError
+from gpucheck.steps import StepRunner
+from gpuspeed import servers
+from gpuspeed.report import SECTIONS, markdown, summary_lines, verdicts
+
+ROOT = Path(__file__).resolve().parent.parent
+# Each step's share of the 480 s budget on one H100 (scaled to another --budget-s). The first import of torch on a
+# cold machine takes seconds to tens of seconds (the environment step pays it); the served steps start servers that
+# load resnet50 and capture its graphs, then sweep; LitServe starts once per worker count.
+STEP_SHARE_S = {"environment": 30, "install": 20, "export": 60, "bench": 70, "litserve": 140, "serve": 130,
+                "detector": 30}  # fmt: skip
+STEP_NEEDS = {"litserve": ("litserve", "fastapi"), "serve": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"),
+              "detector": ("litestar", "uvicorn", "zmq", "msgspec")}  # fmt: skip
+DETECTOR = ROOT / "examples" / "model_repository" / "digits-detect"
+
+
+class Speed(StepRunner):
+    """The steps, the commands they issue (one builder per command, for both runs) and their figures."""
+
+    prefix = "gpu-speed"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.dry = args, args.dry_run
+        self.device = "cpu" if self.dry else "cuda"  # with the sizes, the only difference between the two runs
+        self.precision = "fp32" if self.dry else "fp16"
+        self.model = "smallcnn" if self.dry else "resnet50"
+        site = Path(args.site).resolve()
+        path = [str(ROOT), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+        if self.dry:  # one thread a process on a shared 2-core CPU
+            env.setdefault("OMP_NUM_THREADS", "1")
+        kind = "dry run (CPU, tiny sizes)" if self.dry else "GPU speed"
+        super().__init__(root=ROOT, out=Path(args.out).resolve(), budget_s=args.budget_s, shares=STEP_SHARE_S,
+                         kind=kind, env=env, skip=args.skip, fail_step=args.fail_step, needs=STEP_NEEDS)  # fmt: skip
+        self.site, self.repo = site, self.out / "repo"
+        self.client_cpus, self.server_cpus = servers.split_cores(sorted(os.sched_getaffinity(0)), args.client_cores)
+
+    # ---- the commands ---------------------------------------------------------------------------------------
+    def export_args(self) -> list[str]:
+        args = ["export", "--arch", self.model, "--name", self.model, "--repository", str(self.repo),
+                "--formats", "torchscript", "--no-latency",
+                "--max-batch-size", str(max(self.args.batch_sizes))]  # fmt: skip
+        return [*args, "--fp16"] if self.device == "cuda" else args
+
+    def bench_args(self, figures: str) -> list[str]:
+        sizes = self.args.batch_sizes if figures == "engine" else [self.args.serve_batch]
+        return ["bench", "--model", self.model, "--repository", str(self.repo), "--device", self.device,
+                "--backend", "torchscript", "--precision", self.precision, "--cuda-graphs", "on",
+                "--figures", figures, "--batch-sizes", ",".join(map(str, sizes)),
+                "--seconds", str(self.args.seconds), "--json"]  # fmt: skip
+
+    def serve_config(self) -> str:
+        return (f'backend = "torchscript"\ndevice = "{self.device}"\nprecision = "{self.precision}"\n'
+                f"max_batch_size = {self.args.serve_batch}\nmax_queue_delay_ms = 2.0\n"
+                f"instances = {self.args.serve_instances}\n")  # fmt: skip
+
+    def serve_flags(self) -> list[str]:
+        return ["--workers", str(self.args.serve_workers), "--max-images", "1"]
+
+    def loadtest_args(self, url: str, model: str, *, concurrency: int = 0, rate: float = 0.0) -> list[str]:
+        load = _load_flags(str(concurrency) if concurrency else "", rate)
+        return ["loadtest", "--url", url, "--model", model, "--protocol", "image", *load, "--json",
+                "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.warmup_s),
+                "--processes", str(self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
+
+    def detector_args(self, url: str) -> list[str]:
+        return [*self.loadtest_args(url, DETECTOR.name, concurrency=8), "--task", "detect"]
+
+    def litserve_args(self, workers: int, port: int) -> list[str]:
+        return [sys.executable, "scripts/gpuspeed/litserve_app.py", "--model-dir", str(self.repo / self.model / "1"),
+                "--device", self.device, "--precision", self.precision, "--workers", str(workers),
+                "--max-batch-size", "64", "--batch-timeout-s", "0.005", "--port", str(port)]  # fmt: skip
+
+    def drive_args(self, url: str, *, concurrency: str = "", rate: float = 0.0) -> list[str]:
+        load = _load_flags(concurrency, rate)
+        return [sys.executable, "scripts/gpuspeed/drive.py", "--url", url, "--path", "/predict", *load, "--json",
+                "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.warmup_s),
+                "--processes", str(self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+    def environment(self) -> dict[str, Any]:
+        import platform
+
+        proc = self.run([sys.executable, "-c", ENVIRONMENT_CODE], 60, "environment")
+        if proc.returncode != 0:
+            raise StepError(f"torch does not import: {proc.stderr.strip()[-400:]}")
+        env = self.json_line(proc)
+        env.update(python=platform.python_version(), cpu_cores=os.cpu_count(), client_cpus=self.client_cpus,
+                   server_cpus=self.server_cpus)  # fmt: skip
+        if shutil.which("nvidia-smi"):
+            smi = self.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           30, "nvidia-smi")  # fmt: skip
+            env["nvidia_smi"] = smi.stdout.strip()
+        if not self.dry and not env["gpus"]:
+            raise StepError("no usable CUDA device: run with --dry-run on a machine without a GPU")
+        return env
+
+    def install(self) -> dict[str, Any]:
+        from gpucheck.wheels import CARRIED
+
+        needed = sorted({*CARRIED, *(m for needs in STEP_NEEDS.values() for m in needs)})
+        result, self.missing = install_carried(self.run, needed, Path(self.args.wheels), self.site)
+        return result
+
+    def export(self) -> dict[str, Any]:
+        proc = self.cli(self.export_args(), timeout_s=300, log="export")
+        files = {p.name: round(p.stat().st_size / 1e6, 2) for p in sorted((self.repo / self.model / "1").glob("*.pt"))}
+        if not files:
+            raise StepError(f"export wrote no artifact: {proc.stdout.strip()[-400:]}")
+        return {"model": self.model, "files_mb": files,
+                "parity": [ln for ln in proc.stdout.splitlines() if ln.startswith("parity ")]}  # fmt: skip
+
+    def bench(self) -> dict[str, Any]:
+        # On the servers' cores: the served figures are held against this pipeline, so it gets the same CPUs.
+        cpus = self.server_cpus
+        engine = self.json_line(self.cli(self.bench_args("engine"), timeout_s=240, log="bench-engine", cpus=cpus))
+        proc = self.cli(self.bench_args("pipeline,decode"), timeout_s=180, log="bench-pipeline", cpus=cpus)
+        pipeline = self.json_line(proc)
+        keys = ("pipeline_images_per_s", "pipeline_gpu_decode_images_per_s", "decode_cpu_images_per_s",
+                "decode_gpu_images_per_s", "decode_gpu_skipped", "decode_workers")  # fmt: skip
+        return {"device": engine["device"], "precision": engine["precision"], "cuda_graphs": engine["cuda_graphs"],
+                "engine_images_per_s": engine["engine_images_per_s"], "pipeline_batch": self.args.serve_batch,
+                **{k: pipeline[k] for k in keys if k in pipeline}}  # fmt: skip
+
+    def litserve(self) -> dict[str, Any]:
+        from service.launcher import free_port
+
+        runs: list[dict[str, Any]] = []
+        for workers in self.args.litserve_workers:
+            if self.step_left_s() < 15:
+                runs.append({"workers": workers, "skipped": "this step's share of the time is spent"})
+                continue
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            try:
+                ready_s = max(1.0, min(120.0, self.step_left_s() - 5))
+                with servers.litserve(self.litserve_args(workers, port), cwd=ROOT, env=self.env,
+                                      cpus=self.server_cpus, log=self.out / f"litserve-{workers}.log", url=url,
+                                      ready_timeout_s=ready_s) as proc:  # fmt: skip
+                    run = {"workers": workers, **self._sweep(url, proc.pid, f"litserve-{workers}", litserve=True)}
+            except (RuntimeError, StepError) as exc:
+                run = {"workers": workers, "error": str(exc)[-600:]}
+                self.report["errors"][f"litserve {workers} workers"] = run["error"]
+            runs.append(run)
+        best = max((r for r in runs if r.get("best_images_per_s")), key=lambda r: r["best_images_per_s"], default=None)
+        if best is None:
+            raise StepError("no LitServe run answered: see the runs' errors and litserve-*.log")
+        return {"max_batch_size": 64, "batch_timeout_s": 0.005, "runs": runs, "best": best}
+
+    def _start_server(self, repo: Path, log: str, ready_timeout_s: float) -> Any:
+        """``visionserve serve`` on the servers' cores, through the launcher, once ready."""
+        from service import launcher
+
+        server = launcher.launch(repo, *self.serve_flags(), log=self.out / f"{log}.log", env=self.env,
+                                 preexec_fn=servers.session_on(self.server_cpus))  # fmt: skip
+        server.own_group = True  # its preexec_fn started a session of its own: stop() may kill the whole group
+        try:
+            launcher.wait_ready(server, max(1.0, ready_timeout_s))
+        except BaseException:
+            server.stop(5)
+            raise
+        return server
+
+    def serve(self) -> dict[str, Any]:
+        (self.repo / self.model / "config.toml").write_text(self.serve_config())
+        server = self._start_server(self.repo, "server", min(180.0, self.step_left_s() - 10))
+        try:
+            result = self._sweep(server.url, server.process.pid, "serve", litserve=False)
+            lit = self.report["sections"].get("litserve", {}).get("best")
+            if lit and lit.get("best_images_per_s"):
+                rate = 0.7 * lit["best_images_per_s"]
+                result["at_litserve_70"] = self._load(server.url, server.process.pid, "serve-at-litserve-70",
+                                                      rate=rate, litserve=False)  # fmt: skip
+        finally:
+            server.stop(30)
+        pipeline = self.report["sections"].get("bench", {}).get("pipeline_images_per_s")
+        if pipeline:
+            result["to_pipeline_cpu_decode"] = result["best_images_per_s"] / pipeline
+        return {"config": self.serve_config(), "flags": self.serve_flags(), **result}
+
+    def detector(self) -> dict[str, Any]:
+        repo = self.out / "detector-repo"
+        shutil.rmtree(repo, ignore_errors=True)
+        shutil.copytree(DETECTOR, repo / DETECTOR.name)
+        config = repo / DETECTOR.name / "config.toml"
+        config.write_text(config.read_text().replace('device = "auto"', f'device = "{self.device}"', 1))
+        with self._start_server(repo, "detector-server", min(60.0, self.step_left_s() - 5)) as server:
+            # Where it is served: its artifact is ONNX, and onnxruntime without its CUDA provider falls back to the
+            # CPU (config fallback = "cpu"), which the model's metadata says.
+            metadata = server.client().get(f"/v2/models/{DETECTOR.name}").json()
+            proc = self.cli(self.detector_args(server.url), timeout_s=120, log="detector-loadtest",
+                            cpus=self.client_cpus)  # fmt: skip
+            out = self.json_line(proc)
+        served = {k: v for k, v in metadata.items() if k in ("platform", "parameters", "device", "devices")}
+        return {"model": DETECTOR.name, "device_asked": self.device, "served": served,
+                "steps": [step_summary(s) for s in out["steps"]]}  # fmt: skip
+
+    def detector_refused(self) -> str | None:
+        """Why ``visionserve loadtest`` cannot drive the detector's route here (None: it can)."""
+        import contextlib
+        import io
+
+        from service.cli import build_parser
+
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                build_parser(only="loadtest").parse_args(self.detector_args("http://127.0.0.1:1"))
+        except SystemExit:
+            return (f"visionserve loadtest cannot post to /v1/models/{DETECTOR.name}/detect here "
+                    f"(`loadtest --task detect`: {said.getvalue().strip().splitlines()[-1:]})")  # fmt: skip
+        return None
+
+    # ---- a sweep: closed loop to saturation, then open loop at 70% of the best ------------------------------
+    def _sweep(self, url: str, pid: int, log: str, *, litserve: bool) -> dict[str, Any]:
+        concurrency = self.args.litserve_concurrency if litserve else self.args.concurrency
+        closed = [self._load(url, pid, f"{log}-c{c}", concurrency=c, litserve=litserve) for c in concurrency]
+        best = max(closed, key=lambda s: s["images_per_s"])
+        if best["images_per_s"] <= 0:
+            raise StepError(f"no answers at {url}: {best.get('errors')}")
+        rate = 0.7 * best["images_per_s"]
+        open_70 = self._load(url, pid, f"{log}-open70", rate=rate, litserve=litserve)
+        return {"closed": closed, "best_images_per_s": best["images_per_s"], "best_concurrency": best["concurrency"],
+                "open_at_70": open_70}  # fmt: skip
+
+    def _load(self, url: str, pid: int, log: str, *, concurrency: int = 0, rate: float = 0.0,
+              litserve: bool) -> dict[str, Any]:  # fmt: skip
+        """One load step (one command, so that the server's CPU is read around it alone)."""
+        from loadtest.scrape import scrape
+
+        before = None if litserve else scrape(url, self.model)
+        cpu = servers.CpuUse(pid)
+        if litserve:
+            args = self.drive_args(url, concurrency=str(concurrency) if concurrency else "", rate=rate)
+            proc = self.run(args, 120, log, cpus=self.client_cpus)
+            if proc.returncode != 0:
+                raise StepError(f"drive.py exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
+        else:
+            args = self.loadtest_args(url, self.model, concurrency=concurrency, rate=rate)
+            proc = self.cli(args, timeout_s=120, log=log, cpus=self.client_cpus)
+        out = self.json_line(proc)
+        after = None if litserve else scrape(url, self.model)
+        answers = out.get("sent", 0) if litserve else _images(after) - _images(before)
+        step = out["steps"][0]
+        split = step.get("server") or {}  # visionserve's own /metrics: where each request's time went
+        stages = {k: split[k] for k in ("mean_batch_size", "mean_ms", "stages", "request_p99_ms") if k in split}
+        return {**step_summary(step), **cpu.done(int(answers)), **({"server": stages} if stages else {})}
+
+    # ---- all of it ------------------------------------------------------------------------------------------
+    def main(self) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.repo, ignore_errors=True)
+        sys.path[:0] = [p for p in (str(ROOT), str(self.site)) if p not in sys.path]  # the launcher, loadtest
+        try:
+            self.step("environment", self.environment)
+            self.step("install", self.install, after="environment")
+            self.step("export", self.export, after="environment")
+            self.step("bench", self.bench, after="export")
+            self.step("litserve", self.litserve, after="export")
+            self.step("serve", self.serve, after="export")
+            refused = None if "detector" in self.skip else self.detector_refused()
+            if refused is not None:
+                self.report["skipped"]["detector"] = refused
+                self.say(f"detector: skipped ({refused})")
+            else:
+                self.step("detector", self.detector, after="environment")
+        finally:
+            self.write()
+            for line in summary_lines(self.report):
+                self.say(line)
+            self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
+        return 1 if self.report["errors"] else 0
+
+    def render(self) -> str:
+        self.report["verdicts"] = verdicts(self.report["sections"], self.args.slo_p99_ms)
+        return markdown(self.report)
+
+
+def _load_flags(concurrency: str, rate: float) -> list[str]:
+    """Closed loop at ``concurrency`` clients, or (none given) open loop at ``rate`` requests/s."""
+    return (
+        ["--mode", "closed", "--concurrency", concurrency]
+        if concurrency
+        else ["--mode", "open", "--rate", f"{rate:.1f}"]
+    )
+
+
+def _images(sample: dict[str, float] | None) -> float:
+    return (sample or {}).get("visionserve_images_total", 0.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    description = __doc__.split("\n\n")[0] if __doc__ else None
+    p = argparse.ArgumentParser("gpu_speed", description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--dry-run", action="store_true", help="the same commands on the CPU with tiny sizes (for CI)")
+    p.add_argument("--out", default="gpu-speed-report", help="folder for report.json, report.md and the logs")
+    p.add_argument("--wheels", default=".whl", help="folder of carried wheels to install what is missing from")
+    p.add_argument("--site", default=".site", help="folder the carried wheels are installed into (on PYTHONPATH)")
+    p.add_argument("--budget-s", type=float, default=480.0, help="time budget, cut per step (the same in the dry run)")
+    p.add_argument("--skip", default="", help=f"comma-separated steps to skip, of: {', '.join(SECTIONS[1:])}")
+    p.add_argument("--fail-step", default=None, help="make this step fail (proves that the next still runs)")
+    p.add_argument("--batch-sizes", type=_ints, default=None, help="bench batch sizes; None: 1,8,...,256 (dry 1,4)")
+    p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.05)")
+    p.add_argument("--concurrency", type=_ints, default=None, help="served clients; None: 1,4,...,256 (dry 1,2)")
+    p.add_argument("--loadtest-s", type=float, default=None, help="measured seconds per load step; None: 3 (dry 1)")
+    p.add_argument("--client-cores", type=int, default=None, help="cores for the load generator; None: 4 (dry 1)")
+    p.add_argument("--slo-p99-ms", type=float, default=15.0, help="the p99 target at 70%% of the best throughput")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    dry = args.dry_run
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    args.batch_sizes = args.batch_sizes or ([1, 4] if dry else [1, 8, 32, 64, 128, 256])
+    args.seconds = args.seconds or (0.05 if dry else 0.5)
+    args.concurrency = args.concurrency or ([1, 2] if dry else [1, 4, 16, 32, 64, 128, 256])
+    args.litserve_concurrency = [1, 2] if dry else [64, 256]  # its batches are 64: 256 saturates 8 workers
+    args.litserve_workers = [1] if dry else [8, 4, 2, 1]  # the likeliest best first, should the share run out
+    args.loadtest_s = args.loadtest_s or (1.0 if dry else 3.0)
+    args.warmup_s = 0.2 if dry else 1.0
+    args.load_processes = 1 if dry else 4
+    args.client_cores = args.client_cores or (1 if dry else 4)
+    args.serve_batch = 4 if dry else 64
+    args.serve_instances = 1 if dry else 2
+    args.serve_workers = 1 if dry else 8
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return Speed(parse_args(argv)).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
