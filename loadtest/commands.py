@@ -19,6 +19,7 @@ from service.core.arguments import comma_floats, comma_ints, size_pair
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from loadtest.answers import Reference
     from loadtest.inputs import Payload
     from loadtest.mix import ModelMix
     from loadtest.slo import SloSearch
@@ -67,7 +68,7 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
         "--grpc-url", default="127.0.0.1:8001", help="with --protocol grpc: the server's gRPC address (host:port)"
     )
     p.add_argument("--images-per-request", type=int, default=1, help="images in each request")
-    p.add_argument("--processes", type=int, default=1, help="load-generating processes, each with its own loop")
+    _add_answer_arguments(p)
     p.add_argument(
         "--max-send-lag-ms",
         type=float,
@@ -93,6 +94,35 @@ def add_loadtest_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson schedules and of the --models draw")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of a table")
     add_stream_arguments(p)
+
+
+def _add_answer_arguments(p: argparse.ArgumentParser) -> None:
+    """Which route the image API's requests take, and the check of a detector's answers (:mod:`loadtest.answers`)."""
+    p.add_argument(
+        "--task",
+        default="auto",
+        choices=["auto", "classify", "detect"],
+        help="the image API's route: classify, detect, or auto (the model's, from its v2 metadata)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="a detector's answers checked against this JSON file of the boxes known in each --images file "
+        "({name: [{box: [x1, y1, x2, y2], label}]}, docs/loadtest.md); the share of matching answers is printed",
+    )
+    p.add_argument(
+        "--min-match",
+        type=float,
+        default=None,
+        help="with --reference: exit 1 when a step's share of matching answers is below this (None: never)",
+    )
+    p.add_argument(
+        "--check-answers",
+        type=int,
+        default=2000,
+        help="with --reference: the answers of at most this many measured requests a step are kept and checked",
+    )
+    p.add_argument("--processes", type=int, default=1, help="load-generating processes, each with its own loop")
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,19 +195,21 @@ def run_loadtest(args: argparse.Namespace) -> int:
     ready = _payloads(args, url, names, err)
     if ready is None:
         return 2
-    bodies, grpc_target = ready
+    bodies, grpc_target, task, reference = ready
     bounds = StepBounds(
         url=url, warmup_s=args.warmup, duration_s=args.duration, drain_s=args.drain, timeout_s=args.timeout,
         max_requests=args.max_requests, max_send_lag_ms=args.max_send_lag_ms, max_inflight=args.max_inflight,
         seed=args.seed, grpc_target=grpc_target, mix=mix, keep_sequence=bool(args.write_sequence),
+        keep_answers=args.check_answers if reference is not None else 0,
     )  # fmt: skip
     mode = "open" if args.slo_p99_ms is not None else args.mode
     steps, slo = _run_steps(args, bodies, bounds, mode, err)
+    mismatched = _check_answers(steps, reference, args.min_match)
     report: dict[str, Any] = {
-        "url": url, "model": ",".join(names), "mode": mode, "protocol": args.protocol,
+        "url": url, "model": ",".join(names), "mode": mode, "protocol": args.protocol, "task": task,
         "images_per_request": args.images_per_request, "processes": args.processes,
         "warmup_s": args.warmup, "duration_s": args.duration, "steps": [s.summary() for s in steps],
-        "slo": slo.summary() if slo else None,
+        "slo": slo.summary() if slo else None, "reference": args.reference, "min_match": args.min_match,
     }  # fmt: skip
     if mix:
         report |= _mix_report(args, mix, steps, grpc_target)
@@ -195,7 +227,40 @@ def run_loadtest(args: argparse.Namespace) -> int:
             return 2
         if regressed:
             return 1
+    if mismatched:
+        err.print(f"[red]answer check failed:[/red] {'; '.join(mismatched)}")
+        return 1
     return 0
+
+
+def _check_answers(steps: list[StepResult], reference: Reference | None, min_match: float | None) -> list[str]:
+    """Each step's kept answers checked against ``reference`` (into ``step.check``); the steps whose share of
+    matching answers is under ``min_match``, or that had no answer to check, described."""
+    from loadtest.answers import check
+
+    failed = []
+    for s in steps:
+        if reference is None:
+            continue
+        result = check(s.answers, reference)
+        s.check, s.answers = result.summary(), []
+        if min_match is not None and (result.images == 0 or result.share < min_match):
+            failed.append(f"{s.spec.label}: {result.matching} of {result.images} answers matched the reference "
+                          f"({100 * result.share:.1f}% < {100 * min_match:g}%)")  # fmt: skip
+    return failed
+
+
+def _task(url: str, model: str, protocol: str) -> str:
+    """The model's task, from its v2 metadata (a detector's outputs are DETECTIONS and NUM_DETECTIONS); classify
+    when it cannot be read (the preflight then says why)."""
+    import httpx
+
+    try:
+        meta = httpx.get(f"{url}/v2/models/{model}", timeout=30).json()
+        outputs = {o.get("name") for o in meta.get("outputs", [])}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return "classify"
+    return "detect" if "DETECTIONS" in outputs else "classify"
 
 
 def _mix(args: argparse.Namespace, url: str) -> ModelMix | None:
@@ -231,29 +296,41 @@ def _mix_report(args: argparse.Namespace, mix: ModelMix, steps: list[StepResult]
 
 def _payloads(
     args: argparse.Namespace, url: str, names: list[str], err: Console
-) -> tuple[list[list[Payload]], str] | None:
-    """The request bodies of each of ``names``, and the gRPC target ("" over HTTP), once the first model's first
-    body has been answered (the others are not tried: with on-demand loading that would load them before the
-    load); None (and why, on ``err``) when the flags, the images or the server rule the load test out."""
-    from loadtest.inputs import model_payloads
-    from service.core.samples import image_files, photo_like_jpegs
+) -> tuple[list[list[Payload]], str, str, Reference | None] | None:
+    """The request bodies of each of ``names``, the gRPC target ("" over HTTP), the task and the reference (None
+    without ``--reference``), once the first model's first body has been answered (the others are not tried: with
+    on-demand loading that would load them before the load); None (and why, on ``err``) when the flags, the
+    images or the server rule the load test out."""
+    from loadtest.answers import load_reference
+    from loadtest.inputs import model_payloads, named_images
+    from service.core.samples import photo_like_jpegs
 
     if args.processes < 1 or args.images_per_request < 1 or min(args.duration, args.timeout) <= 0:
         err.print("--processes and --images-per-request must be >= 1; --duration and --timeout > 0")
         return None
-    try:
-        images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
-    except (OSError, ValueError) as exc:
-        err.print(f"--images: {exc}")
+    if args.reference and (not args.images or args.protocol != "image" or args.check_answers < 1):
+        err.print("--reference needs --images (the files it names), --protocol image and --check-answers >= 1")
         return None
-    bodies = model_payloads(names, images, protocol=args.protocol, per_request=args.images_per_request)
+    try:
+        files, images = named_images(args.images) if args.images else (None, photo_like_jpegs(32, args.image_size))
+        reference = load_reference(args.reference) if args.reference else None
+    except (OSError, ValueError) as exc:
+        err.print(f"--images or --reference: {exc}")
+        return None
+    task = _task(url, names[0], args.protocol) if args.task == "auto" else args.task
+    if reference is not None and task != "detect":
+        err.print(f"--reference checks a detector's answers; {names[0]} is served as a {task} model")
+        return None
+    bodies = model_payloads(
+        names, images, protocol=args.protocol, per_request=args.images_per_request, task=task, names=files
+    )
     grpc_target = args.grpc_url if args.protocol == "grpc" else ""
     first = bodies[0][0]
     problem = _preflight_grpc(grpc_target, first, 60) if grpc_target else _preflight(url, first)
     if problem:
         err.print(f"[red]not starting the load test:[/red] {problem}")
         return None
-    return bodies, grpc_target
+    return bodies, grpc_target, task, reference
 
 
 def _run_steps(

@@ -33,18 +33,22 @@ class GrpcClient:
         return await self.post(path, body, headers), {}
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int | str:
+        return (await self.fetch(path, body, headers))[0]
+
+    async def fetch(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int | str, dict[str, str], bytes]:
+        """As :meth:`exchange`, and the serialised answer (empty unless OK)."""
         call = self._calls.get(path)
         if call is None:
             call = self._calls[path] = self._channel.unary_unary(
                 path, request_serializer=_identity, response_deserializer=_identity
             )
         try:
-            await call(body, timeout=self.timeout_s, metadata=tuple(headers.items()) or None)
+            answer = await call(body, timeout=self.timeout_s, metadata=tuple(headers.items()) or None)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and exc.details() == "Deadline Exceeded":
                 raise TimeoutError from exc  # the client's own timeout, not the server's DEADLINE_EXCEEDED answer
-            return str(exc.code().name)
-        return 200
+            return str(exc.code().name), {}, b""
+        return 200, {}, bytes(answer)
 
     async def aclose(self) -> None:
         await self._channel.close()

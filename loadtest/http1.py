@@ -67,7 +67,7 @@ class Http1Client:
             conn.close()
         return None
 
-    async def _exchange(self, data: bytes, held: list[_Connection]) -> tuple[int, bool, dict[str, str]]:
+    async def _exchange(self, data: bytes, held: list[_Connection]) -> tuple[int, bool, dict[str, str], bytes]:
         """Send and read one answer; ``held`` names the connection in use, for the caller to drop on failure."""
         conn = self._reusable()
         if conn is not None:
@@ -90,10 +90,17 @@ class Http1Client:
 
     async def exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
         """POST and return (status, response header fields, names lower-cased); raises as :meth:`post`."""
+        status, fields, _ = await self.fetch(path, body, headers)
+        return status, fields
+
+    async def fetch(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        """:meth:`exchange`, and the answer's body (read either way: keeping it costs nothing more)."""
         held: list[_Connection] = []
         try:
             async with asyncio.timeout(self.timeout_s):
-                status, keep_alive, fields = await self._exchange(self.head(path, headers, len(body)) + body, held)
+                status, keep_alive, fields, answer = await self._exchange(
+                    self.head(path, headers, len(body)) + body, held
+                )
         except TimeoutError:
             self._drop_held(held)
             raise
@@ -108,7 +115,7 @@ class Http1Client:
             self.idle.append(held[-1])
         else:
             self._drop_held(held)
-        return status, fields
+        return status, fields, answer
 
     def _drop_held(self, held: list[_Connection]) -> None:
         while held:
@@ -119,7 +126,7 @@ class Http1Client:
             self.idle.pop().close()
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, dict[str, str]]:
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, dict[str, str], bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     version, code, *_ = lines[0].split(" ", 2)
@@ -132,15 +139,18 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, dict[
             # A field sent on several lines is one list (RFC 9110 5.3): Server-Timing may come in pieces.
             fields[name] = f"{fields[name]}, {value}" if name in fields else value
     keep_alive = fields.get("connection", "").lower() != "close" and version == "HTTP/1.1"
+    body = b""
     if "content-length" in fields:
-        await reader.readexactly(int(fields["content-length"]))
+        body = await reader.readexactly(int(fields["content-length"]))
     elif fields.get("transfer-encoding", "").lower() == "chunked":
+        chunks = []
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            await reader.readexactly(size + 2)  # the chunk and its CRLF (the last: no data, then the CRLF)
+            chunks.append((await reader.readexactly(size + 2))[:size])  # the chunk and its CRLF
             if size == 0:
                 break
+        body = b"".join(chunks)
     elif status >= 200 and status not in (204, 304):
-        await reader.read()  # the body runs to the end of the connection
+        body = await reader.read()  # the body runs to the end of the connection
         keep_alive = False
-    return status, keep_alive, fields
+    return status, keep_alive, fields, body

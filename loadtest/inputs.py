@@ -1,7 +1,9 @@
 """What the load tester sends: a corpus of images (the user's files or generated JPEGs) turned, before any clock
 starts, into ready request bodies for the image API, for v2 infer with the binary tensor extension, or for gRPC
 ModelInfer (a serialised request with ``raw_input_contents``). For several models, each gets the same bodies on its
-own path (the bytes shared, so a mix of many models costs the corpus once, not once per model)."""
+own path (the bytes shared, so a mix of many models costs the corpus once, not once per model). A detector's
+requests go to ``/detect`` on the image API (``task="detect"``), and each payload names its images, so that their
+answers can be checked against a reference (:mod:`loadtest.answers`)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import struct
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 MEDIA = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp"}
 PROTOCOLS = ("image", "v2", "grpc")
+TASKS = ("classify", "detect")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
 def media_type(data: bytes) -> str:
@@ -21,12 +26,23 @@ def media_type(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class Payload:
-    """One ready request: path, headers and body, and how many images it carries."""
+    """One ready request: path, headers and body, how many images it carries and, where known, their names."""
 
     path: str
     headers: dict[str, str]
     body: bytes
     images: int
+    names: tuple[str, ...] = ()
+
+
+def named_images(folder: str | Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> tuple[list[str], list[bytes]]:
+    """The image files below ``folder``, in path order: their names relative to it (a reference's keys) and their
+    bytes; ValueError if there are none."""
+    root = Path(folder)
+    files = sorted(p for p in root.rglob("*") if p.suffix.lower() in suffixes)
+    if not files:
+        raise ValueError(f"{folder} holds no images (looked for {', '.join(suffixes)})")
+    return [p.relative_to(root).as_posix() for p in files], [p.read_bytes() for p in files]
 
 
 def _multipart(images: list[bytes]) -> tuple[str, bytes]:
@@ -42,67 +58,98 @@ def _multipart(images: list[bytes]) -> tuple[str, bytes]:
     return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
 
 
-def model_path(protocol: str, model: str, top_k: int = 1) -> str:
+def model_path(protocol: str, model: str, top_k: int = 1, task: str = "classify") -> str:
     """The HTTP path a request for ``model`` goes to (``image`` or ``v2``; gRPC names its model in the body)."""
     if protocol == "image":
-        return f"/v1/models/{model}/classify?top_k={top_k}"
+        return f"/v1/models/{model}/detect" if task == "detect" else f"/v1/models/{model}/classify?top_k={top_k}"
     if protocol == "v2":
         return f"/v2/models/{model}/infer"
     raise ValueError(f"only the image and v2 protocols name the model in the path, not {protocol!r}")
 
 
-def image_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
-    path = model_path("image", model, top_k)
+def image_payload(model: str, images: list[bytes], top_k: int = 1, task: str = "classify") -> Payload:
+    path = model_path("image", model, top_k, task)
     if len(images) == 1:
         return Payload(path, {"content-type": media_type(images[0])}, images[0], 1)
     ctype, body = _multipart(images)
     return Payload(path, {"content-type": ctype}, body, len(images))
 
 
-def v2_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
-    """v2 infer: the ``IMAGE`` BYTES input in the binary extension, the classification extension on the output."""
+def v2_payload(model: str, images: list[bytes], top_k: int = 1, task: str = "classify") -> Payload:
+    """v2 infer: the ``IMAGE`` BYTES input in the binary extension, the classification extension on the output
+    (a detector's: its default outputs, in the binary extension)."""
     blob = b"".join(struct.pack("<I", len(d)) + d for d in images)
-    header = json.dumps({
+    request: dict[str, object] = {
         "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [len(images)],
                     "parameters": {"binary_data_size": len(blob)}}],
         "outputs": [{"name": "LOGITS", "parameters": {"classification": top_k, "binary_data": False}}],
-    }).encode()  # fmt: skip
+    }  # fmt: skip
+    if task == "detect":
+        request["outputs"], request["parameters"] = [], {"binary_data_output": True}
+    header = json.dumps(request).encode()
     headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(len(header))}
     return Payload(model_path("v2", model), headers, header + blob, len(images))
 
 
-def grpc_payload(model: str, images: list[bytes], top_k: int = 1) -> Payload:
+def grpc_payload(model: str, images: list[bytes], top_k: int = 1, task: str = "classify") -> Payload:
     """gRPC ModelInfer: the ``IMAGE`` BYTES input in ``raw_input_contents``, the classification extension on the
-    output; the body is the serialised request and the path the RPC's."""
+    output (a detector's: its default outputs); the body is the serialised request and the path the RPC's."""
     from service.core.protocol import method_path, pb
 
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="IMAGE", datatype="BYTES", shape=[len(images)])
-    request.outputs.add(name="LOGITS").parameters["classification"].int64_param = top_k
+    if task != "detect":
+        request.outputs.add(name="LOGITS").parameters["classification"].int64_param = top_k
     request.raw_input_contents.append(b"".join(struct.pack("<I", len(d)) + d for d in images))
     return Payload(method_path("ModelInfer"), {}, request.SerializeToString(), len(images))
 
 
-def payloads(model: str, images: list[bytes], *, protocol: str = "image", per_request: int = 1) -> list[Payload]:
-    """One payload per group of ``per_request`` images, cycling through the corpus so each image is used."""
+def payloads(
+    model: str,
+    images: list[bytes],
+    *,
+    protocol: str = "image",
+    per_request: int = 1,
+    task: str = "classify",
+    names: Sequence[str] | None = None,
+) -> list[Payload]:
+    """One payload per group of ``per_request`` images, cycling through the corpus so each image is used; each
+    names its images where ``names`` (one per image) are given."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if per_request < 1:
         raise ValueError(f"images per request must be >= 1, got {per_request}")
+    if names is not None and len(names) != len(images):
+        raise ValueError(f"{len(names)} names for {len(images)} images")
     build = {"image": image_payload, "v2": v2_payload, "grpc": grpc_payload}[protocol]
     count = max(1, len(images) // per_request)
-    return [
-        build(model, [images[(j * per_request + i) % len(images)] for i in range(per_request)]) for j in range(count)
-    ]
+    out = []
+    for j in range(count):
+        picked = [(j * per_request + i) % len(images) for i in range(per_request)]
+        payload = build(model, [images[k] for k in picked], task=task)
+        out.append(replace(payload, names=tuple(names[k] for k in picked)) if names is not None else payload)
+    return out
 
 
 def model_payloads(
-    models: Sequence[str], images: list[bytes], *, protocol: str = "image", per_request: int = 1
+    models: Sequence[str],
+    images: list[bytes],
+    *,
+    protocol: str = "image",
+    per_request: int = 1,
+    task: str = "classify",
+    names: Sequence[str] | None = None,
 ) -> list[list[Payload]]:
     """:func:`payloads` for each of ``models``, in order; over HTTP the bodies are the first model's, shared."""
-    first = payloads(models[0], images, protocol=protocol, per_request=per_request)
+
+    def build(model: str) -> list[Payload]:
+        return payloads(model, images, protocol=protocol, per_request=per_request, task=task, names=names)
+
+    first = build(models[0])
     if protocol == "grpc":
-        rest = [payloads(m, images, protocol=protocol, per_request=per_request) for m in models[1:]]
+        rest = [build(m) for m in models[1:]]
     else:
-        rest = [[replace(p, path=model_path(protocol, m)) for p in first] for m in models[1:]]
+        rest = [[replace(p, path=model_path(protocol, m, task=task)) for p in first] for m in models[1:]]
     return [first, *rest]

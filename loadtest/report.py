@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.answers import line as answers_line
 from loadtest.step import PERCENTILES
 from service.core.batchcost import KNEE_SLACK
 from service.core.metrics import STAGES
@@ -118,6 +119,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         title = f"{len(report['models'])} models, {report['popularity']} (seed {report['seed']}) at {report['url']} " \
                 f"({report['mode']} loop, {report['protocol']} protocol)"  # fmt: skip
     console.print(table(report["steps"], title))
+    for s in report["steps"]:
+        if s.get("answers"):
+            console.print(f"{s['step']}: {answers_line(s['answers'])}")
     stages = stage_table(report["steps"])
     if stages is not None:
         console.print(stages)

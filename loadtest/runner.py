@@ -35,6 +35,10 @@ from loadtest.mix import ModelDraw, ModelTally, draw_seed
 class Client(Protocol):
     async def exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int | str, dict[str, str]]: ...
 
+    async def fetch(
+        self, path: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int | str, dict[str, str], bytes]: ...
+
     async def aclose(self) -> None: ...
 
 
@@ -65,6 +69,7 @@ class PartPlan:
     process: int = 0  # this process's index: with ``seed``, the model draw's stream
     mix: tuple[float, ...] = ()  # several models: their cumulative weights (one model when empty)
     keep_sequence: bool = False  # record each request sent (time, model) for the run's sequence
+    keep_answers: int = 0  # keep the bodies of this many measured answers (200), for an answer check
 
 
 @dataclass
@@ -83,6 +88,7 @@ class PartResult:
     models: list[ModelTally] = field(default_factory=list)  # with a mix: per model, the measured requests
     sent_at: array[float] = field(default_factory=lambda: array("d"))  # with keep_sequence: from the step's start
     sent_model: array[int] = field(default_factory=lambda: array("I"))  # ... and each one's model index
+    answers: list[tuple[tuple[str, ...], bytes]] = field(default_factory=list)  # kept: (image names, body)
 
 
 class Tally(Protocol):
@@ -140,8 +146,14 @@ class _Step:
             r.sent_at.append(time.perf_counter() - self.base)
             r.sent_model.append(model)
         fields: dict[str, str] = {}
+        answer = b""
+        # Bodies are kept only while a check wants more: reading them is free, holding them is not.
+        keep = len(r.answers) < self.plan.keep_answers and self.in_window(origin)
         try:
-            status, fields = await self.client.exchange(payload.path, payload.body, payload.headers)
+            if keep:
+                status, fields, answer = await self.client.fetch(payload.path, payload.body, payload.headers)
+            else:
+                status, fields = await self.client.exchange(payload.path, payload.body, payload.headers)
             outcome = str(status)
         except TimeoutError:
             outcome = "timeout"
@@ -158,6 +170,8 @@ class _Step:
             self.result.requests += 1
             self.result.images += payload.images
             self.result.latency.record(done - origin)
+            if keep and len(r.answers) < self.plan.keep_answers:
+                r.answers.append((payload.names, answer))
         else:
             self.result.errors[outcome] += 1
         self.result.last_done_s = max(self.result.last_done_s, done - self.window[0])

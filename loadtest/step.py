@@ -63,6 +63,7 @@ class StepBounds:
     scrape: bool = True
     mix: ModelMix | None = None  # several models, each request's drawn by popularity (None: the one model)
     keep_sequence: bool = False  # with a mix: keep every request's model in send order (StepResult.sequence)
+    keep_answers: int = 0  # keep the bodies of up to this many measured answers (StepResult.answers), all processes
 
 
 @dataclass
@@ -85,6 +86,8 @@ class StepResult:
     cold_observed: bool = True  # False over gRPC: no Server-Timing, so no cold start can be seen
     sent: int = 0  # requests put on the wire, warm-up included
     sequence: list[int] = field(default_factory=list)  # with keep_sequence: each sent request's model, in send order
+    answers: list[tuple[tuple[str, ...], bytes]] = field(default_factory=list)  # with keep_answers: (names, body)
+    check: dict[str, Any] | None = None  # the answer check's summary, where one was made (loadtest.answers)
 
     @property
     def error_count(self) -> int:
@@ -114,7 +117,7 @@ class StepResult:
             "send_lag_ms": {"p50": 1000 * self.send_lag.quantile(0.5), "p99": 1000 * self.send_lag.quantile(0.99),
                             "max": 1000 * self.send_lag.max_s} if self.send_lag.count else None,
             "client_cpu": self.client_cpu, "client_limited": self.client_limited, "server": self.server,
-            "histogram": self.latency.to_dict(),
+            "histogram": self.latency.to_dict(), "answers": self.check,
         } | self.mix_summary()  # fmt: skip
 
     def mix_summary(self) -> dict[str, Any]:
@@ -137,7 +140,8 @@ def plans_for(spec: StepSpec, bounds: StepBounds, processes: int, start_wall: fl
             max_requests=bounds.max_requests // processes + (k < bounds.max_requests % processes),
             arrival=spec.arrival, seed=bounds.seed * 1000 + k, max_inflight=bounds.max_inflight,
             grpc_target=bounds.grpc_target, process=k, mix=bounds.mix.cumulative if bounds.mix else (),
-            keep_sequence=bounds.keep_sequence and bounds.mix is not None, **share,
+            keep_sequence=bounds.keep_sequence and bounds.mix is not None,
+            keep_answers=-(-bounds.keep_answers // processes), **share,
         ))  # fmt: skip
     return plans
 
@@ -153,6 +157,7 @@ def merge(spec: StepSpec, bounds: StepBounds, parts: list[PartResult]) -> StepRe
         result.latency.merge(p.latency)
         result.send_lag.merge(p.send_lag)
         result.timeline.extend(p.timeline)
+        result.answers.extend(p.answers)
     result.errors = dict(errors)
     result.sent = sum(p.sent for p in parts)
     if bounds.mix is not None:

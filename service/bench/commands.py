@@ -24,6 +24,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "soak": ("service.bench.soak", "a long open loop at 80%% of capacity with bad inputs, judged aged vs fresh"),
     "ab": ("service.bench.ab", "two server configurations under the same load, in alternating rounds"),
     "frontends": ("service.bench.frontends", "served throughput and CPU per request against the engine's limit"),
+    "detect": ("service.bench.detect_served", "a detector served at c=8 against its in-process pipeline, checked"),
     "transport": ("service.bench.transport", "the transport alone: shared-memory round trips between processes"),
     "train": ("service.bench.train", "training from image folders: throughput, loader, memory, fine-tuning"),
 }
@@ -72,7 +73,7 @@ def _names(allowed: Sequence[str]) -> Any:
 
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
-FIGURES = ("engine", "pipeline", "decode", "batcher", "fake")
+FIGURES = ("engine", "pipeline", "decode", "batcher", "fake", "candidates")
 BACKENDS = ("onnxruntime", "torchscript", "aoti")
 FLAGS: list[Flag] = [
     ("--repository", "model_repository", "model repository folder"),
@@ -85,7 +86,13 @@ FLAGS: list[Flag] = [
     ),
     ("--precision", None, "fp16/bf16 on GPU, int8 (onnxruntime) anywhere (default: config.toml's)", PRECISIONS),
     ("--cuda-graphs", "on", "torch runtimes on CUDA: a graph per batch bucket", ("on", "off")),
-    ("--figures", FIGURES, "which: engine, pipeline, decode (CPU pool vs nvJPEG), batcher, fake", _names(FIGURES)),
+    (
+        "--figures",
+        FIGURES,
+        "which: engine, pipeline (a detector's: with suppression and mapping), decode (CPU pool vs nvJPEG), batcher, "
+        "fake, candidates (a detector: suppression at 1,000 candidates an image)",
+        _names(FIGURES),
+    ),
     ("--batch-sizes", (1, 8, 32), "batch sizes; the largest is the maximum", comma_ints),
     ("--seconds", 5.0, "measuring time per figure"),
     ("--concurrency", None, "batcher submitters (default: 2 x largest batch)", int),
@@ -106,7 +113,10 @@ def _print_run(out: Any, result: dict[str, Any]) -> None:
         lines.append(f"  decode, CPU pool: {result['decode_cpu_images_per_s']:.1f} images/s; nvJPEG: {gpu_text}")
     if "pipeline_images_per_s" in result:
         largest = max(result["batch_sizes"])
-        lines.append(f"  pipeline (decode + run, batch {largest}): {result['pipeline_images_per_s']:.1f} images/s")
+        stages = "decode + letterbox + run + suppression" if "postprocess_ms_per_image" in result else "decode + run"
+        lines.append(f"  pipeline ({stages}, batch {largest}): {result['pipeline_images_per_s']:.1f} images/s")
+    if "postprocess_ms_per_image" in result:
+        lines += _detect_lines(result)
     if "pipeline_gpu_decode_images_per_s" in result:
         lines.append(f"  pipeline with GPU JPEG decode: {result['pipeline_gpu_decode_images_per_s']:.1f} images/s")
     if "batcher_images_per_s" in result:
@@ -118,6 +128,32 @@ def _print_run(out: Any, result: dict[str, Any]) -> None:
     if "fake_items_per_s" in result:
         lines.append(f"  batcher alone (no-op runtime): {result['fake_items_per_s']:.0f} items/s")
     out.print("\n".join(lines))
+
+
+def _detect_lines(result: dict[str, Any]) -> list[str]:
+    """A detector's pipeline figures: forward pass and suppression + mapping per image, and at 1,000 candidates."""
+    lines = [
+        f"    of which per image: forward {result['compute_ms_per_image']:.3f} ms, suppression + mapping "
+        f"{result['postprocess_ms_per_image']:.3f} ms = {100 * result['postprocess_share']:.1f}% of the forward "
+        f"({result['candidates_per_image']:.0f} candidates, {result['above_threshold_per_image']:.1f} above the "
+        f"score threshold, {result['detections_per_image']:.1f} kept)"
+    ]
+    at = result.get("at_1000")
+    if at and "skipped" in at:
+        lines.append(f"  at 1,000 candidates: skipped ({at['skipped']})")
+    elif at:
+        model, dense = at["model"], at["dense"]
+        lines += [
+            f"  at {at['candidates_per_image']:.0f} candidates (the graph's TopK raised): pipeline "
+            f"{at['pipeline_images_per_s']:.1f} images/s, forward {at['compute_ms_per_image']:.3f} ms/image",
+            f"    suppression + mapping, the model's candidates: {model['postprocess_ms_per_image']:.3f} ms/image = "
+            f"{100 * model['postprocess_share']:.1f}% of the forward ({model['above_threshold_per_image']:.1f} above "
+            "the threshold)",
+            f"    suppression + mapping, dense candidates: {dense['postprocess_ms_per_image']:.3f} ms/image = "
+            f"{100 * dense['postprocess_share']:.1f}% of the forward ({dense['above_threshold_per_image']:.0f} above "
+            "the threshold; target <= 5%)",
+        ]
+    return lines
 
 
 def _print_compared(out: Any, compared: dict[str, Any], model: str) -> None:

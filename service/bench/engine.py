@@ -10,6 +10,9 @@ Four figures, on the same model, device and images:
   batcher: what the server's engine does. ``batcher_efficiency`` is its ratio to the pipeline figure.
 - ``fake_items_per_s``: the batcher alone, with a runtime that does no work: its own overhead ceiling.
 
+A detector's pipeline figure includes suppression and mapping; ``candidates`` adds its figures at 1,000
+candidates an image (:mod:`service.bench.detect`).
+
 And, on request (``figures``), ``decode_cpu_images_per_s`` (the CPU decoding pool on every core) beside
 ``decode_gpu_images_per_s`` (nvJPEG batch decode, resize and crop on the GPU) on the same JPEGs.
 
@@ -30,10 +33,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from service.bench import detect
+from service.bench.detect import default_images
 from service.core.config import ModelConfig
 from service.core.decoding import GpuJpegDecoder, Preprocessor
 from service.core.errors import ConfigError
-from service.core.repository import ModelRepository, random_batch
+from service.core.repository import ModelRepository, ModelVersion, random_batch
 from service.core.samples import image_files, photo_like_jpegs
 from service.core.spec import ModelSpec
 from service.engine.batcher import Batcher, InferRequest
@@ -43,7 +48,7 @@ from service.runtime import FakeRuntime, RuntimeLike, choose_backend, make_runti
 Say = Callable[[str], None]
 
 
-FIGURES = ("engine", "pipeline", "decode", "batcher", "fake")
+FIGURES = ("engine", "pipeline", "decode", "batcher", "fake", "candidates")
 ROUNDS = 4  # compare_backends: turns per batch size
 
 
@@ -118,7 +123,13 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
     spec: ModelSpec = version.spec
     largest = max(options.batch_sizes)
     concurrency = options.concurrency or 2 * largest
-    jpegs = load_images(options.images) if options.images else photo_like_jpegs()
+    if options.images:
+        jpegs, described = load_images(options.images), options.images
+    elif spec.task == "detect":
+        jpegs, described = default_images()
+    else:
+        jpegs = photo_like_jpegs()
+        described = f"{len(jpegs)} generated 500x375 JPEGs"
     say(f"loading {options.model} v{version.version} ({backend}) on {device}")
     runtime = make_runtime(version, config, backend, device, cuda_graphs=options.cuda_graphs)
     warm_up(runtime, largest)
@@ -133,7 +144,7 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
         "figures": list(options.figures),
         "input": [spec.input.channels, spec.input.height, spec.input.width],
         "batch_sizes": list(options.batch_sizes),
-        "images": options.images or f"{len(jpegs)} generated 500x375 JPEGs",
+        "images": described,
         "decode_workers": pool.workers,
         "concurrency": concurrency,
         "max_queue_delay_ms": config.max_queue_delay_ms,
@@ -143,7 +154,7 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
     if note:
         result["note"] = note
     try:
-        _measure(result, options, say, runtime=runtime, pool=pool, jpegs=jpegs, config=config, spec=spec)
+        _measure(result, options, say, runtime=runtime, pool=pool, jpegs=jpegs, config=config, version=version)
     finally:
         pool.close()
         runtime.close()
@@ -167,10 +178,10 @@ def _measure(
     pool: Preprocessor,
     jpegs: list[bytes],
     config: ModelConfig,
-    spec: ModelSpec,
+    version: ModelVersion,
 ) -> None:
     """Each figure asked for, into ``result``."""
-    figures = set(options.figures)
+    figures, spec = set(options.figures), version.spec
     device, largest, concurrency = result["device"], max(options.batch_sizes), result["concurrency"]
     engine: dict[str, float] = {}
     for size in options.batch_sizes if "engine" in figures else ():
@@ -184,7 +195,14 @@ def _measure(
     result["engine_images_per_s"] = engine
     if "decode" in figures:
         result.update(_decode_figures(jpegs, largest, spec, device, pool, options, say))
-    if "pipeline" in figures or "batcher" in figures:  # the batcher's efficiency is measured against it
+    # Other output layouts than "candidates" are measured as a classifier's pipeline: decode and run only.
+    if spec.output_layout == "candidates" and ("pipeline" in figures or "batcher" in figures):
+        say(f"pipeline: decode + letterbox + run + suppression and mapping, batch {largest}")
+        result.update(detect.pipeline_figures(_timed, jpegs, largest, runtime, pool, options.seconds))
+        if "candidates" in figures:
+            say(f"the same graph emitting {detect.THOUSAND} candidates an image, and dense candidates")
+            result["at_1000"] = detect.thousand(_timed, version, config, device, jpegs, largest, pool, options.seconds)
+    elif "pipeline" in figures or "batcher" in figures:  # the batcher's efficiency is measured against it
         say(f"pipeline: decode + preprocess + run, batch {largest}")
         step = _Pipeline(jpegs, largest, runtime, pool.decode_many)
         result["pipeline_images_per_s"] = _timed(options.seconds, step)

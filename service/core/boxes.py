@@ -8,15 +8,15 @@ it and clips to the image; mapping bugs of this kind are common in detectors' se
 yolov5 #4952), so the tests hold it against an independent formula.
 
 :func:`suppress` is the server's one suppression (every protocol's detections come from it): score threshold,
-class filter, greedy non-maximum suppression per class (torchvision's ``batched_nms`` offset trick: boxes of
-different classes are moved apart so that they never overlap) or across classes, at most ``max_detections``.
+class filter, greedy non-maximum suppression per class (two boxes of different classes never suppress each other)
+or across classes, at most ``max_detections``.
 numpy only: the serving install has no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 
@@ -78,43 +78,116 @@ def identity(in_w: int, in_h: int) -> Transform:
     return Transform(in_w, in_h)
 
 
-def iou_one(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
-    """Intersection over union of one xyxy ``box`` with each of ``boxes`` ``[M, 4]``."""
-    w = np.clip(np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0]), 0, None)
-    h = np.clip(np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1]), 0, None)
-    inter = w * h
-    area = max(box[2] - box[0], 0) * max(box[3] - box[1], 0)
-    areas = np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
-    union = area + areas - inter
-    return np.divide(inter, union, out=np.zeros_like(inter), where=union > 0)
+def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Intersection over union of each xyxy box of ``a`` ``[P, 4]`` with each of ``b`` ``[Q, 4]``: ``[P, Q]``
+    float32, the candidates' own precision (0 where the union is empty)."""
+    # Each coordinate as its own contiguous vector, and np.maximum(x, 0) rather than np.clip: the [P, Q] arrays are
+    # then made by contiguous inner loops (a strided or [P, Q, 2] broadcast was 10x slower) in few calls.
+    ax1, ay1, ax2, ay2 = np.array(a, dtype=np.float32).T.copy()
+    bx1, by1, bx2, by2 = (ax1, ay1, ax2, ay2) if a is b else np.array(b, dtype=np.float32).T.copy()
+    w = np.minimum(ax2[:, None], bx2) - np.maximum(ax1[:, None], bx1)
+    h = np.minimum(ay2[:, None], by2) - np.maximum(ay1[:, None], by1)
+    inter = np.maximum(w, 0, out=w) * np.maximum(h, 0, out=h)
+    area_a = np.maximum(ax2 - ax1, 0) * np.maximum(ay2 - ay1, 0)
+    area_b = area_a if a is b else np.maximum(bx2 - bx1, 0) * np.maximum(by2 - by1, 0)
+    union = area_a[:, None] + area_b - inter
+    # An empty union has no intersection either: 0 / tiny is the 0 it answers, and any real union is above tiny.
+    return inter / np.maximum(union, _TINY)
+
+
+_TINY = np.finfo(np.float32).tiny
 
 
 def suppress(candidates: np.ndarray, options: DetectOptions) -> np.ndarray:
     """The detections kept of one image's candidates ``[K, 6]`` (x1, y1, x2, y2, score, class), best first:
-    ``[M, 6]`` float32, M <= ``options.max_detections``."""
+    ``[M, 6]`` float32, M <= ``options.max_detections``.
+
+    Greedy suppression with no Python loop per box: the candidates' overlaps as one matrix, settled at once
+    (:func:`_greedy`), a block of :data:`BLOCK` at a time; past :data:`GROUP_ABOVE` candidates, class by class.
+    The score threshold runs first, on the score column alone: a trained head's 1,000 candidates leave a handful
+    above it, and the rest of the work is on those (docs/performance.md, "Detection": 0.045 ms an image at 1,000
+    candidates, where the loop per kept box it replaced took 0.33 ms, the same detections).
+    """
     rows = np.asarray(candidates, dtype=np.float32).reshape(-1, 6)
-    keep = rows[:, SCORE] >= options.score_threshold
-    keep &= np.isfinite(rows).all(axis=1)
+    rows = rows[rows[:, SCORE] >= options.score_threshold]  # NaN scores fail this too
+    if len(rows) and not np.isfinite(rows).all():
+        rows = rows[np.isfinite(rows).all(axis=1)]
     if options.classes is not None:
-        keep &= np.isin(rows[:, CLASS], np.asarray(options.classes, dtype=np.float32))
-    rows = rows[keep]
-    rows = rows[np.argsort(-rows[:, SCORE], kind="stable")]
-    boxes = rows[:, :4].astype(np.float64)
-    if not options.class_agnostic and len(rows):
-        # Each class moved past every other one's boxes: one suppression then never compares two classes.
-        span = float(np.abs(boxes).max()) * 2 + 1
-        boxes = boxes + (rows[:, CLASS : CLASS + 1].astype(np.float64) * span)
-    chosen: list[int] = []
-    alive = np.ones(len(rows), dtype=bool)
-    for i in range(len(rows)):
-        if not alive[i]:
-            continue
-        chosen.append(i)
-        if len(chosen) == options.max_detections:
+        rows = rows[np.isin(rows[:, CLASS], np.asarray(options.classes, dtype=np.float32))]
+    if len(rows) > 1:
+        rows = rows[np.argsort(-rows[:, SCORE], kind="stable")]
+    most = options.max_detections
+    if len(rows) <= 1:
+        return rows[:most]
+    boxes, classes = rows[:, :4], rows[:, CLASS]
+    if options.class_agnostic:
+        kept = _nms(boxes, None, options.iou_threshold, most)
+    elif len(rows) <= GROUP_ABOVE:
+        kept = _nms(boxes, classes, options.iou_threshold, most)
+    else:  # classes never suppress each other: each class alone, its own (smaller) overlap matrices
+        order = np.argsort(classes, kind="stable")  # grouped by class, each group best first
+        groups = np.split(order, np.flatnonzero(np.diff(classes[order])) + 1)
+        kept = np.sort(np.concatenate([g[_nms(boxes[g], None, options.iou_threshold, most)] for g in groups]))
+    return rows[kept[:most]]
+
+
+BLOCK = 256  # candidates settled at once: a [256, 256] overlap matrix, and few blocks before max_detections
+# Past this many candidates above the threshold, suppression runs class by class: a matrix per class holds a
+# fraction of the pairs of one matrix for all (measured: a dense head's 1,000 candidates, ~240 above 0.25).
+GROUP_ABOVE = 64
+
+
+def _nms(boxes: np.ndarray, classes: np.ndarray | None, iou_threshold: float, most: int) -> np.ndarray:
+    """Indices of ``boxes`` (best first) that greedy suppression keeps, in order, at least the first ``most``
+    of them; two boxes of different ``classes`` never suppress each other (None: any two may)."""
+    if len(boxes) <= BLOCK:  # one block, nothing kept before it: the usual case
+        alone = _overlapping(boxes, None, classes, slice(None), slice(None), iou_threshold)
+        return np.flatnonzero(_greedy(alone, np.ones(len(boxes), dtype=bool)))
+    kept = np.zeros(0, dtype=np.intp)
+    for start in range(0, len(boxes), BLOCK):
+        block = slice(start, start + BLOCK)
+        alive: np.ndarray = np.ones(len(boxes[block]), dtype=bool)
+        if len(kept):
+            earlier = _overlapping(boxes[kept], boxes[block], classes, kept, block, iou_threshold)
+            alive = np.logical_not(earlier.any(axis=0))
+        inside = _overlapping(boxes[block], None, classes, block, block, iou_threshold)
+        kept = np.concatenate([kept, start + np.flatnonzero(_greedy(inside, alive))])
+        if len(kept) >= most:
             break
-        rest = i + 1 + np.flatnonzero(alive[i + 1 :])
-        alive[rest[iou_one(boxes[i], boxes[rest]) > options.iou_threshold]] = False
-    return rows[chosen]
+    return kept
+
+
+def _overlapping(
+    a: np.ndarray, b: np.ndarray | None, classes: np.ndarray | None, rows: Any, cols: Any, iou_threshold: float
+) -> np.ndarray:
+    """``[P, Q]``: box ``a[p]`` overlaps ``b[q]`` (``b`` None: ``a`` itself) by more than ``iou_threshold`` and,
+    where ``classes`` are given, has its class (``classes[rows]`` against ``classes[cols]``)."""
+    over = iou_matrix(a, a if b is None else b) > iou_threshold
+    if classes is not None:
+        over &= classes[rows][:, None] == classes[cols]
+    return over
+
+
+_UPPER = np.triu(np.ones((BLOCK, BLOCK), dtype=bool), 1)  # [i, j]: box i is the better one (i < j)
+
+
+def _greedy(over: np.ndarray, alive: np.ndarray) -> np.ndarray:
+    """Which of a block's boxes (best first) greedy suppression keeps: ``over[i, j]``, box i overlaps box j too
+    much; ``alive``, not suppressed from outside the block. A box is kept when no kept better box overlaps it: a
+    triangular system, solved by repeating ``keep = alive & no kept better box overlaps`` from "all alive". After
+    t rounds every box whose chain of better overlapping boxes is shorter than t is settled, so it reaches the
+    greedy answer (its one fixed point) in at most the chain's length: a few rounds on real candidates."""
+    n = len(alive)
+    over &= _UPPER[:n, :n]
+    if not over.any():  # nothing in the block overlaps: the common case after the score threshold
+        return alive
+    keep = alive
+    for _ in range(n):
+        now = alive & ~over[keep].any(axis=0)
+        if not (now ^ keep).any():
+            break
+        keep = now
+    return keep
 
 
 def to_original(detections: np.ndarray, transform: Transform) -> np.ndarray:
@@ -122,8 +195,13 @@ def to_original(detections: np.ndarray, transform: Transform) -> np.ndarray:
     (a copy)."""
     out = np.array(detections, dtype=np.float32, copy=True).reshape(-1, 6)
     t = transform
-    out[:, [X1, X2]] = np.clip((out[:, [X1, X2]] - t.pad_x) / t.scale_x, 0, t.width)
-    out[:, [Y1, Y2]] = np.clip((out[:, [Y1, Y2]] - t.pad_y) / t.scale_y, 0, t.height)
+    box = out[:, :4]
+    pad, scale, size = np.array(
+        [[t.pad_x, t.pad_y] * 2, [t.scale_x, t.scale_y] * 2, [t.width, t.height] * 2], dtype=np.float32
+    )
+    box -= pad
+    box /= scale
+    np.minimum(np.maximum(box, 0, out=box), size, out=box)
     return out
 
 

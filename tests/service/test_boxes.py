@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from service.core.boxes import (
+    BLOCK,
     DetectOptions,
     Transform,
     formatted,
@@ -65,6 +66,22 @@ def test_suppression_matches_a_plain_reference(options: DetectOptions) -> None:
         kept = suppress(rows, options)
         assert kept.dtype == np.float32 and kept.shape[1] == 6
         np.testing.assert_array_equal(kept, rows[reference_nms(rows, options)])
+
+
+@pytest.mark.parametrize("agnostic", [False, True], ids=["per-class", "agnostic"])
+def test_suppression_over_several_blocks_matches_the_reference(agnostic: bool) -> None:
+    """More candidates above the threshold than one block settles (and than one class matrix holds), clustered as a
+    dense head's are, every one kept that greedy suppression keeps: the block-by-block path and the per-class path."""
+    rng = np.random.default_rng(3)
+    k = 2 * BLOCK + 100
+    centres = rng.uniform(0, 300, (12, 2))
+    xy = centres[rng.integers(0, 12, k)] + rng.normal(0, 8, (k, 2))
+    wh = rng.uniform(10, 40, (k, 2))
+    rows = np.concatenate([xy, xy + wh, rng.uniform(0, 1, (k, 1)), rng.integers(0, 2, (k, 1))], axis=1)
+    rows = rows.astype(np.float32)
+    assert min((rows[:, 5] == c).sum() for c in (0, 1)) > BLOCK  # each class alone spans two blocks
+    options = DetectOptions(score_threshold=0.0, iou_threshold=0.5, max_detections=k, class_agnostic=agnostic)
+    np.testing.assert_array_equal(suppress(rows, options), rows[reference_nms(rows, options)])
 
 
 def test_suppression_of_nothing_and_of_non_finite_rows() -> None:

@@ -71,8 +71,11 @@ def test_select_and_top_rows() -> None:
         ("end2end", {"o": [1, 300, 6]}, None),
         ("end2end", {"o": [1, 300, 7]}, "rows of 6"),
         ("candidates", {"o": [1, 300]}, "rank-3"),
-        ("efficientnms", {"num_dets": [1, 1], "det_boxes": [1, 100, 4], "det_scores": [1, 100],
-                          "det_classes": [1, 100]}, None),  # fmt: skip
+        (
+            "efficientnms",
+            {"num_dets": [1, 1], "det_boxes": [1, 100, 4], "det_scores": [1, 100], "det_classes": [1, 100]},
+            None,
+        ),
         ("efficientnms", {"num_dets": [1, 1], "det_boxes": [1, 100, 4]}, "missing ['det_scores', 'det_classes']"),
     ],
 )

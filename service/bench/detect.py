@@ -1,0 +1,296 @@
+"""``visionserve bench`` on a detector: the detection pipeline in process, and what the server's suppression costs.
+
+For a model whose spec says ``task = "detect"`` the pipeline figure is the whole detection path without HTTP:
+decode and letterbox in the decoding pool (each image's transform kept), stack, run, then per image
+:func:`~service.core.boxes.suppress` and :func:`~service.core.boxes.to_original` with the spec's defaults (what
+the server does for each answer). Beside ``pipeline_images_per_s`` it reports the forward pass and the
+suppression and mapping per image, and their ratio (``postprocess_share``).
+
+The target "suppression and mapping at most 5% of compute per image at 1,000 candidates before suppression"
+(issue 44) needs a graph that emits 1,000 candidates: :func:`thousand` copies the served ONNX graph with its TopK's
+K raised to 1,000 (the same weights and ops; only how many peaks leave the graph changes), runs the same pipeline
+on it, and times the suppression of synthetic dense candidates too (:func:`dense_candidates`: every one of the
+1,000 clustered on a few objects, scores spread over the whole range, several classes), against the same forward
+pass. Images default to canvases of held-out digits at known boxes (:func:`canvas_corpus`), upscaled so that
+decoding and letterboxing do real work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+from PIL import Image
+
+from loadtest.answers import Known
+from service.core.boxes import DetectOptions, Transform, suppress, to_original
+from service.core.config import ModelConfig
+from service.core.decoding import Preprocessor
+from service.core.errors import VisionServeError
+from service.core.repository import ModelVersion
+from service.core.spec import ModelSpec
+from service.runtime import RuntimeLike, choose_backend, make_runtime, warm_up
+
+THOUSAND = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Encoded images, their names and the boxes known in each (empty where unknown)."""
+
+    names: list[str]
+    images: list[bytes]
+    known: dict[str, list[Known]]
+
+
+def canvas_corpus(count: int = 32, scale: int = 4, seed: int = 7, quality: int = 90) -> Corpus:
+    """``count`` canvases of held-out digits (models/canvases.py: digits training never saw), each upscaled
+    ``scale`` times (bilinear) and encoded as JPEG, with their digits' boxes scaled alike."""
+    from models.canvases import CanvasParams, digit_pool, make_canvases
+
+    canvases = make_canvases(CanvasParams(), count, pool=digit_pool("heldout"), seed=seed)
+    names, images, known = [], [], {}
+    for i in range(len(canvases)):
+        img = Image.fromarray(canvases.images[i]).convert("RGB")
+        img = img.resize((img.width * scale, img.height * scale), Image.Resampling.BILINEAR)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=quality)
+        name = f"canvas-{i:03d}.jpg"
+        boxes, labels = canvases.objects(i)
+        names.append(name)
+        images.append(buf.getvalue())
+        known[name] = [_known(b, int(k), scale) for b, k in zip(boxes, labels, strict=True)]
+    return Corpus(names, images, known)
+
+
+def _known(box: np.ndarray, label: int | str, scale: int) -> Known:
+    x1, y1, x2, y2 = (float(v) * scale for v in box)
+    return Known((x1, y1, x2, y2), str(label))
+
+
+def default_images() -> tuple[list[bytes], str]:
+    """The detection bench's images when none are given, and their description: canvases where the training
+    extra (torch, scikit-learn) is installed, else the classifiers' photo-like JPEGs (few boxes in them)."""
+    try:
+        corpus = canvas_corpus()
+    except ImportError:
+        from service.core.samples import photo_like_jpegs
+
+        return photo_like_jpegs(), "64 generated 500x375 JPEGs (no training extra: no digit canvases)"
+    return corpus.images, f"{len(corpus.images)} canvases of held-out digits, 384x384 JPEGs"
+
+
+def in_process_answers(
+    repository: str | Path, model: str, names: list[str], images: list[bytes]
+) -> dict[str, list[Known]]:
+    """What the in-process pipeline answers for each image (the latest version, on the CPU, the spec's default
+    thresholds): a reference the served answers must match (:mod:`loadtest.answers`)."""
+    from service.core.repository import ModelRepository
+
+    entry = ModelRepository(repository).model(model)
+    version, spec = entry.latest, entry.latest.spec
+    config = msgspec.structs.replace(entry.config, device="cpu")
+    runtime = make_runtime(version, config, choose_backend(version, config, "cpu"), "cpu")
+    pool = Preprocessor(spec)
+    options = DetectOptions(max_detections=spec.max_detections)
+    out: dict[str, list[Known]] = {}
+    try:
+        for name, data in zip(names, images, strict=True):
+            decoding = pool.submit(data)
+            pixels = decoding.result()
+            assert decoding.transform is not None
+            kept = to_original(suppress(runtime.run(pixels[np.newaxis])[0], options), decoding.transform)
+            out[name] = [_known(row[:4], spec.labels[int(row[5])], 1) for row in kept]
+    finally:
+        pool.close()
+        runtime.close()
+    return out
+
+
+class DetectPipeline:
+    """The in-process detection path: decoding the next batch (in the pool, transforms kept) overlaps running and
+    post-processing the current one. Counts the seconds spent in the forward pass and in suppression and mapping."""
+
+    def __init__(self, jpegs: list[bytes], size: int, runtime: RuntimeLike, pool: Preprocessor) -> None:
+        self.jpegs, self.size, self.runtime, self.pool = jpegs, size, runtime, pool
+        self.options = DetectOptions(max_detections=runtime.spec.max_detections)
+        self.cursor = 0
+        self.images = self.kept = self.candidates = self.above = 0
+        self.compute_s = self.post_s = 0.0
+        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-decode")
+        self._next = self._decoder.submit(self._decode_next)
+
+    def _decode_next(self) -> tuple[np.ndarray, list[Transform]]:
+        futures = [self.pool.submit(self.jpegs[(self.cursor + i) % len(self.jpegs)]) for i in range(self.size)]
+        self.cursor += self.size
+        arrays, transforms = [], []
+        for future in futures:
+            try:
+                arrays.append(future.result())
+            except VisionServeError:
+                continue
+            assert future.transform is not None
+            transforms.append(future.transform)
+        return np.stack(arrays), transforms
+
+    def __call__(self) -> int:
+        batch, transforms = self._next.result()
+        self._next = self._decoder.submit(self._decode_next)
+        started = time.perf_counter()
+        candidates = self.runtime.run(batch)
+        ran = time.perf_counter()
+        kept = [to_original(suppress(rows, self.options), t) for rows, t in zip(candidates, transforms, strict=True)]
+        self.post_s += time.perf_counter() - ran
+        self.compute_s += ran - started
+        self.images += len(batch)
+        self.kept += sum(len(k) for k in kept)
+        self.candidates += candidates.shape[0] * candidates.shape[1]
+        self.above += int((candidates[..., 4] >= self.options.score_threshold).sum())
+        return len(batch)
+
+    def figures(self, rate: float) -> dict[str, Any]:
+        """The pipeline's images/s (``rate``), and per image: forward and post-processing ms, their ratio,
+        candidates from the graph, those above the score threshold and detections kept."""
+        n = max(self.images, 1)
+        return {
+            "pipeline_images_per_s": rate,
+            "compute_ms_per_image": 1000 * self.compute_s / n,
+            "postprocess_ms_per_image": 1000 * self.post_s / n,
+            "postprocess_share": self.post_s / self.compute_s if self.compute_s else float("nan"),
+            "candidates_per_image": self.candidates / n,
+            "above_threshold_per_image": self.above / n,
+            "detections_per_image": self.kept / n,
+        }
+
+    def close(self) -> None:
+        self._decoder.shutdown(wait=True)
+
+
+def pipeline_figures(
+    timed: Callable[[float, Callable[[], int]], float],
+    jpegs: list[bytes],
+    size: int,
+    runtime: RuntimeLike,
+    pool: Preprocessor,
+    seconds: float,
+) -> dict[str, Any]:
+    """:class:`DetectPipeline`'s figures over ``seconds`` at batch ``size`` (``timed``: the bench's clock)."""
+    step = DetectPipeline(jpegs, size, runtime, pool)
+    try:
+        return step.figures(timed(seconds, step))
+    finally:
+        step.close()
+
+
+def thousand_graph(onnx_path: Path, out: Path, k: int = THOUSAND) -> Path:
+    """A copy of a ``candidates`` graph at ``onnx_path`` whose TopK keeps ``k`` candidates, written to ``out``;
+    ValueError when the graph's K is not one constant (then it cannot be raised here)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(onnx_path))
+    tops = [n for n in model.graph.node if n.op_type == "TopK"]
+    constants = {i.name: i for i in model.graph.initializer}
+    if len(tops) != 1 or tops[0].input[1] not in constants:
+        raise ValueError(f"{onnx_path}: expected one TopK with a constant K, found {len(tops)} TopK")
+    constants[tops[0].input[1]].CopyFrom(numpy_helper.from_array(np.array([k], np.int64), tops[0].input[1]))
+    del model.graph.value_info[:]  # shapes recorded for K=100; onnxruntime infers them again
+    for output in model.graph.output:
+        dims = output.type.tensor_type.shape.dim
+        if len(dims) == 3:
+            dims[1].dim_value = k
+    onnx.save(model, str(out))
+    return out
+
+
+def dense_candidates(rng: np.random.Generator, size: int, classes: int, k: int = THOUSAND) -> np.ndarray:
+    """``[k, 6]`` candidates as a dense (YOLO-style) head emits them before suppression, in input pixels of a
+    ``size`` square: 2-6 objects, a quarter of the candidates clustered on them (jittered boxes, IoU with their
+    object mostly 0.3-0.9, scores spread over 0.2-0.95, a fifth of them another class than the object's), the rest
+    anywhere with low scores (Beta(1, 20): a few above 0.25). Some 250 pass the default threshold: tens of times
+    what the trained digits head leaves."""
+    objects = int(rng.integers(2, 7))
+    centre = rng.uniform(0.15 * size, 0.85 * size, (objects, 2))
+    extent = rng.uniform(0.1 * size, 0.4 * size, (objects, 2))
+    label = rng.integers(0, classes, objects)
+    near = k // 4
+    which = rng.integers(0, objects, near)
+    xy = np.concatenate([centre[which] + rng.normal(0, 0.1, (near, 2)) * extent[which],
+                         rng.uniform(0, size, (k - near, 2))])  # fmt: skip
+    wh = np.concatenate(
+        [extent[which] * rng.uniform(0.7, 1.3, (near, 2)), rng.uniform(0.05, 0.4, (k - near, 2)) * size]
+    )
+    cls = rng.integers(0, classes, k)
+    cls[:near] = np.where(rng.uniform(size=near) < 0.8, label[which], cls[:near])
+    score = np.concatenate([rng.uniform(0.2, 0.95, near), rng.beta(1, 20, k - near)])
+    rows = np.concatenate([xy - wh / 2, xy + wh / 2, score[:, None], cls[:, None]], axis=1)
+    rows[:, :4] = np.clip(rows[:, :4], 0, size)
+    return rows[rng.permutation(k)].astype(np.float32)
+
+
+def time_postprocess(
+    candidates: list[np.ndarray], transform: Transform, options: DetectOptions, seconds: float
+) -> float:
+    """Seconds per image of suppression and mapping over ``candidates`` (each image's rows), in turns."""
+    done, started = 0, time.perf_counter()
+    while done < len(candidates) or time.perf_counter() - started < seconds:
+        to_original(suppress(candidates[done % len(candidates)], options), transform)
+        done += 1
+    return (time.perf_counter() - started) / done
+
+
+def thousand(
+    timed: Callable[[float, Callable[[], int]], float],
+    version: ModelVersion,
+    config: ModelConfig,
+    device: str,
+    jpegs: list[bytes],
+    size: int,
+    pool: Preprocessor,
+    seconds: float,
+) -> dict[str, Any]:
+    """The suppression target's figures at 1,000 candidates an image (see the module docstring), or the reason
+    they could not be measured (``skipped``)."""
+    spec: ModelSpec = version.spec
+    if spec.output_layout != "candidates" or "onnx" not in version.files:
+        return {"skipped": "needs an ONNX graph with output_layout candidates"}
+    with tempfile.TemporaryDirectory(prefix="vs-bench-detect-") as scratch:
+        try:
+            path = thousand_graph(version.files["onnx"], Path(scratch) / "model.onnx")
+        except ValueError as exc:
+            return {"skipped": str(exc)}
+        wider = dataclasses.replace(version, path=Path(scratch), files={"onnx": path}, fp16_files={}, int8_files={})
+        chosen = msgspec.structs.replace(config, backend="onnxruntime", precision="fp32")
+        runtime = make_runtime(wider, chosen, "onnxruntime", device, cuda_graphs=False)
+        try:
+            warm_up(runtime, size)
+            measured = pipeline_figures(timed, jpegs, size, runtime, pool, seconds)
+        finally:
+            runtime.close()
+    forward_s = measured["compute_ms_per_image"] / 1000
+    options = DetectOptions(max_detections=spec.max_detections)
+    rng = np.random.default_rng(0)
+    dense = [dense_candidates(rng, spec.input.width, len(spec.labels)) for _ in range(64)]
+    where = Transform(spec.input.width * 4, spec.input.height * 4, 0.25, 0.25)
+    dense_s = time_postprocess(dense, where, options, seconds / 2)
+    above = float(np.mean([(d[:, 4] >= options.score_threshold).sum() for d in dense]))
+    model = ("postprocess_ms_per_image", "postprocess_share", "above_threshold_per_image", "detections_per_image")
+    return {
+        "candidates_per_image": measured["candidates_per_image"],
+        "compute_ms_per_image": measured["compute_ms_per_image"],
+        "pipeline_images_per_s": measured["pipeline_images_per_s"],
+        "model": {k: measured[k] for k in model},
+        "dense": {
+            "postprocess_ms_per_image": 1000 * dense_s,
+            "postprocess_share": dense_s / forward_s,
+            "above_threshold_per_image": above,
+        },
+    }
