@@ -46,6 +46,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     auto: bool = True  # promote and abort on the evidence; false: only report what the evidence says
     min_samples: int = 1000  # compared images before a promotion
     min_agreement: float = 0.99  # promote when the interval's lower bound reaches it; abort when its upper one is below
+    min_box_f1: float = 0.9  # a detector's image agrees when its boxes' F1 against the primary's reaches this
     confidence: float = 0.95  # of the top-1 agreement interval (Wilson)
     abort_min_samples: int = 50  # compared (or attempted) images before an abort
     max_latency_ratio: float = 1.5  # candidate / primary compute per image, at most, to promote
@@ -199,6 +200,7 @@ ROLLOUT_SETTINGS: dict[str, Setting] = {
     "auto": Setting("true or false"),
     "min_samples": Setting("an integer >= 1", check=_at_least(1)),
     "min_agreement": Setting("a number between 0 and 1", check=lambda v: 0 <= v <= 1),
+    "min_box_f1": Setting("a number between 0 and 1", check=lambda v: 0 <= v <= 1),
     "confidence": Setting("a number in [0.5, 1)", check=lambda v: 0.5 <= v < 1),
     "abort_min_samples": Setting("an integer >= 1", check=_at_least(1)),
     "max_latency_ratio": Setting("a number > 0", check=lambda v: v > 0),

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from service.core.status import InferResult
+
 TOPK = 5
 # Buckets of the candidate's probability for the primary's top-1 class minus the primary's own.
 SHIFT_EDGES = (-1.0, -0.5, -0.2, -0.1, -0.05, -0.02, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -58,6 +60,8 @@ def _quantiles(values: deque[float]) -> dict[str, float | None]:
 class Comparison:
     """Running counts of a candidate against the primary. ``labels`` name the primary's classes."""
 
+    measure = "top-1 agreement"  # what an image's agreement is (a detector's: service/engine/box_comparison.py)
+
     def __init__(self, labels: list[str], *, confidence: float = 0.95) -> None:
         self.labels = labels
         self.confidence = confidence
@@ -79,6 +83,10 @@ class Comparison:
         # (version, batch size) -> [seconds per image summed, images]: the latency ratio compares like with like
         # (a shadow computes alone, in small batches, beside a primary's larger ones).
         self._by_size: dict[tuple[str, int], list[float]] = {}
+
+    def rows(self, result: InferResult, ok: list[int]) -> np.ndarray:
+        """What :meth:`record` compares of one version's answer, rows ``ok`` only: a classifier's logits."""
+        return result.logits[ok]
 
     def record(
         self,
@@ -119,6 +127,10 @@ class Comparison:
                 counts[1] += 1
             else:
                 self.moved[(p, c)] = self.moved.get((p, c), 0) + 1
+        self.record_times(n, primary_s, candidate_s, sizes)
+
+    def record_times(self, n: int, primary_s: float, candidate_s: float, sizes: tuple[int, int]) -> None:
+        """Each version's compute seconds per image for ``n`` compared images, by batch size."""
         for _ in range(n):
             self.primary_s.append(primary_s)
             self.candidate_s.append(candidate_s)
@@ -170,6 +182,7 @@ class Comparison:
                             "agreement": agreed / n, "moved_to": moved})  # fmt: skip
         classes.sort(key=lambda c: (c["agreement"], -c["samples"]))
         return {
+            "measure": self.measure,
             "samples": self.samples,
             "agreed": self.agreed,
             "agreement": self.agreed / self.samples if self.samples else None,
@@ -211,7 +224,7 @@ def verdict(comparison: Comparison, policy: Any) -> tuple[str, str]:
         )
     if n >= policy.abort_min_samples and high < policy.min_agreement:
         return "abort", (
-            f"top-1 agreement {comparison.agreed}/{n} = {comparison.agreed / n:.2%}, interval [{low:.4f}, "
+            f"{comparison.measure} {comparison.agreed}/{n} = {comparison.agreed / n:.2%}, interval [{low:.4f}, "
             f"{high:.4f}] at {policy.confidence:g} lies below min_agreement {policy.min_agreement:g}"
         )
     if n < policy.min_samples:
@@ -229,7 +242,7 @@ def verdict(comparison: Comparison, policy: Any) -> tuple[str, str]:
     if comparison.error_rate > policy.max_error_rate:
         return "wait", f"candidate error rate {comparison.error_rate:.2%} over {policy.max_error_rate:g}"
     return "promote", (
-        f"top-1 agreement {comparison.agreed}/{n} = {comparison.agreed / n:.2%}, interval [{low:.4f}, {high:.4f}] "
+        f"{comparison.measure} {comparison.agreed}/{n} = {comparison.agreed / n:.2%}, interval [{low:.4f}, {high:.4f}] "
         f"above min_agreement {policy.min_agreement:g}; latency ratio "
         f"{'n/a' if ratio is None else f'{ratio:.2f}'}; {comparison.errors} errors"
     )

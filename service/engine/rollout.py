@@ -38,7 +38,8 @@ from service.core.errors import (
 )
 from service.core.repository import ModelEntry, ModelRepository
 from service.engine.batcher import InferRequest, InferResult
-from service.engine.comparison import verdict
+from service.engine.box_comparison import BoxComparison
+from service.engine.comparison import Comparison, verdict
 from service.engine.model import ModelEngine
 from service.engine.ondemand import Residency
 from service.engine.residency import Charge
@@ -131,7 +132,8 @@ class Rollouts:
     def _begin(self, name: str, primary: int, candidate: int, config: RolloutConfig) -> Rollout:
         engines = self.table.models[name]
         _check_judged(engines[primary], engines[candidate])
-        rollout = Rollout(name, primary, candidate, config, list(engines[primary].spec.labels))
+        spec = engines[primary].spec
+        rollout = Rollout(name, primary, candidate, config, list(spec.labels), comparison_for(spec, config))
         self.by_model[name] = rollout
         self.serving[name] = primary
         self._save(rollout)
@@ -329,7 +331,7 @@ class Rollouts:
             if bad:
                 comparison.record_error(str(bad[-1]), len(bad))
             if ok:
-                comparison.record(primary.logits[ok], candidate.logits[ok], _per_image(primary),
+                comparison.record(comparison.rows(primary, ok), comparison.rows(candidate, ok), _per_image(primary),
                                   _per_image(candidate), (_size(primary), _size(candidate)))  # fmt: skip
         self._judge(rollout)
 
@@ -392,17 +394,24 @@ class Rollouts:
             write_state(rollout, entry.path)
 
 
+def comparison_for(spec: Any, config: RolloutConfig) -> Comparison:
+    """What a rollout of ``spec``'s model compares: top-1 classes, or a detector's boxes."""
+    if spec.task == "detect":
+        return BoxComparison(list(spec.labels), confidence=config.confidence, min_box_f1=config.min_box_f1,
+                             layout=spec.output_layout, max_detections=spec.max_detections)  # fmt: skip
+    return Comparison(list(spec.labels), confidence=config.confidence)
+
+
 def _check_judged(primary: ModelEngine, candidate: ModelEngine) -> None:
-    """A rollout compares top-1 classes of both versions on the same decoded image: both must be classifiers
-    taking the same input."""
+    """A rollout compares both versions' answers on the same decoded image: the same task (and a detector's output
+    layout) on the same input."""
     a, b = primary.spec, candidate.spec
-    for side in (primary, candidate):
-        if side.spec.task != "classify":
-            raise BadInputError(
-                f"v{side.version.version} of {a.name!r} is a {side.spec.task} model: a rollout judges agreement of "
-                "top-1 classes, which says nothing about boxes; a detector's new version is placed by a reload "
-                "(or served beside as another version) until rollouts judge boxes"
-            )
+    if (a.task, a.output_layout) != (b.task, b.output_layout):
+        raise BadInputError(
+            f"v{candidate.version.version} of {a.name!r} is a {b.task} model ({b.output_layout or 'logits'}) beside "
+            f"v{primary.version.version}'s {a.task} ({a.output_layout or 'logits'}): a rollout compares answers "
+            "of one kind"
+        )
     if a.input != b.input or (a.resize_size, a.interpolation) != (b.resize_size, b.interpolation):
         raise BadInputError(
             f"v{candidate.version.version} takes other input than v{primary.version.version} "

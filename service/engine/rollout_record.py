@@ -28,12 +28,15 @@ _EFFECTIVE_SMOOTHING = 0.05  # weight of the newest sample in the effective frac
 class Rollout:
     """One model's rollout: its versions, settings, comparison and decision."""
 
-    def __init__(self, model: str, primary: int, candidate: int, config: RolloutConfig, labels: list[str]) -> None:
+    def __init__(
+        self, model: str, primary: int, candidate: int, config: RolloutConfig, labels: list[str],
+        comparison: Comparison | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.primary = primary
         self.candidate = candidate
         self.config = config
-        self.comparison = Comparison(labels, confidence=config.confidence)
+        self.comparison = comparison or Comparison(labels, confidence=config.confidence)
         self.state = "running"
         self.reason = ""
         self.started_unix = time.time()
@@ -59,8 +62,9 @@ class Rollout:
     def document(self) -> dict[str, Any]:
         """What ``GET /v2/models/{m}/rollout`` answers (docs/rollouts.md)."""
         cfg = self.config
-        policy = {k: getattr(cfg, k) for k in ("min_samples", "min_agreement", "confidence", "abort_min_samples",
-                                               "max_latency_ratio", "max_error_rate", "shadow_timeout_ms")}  # fmt: skip
+        policy = {k: getattr(cfg, k) for k in ("min_samples", "min_agreement", "min_box_f1", "confidence",
+                                               "abort_min_samples", "max_latency_ratio", "max_error_rate",
+                                               "shadow_timeout_ms")}  # fmt: skip
         return {
             "model": self.model, "state": self.state, "mode": cfg.mode, "primary": self.primary,
             "serving": self.candidate if self.state == "promoted" else self.primary,

@@ -380,6 +380,14 @@ def test_the_rollout_table_shows_each_rollout_and_a_404_as_none(page_server: Run
     assert rows["tricky"]["agreement"] == "none yet" and rows["tricky"]["latency-ratio"] == "none yet"
     assert rows["tricky"]["samples"] == "0" and rows["tricky"]["verdict"] == "wait: 0 of 1000 samples (auto off)"
 
+    # A detector's rollout: its agreement is on boxes, said beside it with the mean F1.
+    boxes = running | {"verdict_reason": "box agreement 412/412"}
+    boxes["comparison"] = running["comparison"] | {"box_f1_mean": 0.95}
+    browser.execute_script("window.rolloutStub.tricky = arguments[0]; window.rolloutStub.lazy = 404; loadModels();",
+                           boxes)  # fmt: skip
+    shown = _rollouts(browser, lambda t: len(t["rows"]) == 1 and "boxes" in t["rows"][0]["agreement"])
+    assert shown["rows"][0]["agreement"] == "99.51% [98.26%, 99.87%], boxes (mean F1 0.950)"
+
 
 def test_a_shadow_rollout_shows_what_its_route_answers(served_repo: Path, browser, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from selenium.webdriver.common.by import By

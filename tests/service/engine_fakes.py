@@ -76,7 +76,13 @@ class FakeEngine:
         self.batcher = FakeBatcher()
         self.version = SimpleNamespace(model=model, version=number)
         self.spec = SimpleNamespace(
-            name=model, task="classify", input=(3, 8, 8), resize_size=8, interpolation="bilinear", labels=["a", "b"]
+            name=model,
+            task="classify",
+            output_layout=None,
+            input=(3, 8, 8),
+            resize_size=8,
+            interpolation="bilinear",
+            labels=["a", "b"],
         )
         self.closed = False
 

@@ -90,19 +90,20 @@ def test_a_rollout_from_config_starts_when_its_model_loads(tmp_path: Path) -> No
     assert parts.rollouts.routes() == {"m": 1}
 
 
-def test_a_detectors_rollout_is_refused_by_request_and_from_config(tmp_path: Path) -> None:
-    """A rollout judges top-1 agreement, which says nothing about boxes: a detector's is refused with the reason,
-    and the candidate loaded for it goes again with its charge."""
+def test_a_rollout_between_two_tasks_is_refused_by_request_and_from_config(tmp_path: Path) -> None:
+    """A rollout compares answers of one kind: a detector's candidate beside a classifier is refused with the
+    reason, and the candidate loaded for it goes again with its charge."""
 
     async def scenario() -> None:
         parts = Parts(tmp_path, versions=(1,))
         parts.table.models["m"][1].spec.task = "detect"
+        parts.table.models["m"][1].spec.output_layout = "candidates"
         try:
             await parts.call("start", settings=SHADOW)
         except BadInputError as exc:
-            assert "is a detect model" in str(exc) and "top-1" in str(exc)
+            assert "is a classify model (logits) beside v1's detect (candidates)" in str(exc)
         else:
-            raise AssertionError("a detector's rollout started")
+            raise AssertionError("a rollout across tasks started")
         assert set(parts.table.models["m"]) == {1} and VersionKey("m", 2) not in parts.memory.accounts.charges
         assert parts.rollouts.document("m")["state"] == "none"
 

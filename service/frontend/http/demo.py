@@ -141,8 +141,10 @@ function rolloutRow(d) {
       el('td', {className: 'error', colSpan: 7}, `Could not read its rollout: ${d.error}`));
   }
   const c = d.comparison || {};
+  // a detector's agreement is on boxes (an image agrees when its boxes' F1 reaches min_box_f1), said beside it
+  const boxes = c.box_f1_mean != null ? `, boxes (mean F1 ${c.box_f1_mean.toFixed(3)})` : '';
   const agreement = c.agreement == null ? 'none yet'
-    : `${percent(c.agreement)} [${percent(c.agreement_low)}, ${percent(c.agreement_high)}]`;
+    : `${percent(c.agreement)} [${percent(c.agreement_low)}, ${percent(c.agreement_high)}]${boxes}`;
   // running: what the evidence says now (acted on when auto); decided: what was done and why
   const verdict = d.state === 'running'
     ? `${d.verdict}${d.verdict_reason ? `: ${d.verdict_reason}` : ''}${d.auto ? '' : ' (auto off)'}`

@@ -1,0 +1,110 @@
+"""A candidate detector's boxes beside the primary's: the evidence a detector's rollout decides on.
+
+Top-1 says nothing about boxes. Each compared image is read as the server answers it (the model's output layout,
+suppressed with the default options: :func:`service.core.layouts.keep`), and the candidate's boxes are matched one
+to one to the primary's, best scored first, of the same class at IoU >= 0.5. The image *agrees* when the F1 of that
+matching (twice the pairs over both counts of boxes; 1 when neither found any) is at least ``[rollout]
+min_box_f1``; agreement is then a binomial proportion over images, with the same Wilson interval, promotion and
+abort as a classifier's (:func:`service.engine.comparison.verdict`). The summary adds the F1's mean, a histogram of
+the matched pairs' IoU, and the score shift of matched pairs (the candidate's score minus the primary's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from service.core.boxes import DetectOptions, iou_matrix
+from service.core.layouts import image_rows, keep
+from service.core.status import InferResult
+from service.engine.comparison import SHIFT_EDGES, Comparison
+
+MATCH_IOU = 0.5
+IOU_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+def box_f1(primary: np.ndarray, candidate: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """(F1, the matched pairs' IoU, the matched pairs' score shift) of one image's kept rows ``[M, 6]``."""
+    if len(primary) == 0 and len(candidate) == 0:
+        return 1.0, np.zeros(0), np.zeros(0)
+    if len(primary) == 0 or len(candidate) == 0:
+        return 0.0, np.zeros(0), np.zeros(0)
+    overlaps = iou_matrix(candidate[:, :4].astype(np.float64), primary[:, :4].astype(np.float64))
+    overlaps[candidate[:, 5][:, None] != primary[:, 5][None, :]] = 0.0
+    taken = np.zeros(len(primary), dtype=bool)
+    ious, shifts = [], []
+    for i in np.argsort(-candidate[:, 4], kind="stable"):  # best scored first, each to its best free partner
+        row = np.where(taken, 0.0, overlaps[i])
+        j = int(row.argmax())
+        if row[j] >= MATCH_IOU:
+            taken[j] = True
+            ious.append(row[j])
+            shifts.append(float(candidate[i, 4] - primary[j, 4]))
+    pairs = len(ious)
+    return 2.0 * pairs / (len(primary) + len(candidate)), np.asarray(ious), np.asarray(shifts)
+
+
+class BoxComparison(Comparison):
+    """:class:`Comparison` for detectors: the same counts, latencies and verdict, agreement judged on boxes."""
+
+    def __init__(
+        self, labels: list[str], *, confidence: float, min_box_f1: float, layout: str | None, max_detections: int
+    ) -> None:
+        super().__init__(labels, confidence=confidence)
+        self.measure = "box agreement"
+        self.min_box_f1 = min_box_f1
+        self.layout = layout
+        self.options = DetectOptions(max_detections=max_detections)
+        self.f1_sum = 0.0
+        self.pairs = 0
+        self.iou_counts = [0] * (len(IOU_EDGES) - 1)
+
+    def rows(self, result: InferResult, ok: list[int]) -> list[np.ndarray]:  # type: ignore[override]
+        outputs = {name: array[ok] for name, array in result.outputs.items()}
+        found = image_rows(self.layout, outputs, len(self.labels), self.options.score_threshold)
+        return [keep(self.layout, rows, self.options) for rows in found]
+
+    def record(  # type: ignore[override]
+        self,
+        primary: list[np.ndarray],
+        candidate: list[np.ndarray],
+        primary_s: float,
+        candidate_s: float,
+        sizes: tuple[int, int] = (1, 1),
+    ) -> None:
+        """Both versions' kept rows for the same images, as :meth:`rows` reads them."""
+        n = len(primary)
+        if n == 0:
+            return
+        for mine, theirs in zip(primary, candidate, strict=True):
+            f1, ious, shifts = box_f1(mine, theirs)
+            self.f1_sum += f1
+            self.agreed += int(f1 >= self.min_box_f1)
+            self.pairs += len(ious)
+            for bucket in np.clip(np.searchsorted(IOU_EDGES, ious, side="right") - 1, 0, len(self.iou_counts) - 1):
+                self.iou_counts[int(bucket)] += 1
+            self.shift_sum += float(shifts.sum())
+            for bucket in np.clip(
+                np.searchsorted(SHIFT_EDGES, shifts, side="right") - 1, 0, len(self.shift_counts) - 1
+            ):
+                self.shift_counts[int(bucket)] += 1
+        self.samples += n
+        self.record_times(n, primary_s, candidate_s, sizes)
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        out.update(
+            measure=f"images whose boxes' F1 against the primary's (same class, IoU >= {MATCH_IOU}) >= "
+            f"{self.min_box_f1:g}",
+            topk=None,
+            topk_overlap=None,
+            box_f1_mean=self.f1_sum / self.samples if self.samples else None,
+            box_iou={"edges": list(IOU_EDGES), "counts": list(self.iou_counts), "pairs": self.pairs},
+            score_shift={
+                "edges": list(SHIFT_EDGES),
+                "counts": list(self.shift_counts),
+                "mean": self.shift_sum / self.pairs if self.pairs else None,
+            },
+        )
+        return out
