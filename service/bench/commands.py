@@ -152,6 +152,8 @@ def _detect_lines(result: dict[str, Any]) -> list[str]:
             f"    suppression + mapping, dense candidates: {dense['postprocess_ms_per_image']:.3f} ms/image = "
             f"{100 * dense['postprocess_share']:.1f}% of the forward ({dense['above_threshold_per_image']:.0f} above "
             "the threshold; target <= 5%)",
+            f"  a YOLO head (640 input, 80 classes, 8,400 anchors, {at['yolo']['above_threshold']:.0f} above 0.25): "
+            f"decode + suppression {at['yolo']['decode_suppress_ms_per_image']:.3f} ms/image (target <= 3 ms)",
         ]
     return lines
 

@@ -236,6 +236,43 @@ def dense_candidates(rng: np.random.Generator, size: int, classes: int, k: int =
     return rows[rng.permutation(k)].astype(np.float32)
 
 
+def yolo_head(seed: int = 0, objects: int = 60, anchors: int = 8400, classes: int = 80) -> np.ndarray:
+    """A YOLOv8-like raw output ``[1, 4 + classes, anchors]`` for a 640 input (output_layout ``yolo``):
+    ``objects`` objects, each seen by many anchors (jittered boxes, scores 0.2-0.95), the rest background scoring
+    low on a few classes; some 1,500 anchors above 0.25."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((4 + classes, anchors), dtype=np.float32)
+    centre = rng.uniform(20, 620, (anchors, 2))
+    size = rng.uniform(8, 120, (anchors, 2))
+    scores = rng.uniform(0, 0.2, (anchors, classes)).astype(np.float32) * (rng.random((anchors, classes)) < 0.05)
+    owner = rng.integers(0, objects, anchors)
+    seen = rng.random(anchors) < 0.2  # a fifth of the anchors sit on an object
+    obj_centre = rng.uniform(40, 600, (objects, 2))
+    obj_size = rng.uniform(16, 200, (objects, 2))
+    obj_class = rng.integers(0, classes, objects)
+    centre[seen] = obj_centre[owner[seen]] + rng.normal(0, 4, (seen.sum(), 2))
+    size[seen] = obj_size[owner[seen]] * rng.uniform(0.8, 1.2, (seen.sum(), 2))
+    scores[seen, obj_class[owner[seen]]] = rng.uniform(0.2, 0.95, seen.sum())
+    out[:2], out[2:4], out[4:] = centre.T, size.T, scores.T
+    return out[None]
+
+
+def time_yolo(seconds: float, heads: int = 4) -> dict[str, float]:
+    """The server's decode and suppression of :func:`yolo_head` outputs (layouts.image_rows, then suppress with
+    the defaults and ultralytics' max_det 300), per image, in turns over ``heads`` seeds."""
+    from service.core.layouts import image_rows
+
+    options = DetectOptions(max_detections=300)
+    outputs = [{"output0": yolo_head(seed)} for seed in range(heads)]
+    above = float(np.mean([len(image_rows("yolo", o, 80, options.score_threshold)[0]) for o in outputs]))
+    done, started = 0, time.perf_counter()
+    while done < 4 * heads or time.perf_counter() - started < seconds:
+        rows = image_rows("yolo", outputs[done % heads], 80, options.score_threshold)[0]
+        suppress(rows, options)
+        done += 1
+    return {"decode_suppress_ms_per_image": 1000 * (time.perf_counter() - started) / done, "above_threshold": above}
+
+
 def time_postprocess(
     candidates: list[np.ndarray], transform: Transform, options: DetectOptions, seconds: float
 ) -> float:
@@ -293,4 +330,5 @@ def thousand(
             "postprocess_share": dense_s / forward_s,
             "above_threshold_per_image": above,
         },
+        "yolo": time_yolo(seconds / 2),
     }

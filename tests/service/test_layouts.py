@@ -8,6 +8,7 @@ import pytest
 import torch
 import torchvision
 
+from service.bench.detect import yolo_head
 from service.core.boxes import DetectOptions, suppress
 from service.core.errors import ConfigError
 from service.core.layouts import check_outputs, image_rows, select, top_rows
@@ -86,26 +87,6 @@ def test_output_shapes_are_held_to_the_layout(layout: str, outputs: dict[str, li
     with pytest.raises(ConfigError, match="do not fit output_layout") as refused:
         check_outputs(layout, outputs, 80)  # type: ignore[arg-type]
     assert message in str(refused.value)
-
-
-def yolo_head(seed: int = 0, objects: int = 60, anchors: int = 8400, classes: int = 80) -> np.ndarray:
-    """A YOLOv8-like raw output ``[1, 84, 8400]`` for a 640 input: ``objects`` objects, each seen by many anchors
-    (jittered boxes, scores falling off), the rest background scoring low; over 1,000 anchors above 0.25."""
-    rng = np.random.default_rng(seed)
-    out = np.zeros((4 + classes, anchors), dtype=np.float32)
-    centre = rng.uniform(20, 620, (anchors, 2))
-    size = rng.uniform(8, 120, (anchors, 2))
-    scores = rng.uniform(0, 0.2, (anchors, classes)).astype(np.float32) * (rng.random((anchors, classes)) < 0.05)
-    owner = rng.integers(0, objects, anchors)
-    seen = rng.random(anchors) < 0.2  # a fifth of the anchors sit on an object
-    obj_centre = rng.uniform(40, 600, (objects, 2))
-    obj_size = rng.uniform(16, 200, (objects, 2))
-    obj_class = rng.integers(0, classes, objects)
-    centre[seen] = obj_centre[owner[seen]] + rng.normal(0, 4, (seen.sum(), 2))
-    size[seen] = obj_size[owner[seen]] * rng.uniform(0.8, 1.2, (seen.sum(), 2))
-    scores[seen, obj_class[owner[seen]]] = rng.uniform(0.2, 0.95, seen.sum())
-    out[:2], out[2:4], out[4:] = centre.T, size.T, scores.T
-    return out[None]
 
 
 def reference(head: np.ndarray, threshold: float, iou: float, most: int) -> np.ndarray:
