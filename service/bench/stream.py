@@ -99,6 +99,7 @@ FLAGS: list[Flag] = [
     ("--fair-tolerance", 0.10, "target (c): the others' answered rate within this share of their fair share"),
     ("--paced-batch", 8, "paced: max_batch_size", COUNT),
     ("--paced-config", "", "paced: more config.toml lines, ';'-separated (default: none)"),
+    ("--paced-noop", False, "paced: served by the noop runtime ([faults] noop, a drill): its delay alone sets it"),
     ("--paced-delay-ms", 50.0, "paced: [faults] delay_ms, each batch's fixed compute time", POSITIVE),
     ("--images", None, "folder of images the frames cycle through (default: generated JPEGs of --image-size)"),
     ("--image-size", (500, 375), "generated JPEGs: WIDTHxHEIGHT", size_pair),
@@ -122,7 +123,7 @@ def make_repository(work: Path, args: argparse.Namespace) -> Path:
     """``digits`` as shipped and ``paced``, its copy slow by its config."""
     extra = "".join(f"{line.strip()}\n" for line in args.paced_config.split(";") if line.strip())
     paced = config_toml({"max_batch_size": args.paced_batch}) + extra
-    paced += config_toml(faults={"delay_ms": args.paced_delay_ms})
+    paced += config_toml(faults={"delay_ms": args.paced_delay_ms, **({"noop": True} if args.paced_noop else {})})
     models = {"digits": (EXAMPLE / "config.toml").read_text(), "paced": paced}
     return repository(work / "repository", {name: ({1: EXAMPLE / "1"}, config) for name, config in models.items()})
 

@@ -34,6 +34,7 @@ class Faults(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     load_error: str = ""  # loading each instance raises a RuntimeError with this message (a runtime's own exception)
     resident_bytes: int = 0  # charged to the memory budget in place of the measured size (a model this big); 0: off
     versions: tuple[int, ...] = ()  # the versions faulted (a failing candidate beside a sound one); (): all
+    noop: bool = False  # served by a runtime that does no model work (nonsense answers): the server's own capacity
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -57,7 +58,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Serving settings of one model (all versions)."""
 
-    backend: Literal["auto", "onnxruntime", "torchscript", "aoti", "noop"] = "auto"
+    backend: Literal["auto", "onnxruntime", "torchscript", "aoti"] = "auto"
     device: str = "auto"
     fallback: Literal["cpu", "none"] = "cpu"
     precision: Literal["fp32", "fp16", "bf16", "int8", "auto"] = "fp32"
@@ -98,10 +99,10 @@ def _at_least(low: float) -> Callable[[Any], bool]:
 # One entry per field of each struct, in the template's order; the import-time check below keeps them in step.
 SETTINGS: dict[str, Setting] = {
     "backend": Setting(
-        "auto, onnxruntime, torchscript, aoti or noop",
+        "auto, onnxruntime, torchscript or aoti",
         "auto (the fastest measured runtime for the "
         "device among the files present: service/runtime/factory.py) | onnxruntime | torchscript | aoti "
-        "(AOTInductor) | noop (a drill: no model work, nonsense answers; measures the server's own capacity)",
+        "(AOTInductor); a runtime that does no work is a drill: [faults] noop",
     ),
     "device": Setting(
         "auto, cpu, cuda or cuda:N",
@@ -191,6 +192,7 @@ FAULT_SETTINGS: dict[str, Setting] = {
     "versions": Setting(
         "a list of version numbers >= 1 (empty: every version)", check=lambda v: min(v, default=1) >= 1
     ),
+    "noop": Setting("true or false"),
 }
 ROLLOUT_SETTINGS: dict[str, Setting] = {
     "candidate": Setting("a version number >= 1 (0: no rollout)", check=_at_least(0)),

@@ -142,7 +142,8 @@ def _planned_device(config: ModelConfig) -> str:
 
 def choose_backend(version: ModelVersion, config: ModelConfig, device: str | None = None) -> str:
     """The backend for ``version`` on ``device`` (default: the device the config will use)."""
-    if config.backend == "noop":
+    faults = config.faults
+    if faults.noop and (not faults.versions or version.version in faults.versions):  # the drill: no model work
         return "noop"
     if config.precision == "int8":
         return _int8_backend(version, config)

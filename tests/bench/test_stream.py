@@ -35,7 +35,7 @@ def test_stream_bench_writes_every_target(tmp_path: Path) -> None:
     # a first and a last window), 32x32 JPEGs, and paced on the noop runtime: its [faults] delay sets its capacity.
     command = [sys.executable, "-m", "service.cli", "bench", "stream", "--quick", "--models", "paced", "--streams", "2",
                "--duration", "2", "--window", "1", "--other-duration", "1", "--capacity-s", "1", "--warmup", "0.2",
-               "--image-size", "32x32", "--paced-config", 'backend = "noop"', "--work", str(tmp_path / "work"),
+               "--image-size", "32x32", "--paced-noop", "--work", str(tmp_path / "work"),
                "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-3000:]  # 1: a target missed

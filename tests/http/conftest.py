@@ -44,12 +44,18 @@ def fast_models() -> bool:
 
 
 def _serve_noop(repo: Path, real_models: tuple[str, ...]) -> None:
-    """Under the fast-model switch: every model of ``repo`` not in ``real_models`` gets ``backend = "noop"``."""
+    """Under the fast-model switch: every model of ``repo`` not in ``real_models`` gets ``[faults] noop = true``
+    (its own ``[faults]`` table, where it has one, keeps its other drills)."""
     for model in sorted(p for p in repo.iterdir() if p.is_dir() and p.name not in real_models):
         config = model / "config.toml"
         lines = config.read_text().splitlines() if config.exists() else []
-        kept = [line for line in lines if not line.replace(" ", "").startswith("backend=")]
-        config.write_text("\n".join(['backend = "noop"', *kept]) + "\n")
+        lines = [line for line in lines if not line.replace(" ", "").startswith("noop=")]
+        table = next((i for i, line in enumerate(lines) if line.strip() == "[faults]"), None)
+        if table is None:
+            lines += ["[faults]", "noop = true"]
+        else:
+            lines.insert(table + 1, "noop = true")
+        config.write_text("\n".join(lines) + "\n")
 
 
 def start_server(

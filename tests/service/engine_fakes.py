@@ -101,9 +101,8 @@ def entry(
 ) -> ModelEntry:
     """A model's repository entry; its size on the budget is ``size_mb`` (the drill's, so no file is measured)."""
     config = ModelConfig(
-        backend="noop",  # no artifact to choose between: the size is the drill's
         residency="on_demand" if on_demand else "pinned",
-        faults=Faults(resident_bytes=size_mb * MB),
+        faults=Faults(resident_bytes=size_mb * MB, noop=True),  # no artifact to choose between: the size is the drill's
         rollout=rollout or RolloutConfig(),
     )
     folder = tmp / name

@@ -77,7 +77,7 @@ def test_aoti_onnxruntime_and_eager_agree_on_real_digits(aoti_repo: Path) -> Non
 
 def test_config_takes_backend_aoti_and_names_it_when_refusing() -> None:
     assert parse_config({"backend": "aoti"}, source="x/config.toml").backend == "aoti"
-    with pytest.raises(ConfigError, match=r"backend must be auto, onnxruntime, torchscript, aoti or noop, got 'trt'"):
+    with pytest.raises(ConfigError, match=r"backend must be auto, onnxruntime, torchscript or aoti, got 'trt'"):
         parse_config({"backend": "trt"}, source="x/config.toml")
 
 

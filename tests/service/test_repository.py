@@ -118,7 +118,7 @@ def test_unknown_config_key_is_refused(repo: Path) -> None:
     [
         ("max_batch_size = 0", "max_batch_size must be an integer >= 1, got 0"),
         ('max_batch_size = "big"', "max_batch_size must be an integer >= 1, got 'big'"),
-        ('backend = "tensorrt"', "backend must be auto, onnxruntime, torchscript, aoti or noop, got 'tensorrt'"),
+        ('backend = "tensorrt"', "backend must be auto, onnxruntime, torchscript or aoti, got 'tensorrt'"),
         ("queue_full_status = 500", "queue_full_status must be 503 or 429, got 500"),
         ('batch_policy = "eager"', "batch_policy must be delay or adaptive, got 'eager'"),
         ('device = "gpu0"', "device must be auto, cpu, cuda or cuda:N, got 'gpu0'"),
