@@ -25,8 +25,6 @@ may use what earlier steps left, never what later ones are owed; its commands ar
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import re
 import shutil
@@ -34,14 +32,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from gpucheck.outputs import bench_matrix, junit_counts, last_line, step_summary
-from gpucheck.proc import run_logged
+from gpucheck.proc import StepError
 from gpucheck.report import SECTIONS, markdown
-from gpucheck.wheels import CARRIED, choose_wheels, download_command
+from gpucheck.steps import StepRunner, ints, step_parser
+from gpucheck.wheels import download_command
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each step's share of the 545 s budget on one H100 (scaled to another --budget-s). A step may also use what the
@@ -54,104 +52,14 @@ STEP_NEEDS = {"gpu_tests": ("pytest",), "export": ("onnx", "onnxscript"), "bench
               "train": ("sklearn",)}  # fmt: skip
 
 
-class Check:
+class Check(StepRunner):
     """Runs the steps, keeps every number and every reason, and writes the report after each step."""
 
+    prefix = "gpu-check"
+
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.dry = args.dry_run
-        self.device = "cpu" if self.dry else "cuda"  # with the sizes, the only difference between the two runs
-        self.out = Path(args.out).resolve()
-        self.started = time.monotonic()
-        self.report: dict[str, Any] = {"kind": "dry run (CPU, tiny sizes)" if self.dry else "GPU check",
-                                       "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-                                       "budget_s": args.budget_s, "sections": {}, "skipped": {}, "errors": {},
-                                       "seconds": {}}  # fmt: skip
-        site = Path(args.site).resolve()
-        path = [str(ROOT), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
-        if self.dry:  # one thread: two spun against all else on a busy 2-core CPU (train 41 s -> 12 s with one)
-            self.env.setdefault("OMP_NUM_THREADS", "1")
-        self.site = site
-        self.repo = self.out / "repo"
-        self.model = "smallcnn" if self.dry else "resnet50"
-        self.timings: dict[str, float] = {}
+        super().__init__(args, root=ROOT, shares=STEP_SHARE_S, needs=STEP_NEEDS, kind="GPU check")
         self.gpus, self.ort_cuda, self.gpu_tests_failed = 0, False, False
-        self.missing: set[str] = set()  # modules that do not import once the carried wheels are installed
-        self.deadline = self.started + args.budget_s
-
-    # ---- plumbing -------------------------------------------------------------------------------------------
-    def left_s(self) -> float:
-        return float(self.args.budget_s) - (time.monotonic() - self.started)
-
-    def step_left_s(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def share_s(self, name: str) -> float:
-        return STEP_SHARE_S[name] * self.args.budget_s / sum(STEP_SHARE_S.values())
-
-    def run(self, cmd: list[str], timeout_s: float, log: str) -> subprocess.CompletedProcess[str]:
-        """Run ``cmd`` from the repository root with the carried packages on the path, stopped at the step's
-        deadline; keep its output, also what a command stopped at the deadline printed until then."""
-        timeout = min(timeout_s, self.step_left_s())
-        if timeout < 1:
-            raise StepError(f"no time left in this step's share for {' '.join(cmd[2:5])}")
-        started = time.monotonic()
-        code, stdout, stderr = run_logged(cmd, cwd=ROOT, env=self.env, timeout_s=timeout, log=self.out / f"{log}.log")
-        if code is None:
-            at = f"; last said: {w}" if (w := last_line(stderr) or last_line(stdout)) else ""
-            raise StepError(f"{' '.join(cmd[2:5])} ran past {timeout:.0f} s (this step's share){at}")
-        self.timings[log] = round(time.monotonic() - started, 1)
-        return subprocess.CompletedProcess(cmd, code, stdout, stderr)
-
-    def cli(self, args: list[str], *, timeout_s: float, log: str) -> subprocess.CompletedProcess[str]:
-        quiet = [] if args[0] == "export" else ["--no-progress"]  # export's: a line per gate, kept in its log
-        proc = self.run([sys.executable, "-m", "service.cli", *args, *quiet], timeout_s, log)
-        if proc.returncode != 0:  # the error, not the warnings printed after it
-            said = "\n".join(ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
-            raise StepError(f"visionserve {args[0]} exited {proc.returncode}: {said.strip()[-600:]}")
-        return proc
-
-    def step(self, name: str, fn: Any, *, after: str | None = None) -> None:
-        """Run one step within its deadline; whatever it raises is its own error, and the next step still runs."""
-        later = sum(self.share_s(s) for s in SECTIONS[SECTIONS.index(name) + 1 :] if s not in self.args.skip)
-        allowance = self.left_s() - later
-        reason = self._why_not(name, allowance, after)
-        if reason is not None:
-            self.report["skipped"][name] = reason
-            say(f"{name}: skipped ({reason})")
-            self.write()
-            return
-        say(f"{name} ({allowance:.0f} s, {self.left_s():.0f} s left in all)")
-        self.deadline = time.monotonic() + allowance
-        started = time.monotonic()
-        try:
-            if name == self.args.fail_step:
-                raise StepError("made to fail by --fail-step")
-            self.report["sections"][name] = fn()
-        except StepError as exc:
-            self.report["errors"][name] = str(exc)
-            say(f"  error: {exc}")
-        except Exception as exc:  # a bug of this script: recorded, and the other steps still run
-            self.report["errors"][name] = f"{type(exc).__name__}: {exc}"
-            say(f"  error: {type(exc).__name__}: {exc}")
-        self.report["seconds"][name] = round(time.monotonic() - started, 1)
-        self.write()
-
-    def _why_not(self, name: str, allowance: float, after: str | None) -> str | None:
-        """Why step ``name`` cannot run now (None: it can)."""
-        if name in self.args.skip:
-            return "--skip"
-        if after is not None and after not in self.report["sections"]:
-            return f"it needs the {after} step, which did not complete"
-        absent = [m for m in STEP_NEEDS.get(name, ()) if m in self.missing]
-        if absent:
-            carried = [CARRIED[m] for m in absent if m in CARRIED]
-            where = f"carry its wheel in {self.args.wheels}/ (`make gpu-wheels`)" if carried else "not carried"
-            return f"module {', '.join(absent)} does not import here ({where})"
-        if allowance < 1:
-            return f"time budget: {self.left_s():.0f} s left of {self.args.budget_s:.0f} s, owed to the later steps"
-        return None
 
     # ---- the commands (one builder per command, for both runs) ----------------------------------------------
     def gpu_test_args(self, junit: Path) -> list[str]:
@@ -200,11 +108,8 @@ class Check:
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
-        proc = self.run([sys.executable, "-c", ENVIRONMENT_CODE], 120, "environment")
-        if proc.returncode != 0:
-            raise StepError(f"torch does not import: {proc.stderr.strip()[-400:]}")
-        env: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-        env.update(python=platform.python_version(), cpu_cores=os.cpu_count(), machine=platform.machine())
+        env = self.versions(120)
+        env["machine"] = platform.machine()
         env["driver"] = None
         if shutil.which("nvidia-smi"):
             query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
@@ -215,48 +120,6 @@ class Check:
         if not self.dry and not self.gpus:
             raise StepError("no usable CUDA device: run with --dry-run on a machine without a GPU")
         return env
-
-    def install(self) -> dict[str, Any]:
-        import importlib
-
-        needed = sorted({*CARRIED, *(m for needs in STEP_NEEDS.values() for m in needs)})
-        unimportable = self._unimportable(needed)
-        missing = {CARRIED[m] for m in unimportable if m in CARRIED}
-        wheels_dir = Path(self.args.wheels)
-        wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
-        chosen, refused, other_python = choose_wheels(wheels, missing)
-        result: dict[str, Any] = {
-            "missing_before": sorted(unimportable),
-            "wheels_dir": str(wheels_dir),
-            "wheels_mb": round(sum(w.stat().st_size for w in wheels) / 1e6, 1),
-            "installed": [w.name for w in chosen],
-            "refused_never_reinstalled": [w.name for w in refused],
-            "refused_for_another_python": [w.name for w in other_python],
-        }
-        if other_python:
-            version = platform.python_version().rpartition(".")[0]
-            result["hint"] = f"carried for another Python: {' '.join(download_command(version))}"
-        if chosen:
-            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                   "--disable-pip-version-check", "--upgrade", "--target", str(self.site),
-                   *map(str, chosen)]  # fmt: skip
-            proc = self.run(cmd, 300, "install")
-            if proc.returncode != 0:
-                raise StepError(f"pip install from {wheels_dir} failed: {proc.stderr.strip()[-400:]}")
-            importlib.invalidate_caches()
-            unimportable = self._unimportable(needed)  # again only when something was installed
-        self.missing = set(unimportable)
-        result["missing_after"] = sorted(self.missing)
-        return result
-
-    def _unimportable(self, modules: list[str]) -> list[str]:
-        """The modules that fail to import, tried in one fresh interpreter with the carried packages on the path."""
-        code = (
-            "import importlib, sys\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
-            "    except Exception:\n        print(m)"
-        )
-        proc = self.run([sys.executable, "-c", code, *modules], 120, "imports")
-        return proc.stdout.split()
 
     def gpu_tests(self) -> dict[str, Any]:
         junit = self.out / "gpu-tests.xml"
@@ -300,7 +163,7 @@ class Check:
                 runs.append({**label, "error": str(exc)})
                 self.report["errors"][f"bench {log}"] = str(exc)
                 continue
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            result = self.json_line(proc)
             runs.append({**label, "device": result["device"], "engine_images_per_s": result["engine_images_per_s"]})
         return {"model": self.model, "batch_sizes": self.args.batch_sizes, "runs": runs, "skipped": skipped}
 
@@ -322,7 +185,7 @@ class Check:
         return None
 
     def decode(self) -> dict[str, Any]:
-        result = json.loads(self.cli(self.decode_args(), timeout_s=180, log="decode").stdout.strip().splitlines()[-1])
+        result = self.json_line(self.cli(self.decode_args(), timeout_s=180, log="decode"))
         keys = ("decode_cpu_images_per_s", "decode_gpu_images_per_s", "decode_gpu_skipped", "decode_workers")
         out = {k: result[k] for k in keys if k in result}
         out["batch"] = self.args.decode_batch
@@ -343,9 +206,9 @@ class Check:
         ready_s = time.monotonic() - started
         try:
             closed = self.cli(self.loadtest_args(server.url, "closed"), timeout_s=300, log="loadtest-closed")
-            closed_result = json.loads(closed.stdout.splitlines()[-1])
+            closed_result = self.json_line(closed)
             slo = self.cli(self.loadtest_args(server.url, "slo"), timeout_s=300, log="loadtest-slo")
-            slo_result = json.loads(slo.stdout.splitlines()[-1])
+            slo_result = self.json_line(slo)
         finally:
             server.stop(60)
         return {"model": self.model, "config": config.read_text(), "ready_after_s": round(ready_s, 1),
@@ -385,40 +248,17 @@ class Check:
             self.step("train", self.train, after="environment")
         finally:
             self.write()
-            say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
+            self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
         failed = bool(self.gpu_tests_failed) or bool(self.report["errors"])
         return 1 if failed else 0
 
-    def write(self) -> None:
-        """The report as it stands (after every step, so that a check stopped half way still leaves one)."""
-        self.report["seconds_total"] = round(time.monotonic() - self.started, 1)
-        self.report["command_seconds"] = self.timings
-        self.report["gpu_tests_failed"] = bool(self.gpu_tests_failed)
-        (self.out / "report.json").write_text(json.dumps(self.report, indent=2) + "\n")
-        try:
-            text = markdown(self.report)
-        except Exception as exc:  # a bug of the rendering must not cost the report: the numbers are in the JSON
-            text = f"# visionserve {self.report['kind']}\n\nThe report could not be drawn ({exc!r}): see report.json.\n"
-        (self.out / "report.md").write_text(text)
+    def totals(self) -> dict[str, Any]:
+        return {"gpu_tests_failed": bool(self.gpu_tests_failed)}
+
+    def render(self) -> str:
+        return markdown(self.report)
 
 
-# torch alone is needed; torchvision and onnxruntime are reported, or said to be missing.
-ENVIRONMENT_CODE = """
-import importlib, json, torch
-c = torch.cuda.is_available()
-env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": c,
-       "gpus": torch.cuda.device_count() if c else 0,
-       "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if c else [],
-       "cudnn": torch.backends.cudnn.version() if c else None}
-for name in ("torchvision", "onnxruntime"):
-    try:
-        env[name] = importlib.import_module(name).__version__
-    except Exception as exc:
-        env[name], env[name + "_missing"] = None, f"{type(exc).__name__}: {exc}"
-if env["onnxruntime"]:
-    env["onnxruntime_providers"] = importlib.import_module("onnxruntime").get_available_providers()
-print(json.dumps(env))
-"""
 AOTI_FILE = {"cpu": "model.pt2", "cuda": "model.cuda.pt2"}
 
 
@@ -429,38 +269,14 @@ def gpu_test_files() -> list[str]:
     return [str(p.relative_to(ROOT)) for p in found]
 
 
-class StepError(Exception):
-    """A step that failed; its message goes into the report."""
-
-
-def say(message: str) -> None:
-    print(f"gpu-check: {message}", file=sys.stderr, flush=True)
-
-
-def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",") if x.strip().isdigit()]
-    if not values or min(values) < 1 or len(values) != len([x for x in text.split(",") if x.strip()]):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
-    description = __doc__.split("\n\n")[0] if __doc__ else None
-    p = argparse.ArgumentParser(
-        "gpu_check", description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny sizes (for CI)")
-    p.add_argument("--out", default="gpu-check-report", help="folder for report.json, report.md and the logs")
-    p.add_argument("--wheels", default=".whl", help="folder of carried wheels to install what is missing from")
-    p.add_argument("--site", default=".site", help="folder the carried wheels are installed into (on PYTHONPATH)")
-    p.add_argument("--budget-s", type=float, default=545.0, help="time budget, cut per step (the same in the dry run)")
-    p.add_argument("--skip", default="", help=f"comma-separated steps to skip, of: {', '.join(SECTIONS[2:])}")
-    p.add_argument("--fail-step", default=None, help="make this step fail (proves that the next still runs)")
+    p = step_parser("gpu_check", __doc__, what="steps", out="gpu-check-report", budget_s=545.0,
+                    skippable=SECTIONS[2:])  # fmt: skip
     p.add_argument("--list-wheels", default=None, metavar="PYTHON_VERSION",
                    help="print the `pip download` command of the carried wheels for this Python, and exit")  # fmt: skip
-    p.add_argument("--batch-sizes", type=_ints, default=None, help="bench batch sizes; None: 1,8,32,64,128 (dry 1,4)")
+    p.add_argument("--batch-sizes", type=ints, default=None, help="bench batch sizes; None: 1,8,32,64,128 (dry 1,4)")
     p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.05)")
-    p.add_argument("--concurrency", type=_ints, default=None, help="closed-loop clients; None: 1,2,4,...,256 (dry 1,2)")
+    p.add_argument("--concurrency", type=ints, default=None, help="closed-loop clients; None: 1,2,4,...,256 (dry 1,2)")
     p.add_argument("--loadtest-s", type=float, default=None, help="loadtest seconds per step; None: 4 (dry 0.5)")
     p.add_argument("--slo-p99-ms", type=float, default=15.0, help="the p99 target of the open-loop search")
     p.add_argument("--pytest-timeout-s", type=float, default=240.0, help="most seconds `pytest -m gpu` may take")
@@ -471,7 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     dry = args.dry_run
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     args.batch_sizes = args.batch_sizes or ([1, 4] if dry else [1, 8, 32, 64, 128])
     args.seconds = args.seconds or (0.05 if dry else 0.5)
     args.concurrency = args.concurrency or ([1, 2] if dry else [1, 2, 4, 8, 16, 32, 64, 128, 256])

@@ -31,11 +31,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gpu_check import ENVIRONMENT_CODE, _ints
-from gpucheck.install import install_carried
 from gpucheck.outputs import step_summary
 from gpucheck.proc import StepError
-from gpucheck.steps import StepRunner
+from gpucheck.steps import StepRunner, ints, step_parser
 from gpuspeed import servers
 from gpuspeed.report import SECTIONS, markdown, summary_lines, verdicts
 
@@ -56,19 +54,8 @@ class Speed(StepRunner):
     prefix = "gpu-speed"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.dry = args, args.dry_run
-        self.device = "cpu" if self.dry else "cuda"  # with the sizes, the only difference between the two runs
+        super().__init__(args, root=ROOT, shares=STEP_SHARE_S, needs=STEP_NEEDS, kind="GPU speed")
         self.precision = "fp32" if self.dry else "fp16"
-        self.model = "smallcnn" if self.dry else "resnet50"
-        site = Path(args.site).resolve()
-        path = [str(ROOT), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
-        if self.dry:  # one thread a process on a shared 2-core CPU
-            env.setdefault("OMP_NUM_THREADS", "1")
-        kind = "dry run (CPU, tiny sizes)" if self.dry else "GPU speed"
-        super().__init__(root=ROOT, out=Path(args.out).resolve(), budget_s=args.budget_s, shares=STEP_SHARE_S,
-                         kind=kind, env=env, skip=args.skip, fail_step=args.fail_step, needs=STEP_NEEDS)  # fmt: skip
-        self.site, self.repo = site, self.out / "repo"
         self.client_cpus, self.server_cpus = servers.split_cores(sorted(os.sched_getaffinity(0)), args.client_cores)
 
     # ---- the commands ---------------------------------------------------------------------------------------
@@ -115,14 +102,8 @@ class Speed(StepRunner):
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
-        import platform
-
-        proc = self.run([sys.executable, "-c", ENVIRONMENT_CODE], 60, "environment")
-        if proc.returncode != 0:
-            raise StepError(f"torch does not import: {proc.stderr.strip()[-400:]}")
-        env = self.json_line(proc)
-        env.update(python=platform.python_version(), cpu_cores=os.cpu_count(), client_cpus=self.client_cpus,
-                   server_cpus=self.server_cpus)  # fmt: skip
+        env = self.versions(60)
+        env.update(client_cpus=self.client_cpus, server_cpus=self.server_cpus)
         if shutil.which("nvidia-smi"):
             smi = self.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                            30, "nvidia-smi")  # fmt: skip
@@ -130,13 +111,6 @@ class Speed(StepRunner):
         if not self.dry and not env["gpus"]:
             raise StepError("no usable CUDA device: run with --dry-run on a machine without a GPU")
         return env
-
-    def install(self) -> dict[str, Any]:
-        from gpucheck.wheels import CARRIED
-
-        needed = sorted({*CARRIED, *(m for needs in STEP_NEEDS.values() for m in needs)})
-        result, self.missing = install_carried(self.run, needed, Path(self.args.wheels), self.site)
-        return result
 
     def export(self) -> dict[str, Any]:
         proc = self.cli(self.export_args(), timeout_s=300, log="export")
@@ -326,19 +300,11 @@ def _images(sample: dict[str, float] | None) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description = __doc__.split("\n\n")[0] if __doc__ else None
-    p = argparse.ArgumentParser("gpu_speed", description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    p.add_argument("--dry-run", action="store_true", help="the same commands on the CPU with tiny sizes (for CI)")
-    p.add_argument("--out", default="gpu-speed-report", help="folder for report.json, report.md and the logs")
-    p.add_argument("--wheels", default=".whl", help="folder of carried wheels to install what is missing from")
-    p.add_argument("--site", default=".site", help="folder the carried wheels are installed into (on PYTHONPATH)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="time budget, cut per step (the same in the dry run)")
-    p.add_argument("--skip", default="", help=f"comma-separated steps to skip, of: {', '.join(SECTIONS[1:])}")
-    p.add_argument("--fail-step", default=None, help="make this step fail (proves that the next still runs)")
-    p.add_argument("--batch-sizes", type=_ints, default=None, help="bench batch sizes; None: 1,8,...,256 (dry 1,4)")
+    p = step_parser("gpu_speed", __doc__, what="commands", out="gpu-speed-report", budget_s=480.0,
+                    skippable=SECTIONS[1:])  # fmt: skip
+    p.add_argument("--batch-sizes", type=ints, default=None, help="bench batch sizes; None: 1,8,...,256 (dry 1,4)")
     p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.05)")
-    p.add_argument("--concurrency", type=_ints, default=None, help="served clients; None: 1,4,...,256 (dry 1,2)")
+    p.add_argument("--concurrency", type=ints, default=None, help="served clients; None: 1,4,...,256 (dry 1,2)")
     p.add_argument("--loadtest-s", type=float, default=None, help="measured seconds per load step; None: 3 (dry 1)")
     p.add_argument("--client-cores", type=int, default=None, help="cores for the load generator; None: 4 (dry 1)")
     p.add_argument("--slo-p99-ms", type=float, default=15.0, help="the p99 target at 70%% of the best throughput")
@@ -348,7 +314,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     dry = args.dry_run
-    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     args.batch_sizes = args.batch_sizes or ([1, 4] if dry else [1, 8, 32, 64, 128, 256])
     args.seconds = args.seconds or (0.05 if dry else 0.5)
     args.concurrency = args.concurrency or ([1, 2] if dry else [1, 4, 16, 32, 64, 128, 256])

@@ -6,6 +6,7 @@ and within its share of the time, and the report is written whatever fails."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata as metadata
 import json
 import subprocess
@@ -22,16 +23,21 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("environment", "install", "gpu_tests", "export", "bench", "decode", "serve_loadtest", "train")
 
 
-def load() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "scripts"))  # as when run: the script imports its package gpucheck beside it
+def load(script: str) -> ModuleType:
+    """``scripts/SCRIPT.py`` imported as when run: beside its packages (gpucheck, gpuspeed), which it imports."""
+    sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        import gpu_check
+        return importlib.import_module(script)
     finally:
         sys.path.pop(0)
-    return gpu_check
 
 
-gpu_check = load()
+def undocumented(parser: argparse.ArgumentParser) -> list[str]:
+    """The flags whose help does not state them (the help formatter adds each default)."""
+    return [a.dest for a in parser._actions if not isinstance(a, argparse._HelpAction) and not a.help]
+
+
+gpu_check = load("gpu_check")
 from gpucheck import wheels  # noqa: E402 (importable once the script's folder was on the path)
 
 # ---- the wheels ------------------------------------------------------------------------------------------------
@@ -77,31 +83,10 @@ def test_every_carried_wheels_own_requirements_are_on_the_machine_or_carried() -
 # library, the project, the GPU machine's packages and the carried ones can be imported (the rest of this venv is
 # hidden): what fails here would fail there.
 ONLY_THE_MACHINES = """
-import importlib, importlib.abc, importlib.metadata as md, importlib.util, pkgutil, sys
+import importlib, pkgutil, sys
 sys.path.insert(0, "scripts")
-from gpucheck import wheels
-allowed = wheels.MACHINE_HAS | set(wheels.carried_distributions())
-owners = md.packages_distributions()
-FIRST = {"service", "export", "models", "loadtest", "tests", "gpucheck"}
-
-class Hidden(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        top = name.partition(".")[0]
-        dists = {wheels.normalize(d) for d in owners.get(top, [])}
-        if top in sys.stdlib_module_names or top in FIRST or not dists or dists & allowed:
-            return None
-        raise ModuleNotFoundError(f"hidden: {top} ({', '.join(sorted(dists))})", name=top)
-
-probe = importlib.util.find_spec
-def find_spec(name, package=None):  # a probe for an optional module sees it absent, as it would be there
-    try:
-        return probe(name, package)
-    except ModuleNotFoundError as exc:
-        if str(exc).startswith("hidden:"):
-            return None
-        raise
-importlib.util.find_spec = find_spec
-sys.meta_path.insert(0, Hidden())
+from gpucheck.wheels import hide_all_but_the_machines
+hide_all_but_the_machines({"service", "export", "models", "loadtest", "tests", "gpucheck"})
 names = [m for pkg in ("service", "export", "models", "loadtest")
          for m in [pkg] + [i.name for i in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + ".")]]
 names += [p.removesuffix(".py").replace("/", ".") for p in sys.argv[1:]]
@@ -163,6 +148,17 @@ def test_the_dry_run_builds_the_real_runs_arguments_and_the_cli_accepts_them(tmp
 DRY_RUN_TIMEOUT_S = 580
 
 
+def dry_run(script: str, tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
+    """``scripts/SCRIPT.py --dry-run`` with no carried wheels, as CI runs it: (the run, its report.json, its folder)."""
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, f"scripts/{script}.py", "--dry-run", "--out", str(out), "--wheels", str(tmp_path / "none"),
+         "--site", str(tmp_path / "site"), *flags],
+        cwd=ROOT, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S,
+    )  # fmt: skip
+    return proc, json.loads((out / "report.json").read_text()), out
+
+
 def check_with(tmp_path: Path, argv: list[str], **steps: Any) -> Any:
     check = gpu_check.Check(gpu_check.parse_args(["--dry-run", "--out", str(tmp_path), *argv]))
     for name in SECTIONS:
@@ -210,15 +206,9 @@ def test_a_missing_module_skips_its_step_with_the_reason_and_a_failed_export_ski
 
 
 def test_a_step_made_to_fail_leaves_the_next_running_and_the_report_written(tmp_path: Path) -> None:
-    out = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out), "--wheels", str(tmp_path / "none"),
-         "--site", str(tmp_path / "site"), "--fail-step", "install",
-         "--skip", "gpu_tests,export,bench,decode,serve_loadtest"],
-        cwd=ROOT, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S,
-    )  # fmt: skip
+    proc, report, out = dry_run("gpu_check", tmp_path, "--fail-step", "install",
+                                "--skip", "gpu_tests,export,bench,decode,serve_loadtest")  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
-    report = json.loads((out / "report.json").read_text())
     assert report["errors"] == {"install": "made to fail by --fail-step"}
     assert set(report["sections"]) == {"environment", "train"}  # the step after the failed one still ran, for real
     assert "ERROR: made to fail" in (out / "report.md").read_text()
@@ -227,13 +217,7 @@ def test_a_step_made_to_fail_leaves_the_next_running_and_the_report_written(tmp_
 # ---- the whole dry run -------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_dry_run_runs_every_step_and_reports_each(tmp_path: Path) -> None:
-    out = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out), "--wheels", str(tmp_path / "none"),
-         "--site", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S,
-    )  # fmt: skip
-    report = json.loads((out / "report.json").read_text())
+    proc, report, out = dry_run("gpu_check", tmp_path)
     assert proc.returncode == 0, (proc.stderr[-3000:], report["errors"])
     assert report["errors"] == {} and report["gpu_tests_failed"] is False
     assert set(report["sections"]) == set(SECTIONS), report["skipped"]
@@ -273,7 +257,4 @@ def test_the_dry_run_runs_every_step_and_reports_each(tmp_path: Path) -> None:
 
 
 def test_the_parser_states_every_default() -> None:
-    for action in gpu_check.build_parser()._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
-        assert action.help, action.dest
+    assert not undocumented(gpu_check.build_parser())

@@ -6,30 +6,21 @@ carried wheels."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.test_gpu_check import dry_run, load, undocumented
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("environment", "install", "export", "bench", "litserve", "serve", "detector")
 
 
-def load() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "scripts"))  # as when run: the script imports gpucheck and gpuspeed beside it
-    try:
-        import gpu_speed
-    finally:
-        sys.path.pop(0)
-    return gpu_speed
-
-
-gpu_speed = load()
+gpu_speed = load("gpu_speed")
 from gpuspeed import drive, litserve_app  # noqa: E402 (importable once the script's folder was on the path)
 from gpuspeed.report import verdicts  # noqa: E402
 
@@ -99,14 +90,8 @@ def test_a_step_made_to_fail_fails_alone_and_the_report_is_written(tmp_path: Pat
 
 
 def test_a_failed_export_skips_what_needs_it_and_says_why(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "scripts/gpu_speed.py", "--dry-run", "--out", str(tmp_path), "--wheels",
-         str(tmp_path / "none"), "--site", str(tmp_path / "site"), "--fail-step", "export",
-         "--skip", "install,detector"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc, report, _ = dry_run("gpu_speed", tmp_path, "--fail-step", "export", "--skip", "install,detector")
     assert proc.returncode == 1, proc.stderr[-2000:]
-    report = json.loads((tmp_path / "report.json").read_text())
     assert report["errors"] == {"export": "made to fail by --fail-step"} and "environment" in report["sections"]
     for name in ("bench", "litserve", "serve"):
         assert report["skipped"][name] == "it needs the export step, which did not complete"
@@ -127,31 +112,10 @@ def test_the_targets_are_judged_from_the_figures() -> None:
 # Imports LitServe's app and the load driver where only the standard library, the project, the GPU machine's
 # packages and the carried wheels can be found (as tests/test_gpu_check.py does for the serving path).
 ONLY_THE_MACHINES = """
-import importlib, importlib.abc, importlib.metadata as md, importlib.util, sys
+import importlib, sys
 sys.path[:0] = ["scripts", "scripts/gpuspeed"]
-from gpucheck import wheels
-allowed = wheels.MACHINE_HAS | set(wheels.carried_distributions())
-owners = md.packages_distributions()
-FIRST = {"service", "export", "models", "loadtest", "gpucheck", "gpuspeed", "gpu_check", "gpu_speed"}
-
-class Hidden(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        top = name.partition(".")[0]
-        dists = {wheels.normalize(d) for d in owners.get(top, [])}
-        if top in sys.stdlib_module_names or top in FIRST or not dists or dists & allowed:
-            return None
-        raise ModuleNotFoundError(f"hidden: {top} ({', '.join(sorted(dists))})", name=top)
-
-probe = importlib.util.find_spec
-def find_spec(name, package=None):  # a probe for an optional module sees it absent, as it would be there
-    try:
-        return probe(name, package)
-    except ModuleNotFoundError as exc:
-        if str(exc).startswith("hidden:"):
-            return None
-        raise
-importlib.util.find_spec = find_spec
-sys.meta_path.insert(0, Hidden())
+from gpucheck.wheels import hide_all_but_the_machines
+hide_all_but_the_machines({"service", "export", "models", "loadtest", "gpucheck", "gpuspeed", "gpu_check", "gpu_speed"})
 for name in ("gpu_speed", "gpuspeed.litserve_app", "gpuspeed.drive", "litserve", "fastapi", "pydantic"):
     try:
         importlib.import_module(name)
@@ -168,21 +132,13 @@ def test_litserves_app_and_the_driver_import_with_only_the_machines_packages_and
 
 def test_the_parser_states_every_default() -> None:
     for parser in (gpu_speed.build_parser(), litserve_app.build_parser(), drive.build_parser()):
-        for action in parser._actions:
-            if not isinstance(action, argparse._HelpAction):
-                assert action.help, action.dest
+        assert not undocumented(parser)
 
 
 # ---- the whole dry run -------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_dry_run_runs_every_step_and_reports_each_with_numbers(tmp_path: Path) -> None:
-    out = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "scripts/gpu_speed.py", "--dry-run", "--out", str(out), "--wheels", str(tmp_path / "none"),
-         "--site", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=580,
-    )  # fmt: skip
-    report = json.loads((out / "report.json").read_text())
+    proc, report, out = dry_run("gpu_speed", tmp_path)
     assert proc.returncode == 0, (proc.stderr[-3000:], report["errors"])
     assert report["errors"] == {}
     sections = report["sections"]

@@ -1,2 +1,4 @@
-"""The parts of ``scripts/gpu_check.py`` that are not its steps: what the GPU machine brings and what is carried to
-it as wheels (:mod:`gpucheck.wheels`), and the report for people (:mod:`gpucheck.report`)."""
+"""What ``scripts/gpu_check.py`` and ``scripts/gpu_speed.py`` share: the step runner (:mod:`gpucheck.steps`), the
+install step (:mod:`gpucheck.install`), what the GPU machine brings and what is carried to it as wheels
+(:mod:`gpucheck.wheels`), running a command with its log (:mod:`gpucheck.proc`), and the report's parts
+(:mod:`gpucheck.report`)."""

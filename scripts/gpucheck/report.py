@@ -8,19 +8,30 @@ from typing import Any
 SECTIONS = ("environment", "install", "gpu_tests", "export", "bench", "decode", "serve_loadtest", "train")
 
 
+def title(report: dict[str, Any]) -> list[str]:
+    """The report's first lines: what ran, when, and for how long."""
+    return [f"# visionserve {report['kind']}", "", f"Started {report['started_at']}, "
+            f"{report['seconds_total']:.0f} s in all.", ""]  # fmt: skip
+
+
+def section_head(report: dict[str, Any], name: str) -> list[str]:
+    """A step's heading: its time, its error or why it was skipped."""
+    lines = [f"## {name}", ""]
+    if name in report.get("seconds", {}):
+        lines += [f"{report['seconds'][name]:.0f} s", ""]
+    if name in report["errors"]:
+        lines += [f"ERROR: {report['errors'][name]}", ""]
+    if name in report["skipped"]:
+        lines += [f"skipped: {report['skipped'][name]}", ""]
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report for people: one section per step, every number, and what was skipped and why."""
-    lines = [f"# visionserve {report['kind']}", "", f"Started {report['started_at']}, "
-             f"{report['seconds_total']:.0f} s in all.", ""]  # fmt: skip
+    lines = title(report)
     sections = report["sections"]
     for name in SECTIONS:
-        lines += [f"## {name}", ""]
-        if name in report.get("seconds", {}):
-            lines += [f"{report['seconds'][name]:.0f} s", ""]
-        if name in report["errors"]:
-            lines += [f"ERROR: {report['errors'][name]}", ""]
-        if name in report["skipped"]:
-            lines += [f"skipped: {report['skipped'][name]}", ""]
+        lines += section_head(report, name)
         body = sections.get(name)
         if name == "bench" and body and "batch_sizes" in body:
             sizes = [str(b) for b in body["batch_sizes"]]

@@ -10,8 +10,9 @@ wheel missing from the list fails there, not on the GPU machine.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 # The distributions the GPU machine's image brings (its package list, read on 2026-11-17). Never carried: a second
 # version of one of them stops the install there, and a second torch would break CUDA.
@@ -101,3 +102,38 @@ def choose_wheels(
         elif dist in wanted:
             (chosen if wheel_tags(wheel) & ok else other_python).append(wheel)
     return chosen, refused, other_python
+
+
+def hide_all_but_the_machines(first: Collection[str]) -> None:
+    """Make this interpreter import only what the GPU machine can: the standard library, the project's own packages
+    (``first``), :data:`MACHINE_HAS` and :data:`CARRIED`. Any other import fails as it would there, and a probe for an
+    optional module (``importlib.util.find_spec``) sees it absent. For CI's checks of the carried wheels."""
+    import importlib.abc
+    import importlib.metadata
+    import importlib.util
+    import sys
+    from importlib.machinery import ModuleSpec
+
+    allowed = MACHINE_HAS | set(carried_distributions())
+    owners = importlib.metadata.packages_distributions()
+
+    class Hidden(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> ModuleSpec | None:
+            top = name.partition(".")[0]
+            dists = {normalize(d) for d in owners.get(top, [])}
+            if top in sys.stdlib_module_names or top in first or not dists or dists & allowed:
+                return None
+            raise ModuleNotFoundError(f"hidden: {top} ({', '.join(sorted(dists))})", name=top)
+
+    probe = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> ModuleSpec | None:
+        try:
+            return probe(name, package)
+        except ModuleNotFoundError as exc:
+            if str(exc).startswith("hidden:"):
+                return None
+            raise
+
+    importlib.util.find_spec = find_spec
+    sys.meta_path.insert(0, Hidden())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from gpucheck.report import section_head, title
+
 SECTIONS = ("environment", "install", "export", "bench", "litserve", "serve", "detector")
 
 
@@ -72,19 +74,12 @@ def _sweep(body: dict[str, Any]) -> list[str]:
 
 def markdown(report: dict[str, Any]) -> str:
     """Verdicts first, then one section per step: its time, its error or why it was skipped, its numbers."""
-    lines = [f"# visionserve {report['kind']}", "", f"Started {report['started_at']}, "
-             f"{report['seconds_total']:.0f} s in all.", "", "## targets", ""]  # fmt: skip
+    lines = [*title(report), "## targets", ""]
     for name, ok in (report.get("verdicts") or {}).items():
         lines.append(f"- {name}: {'not measured' if ok is None else ('met' if ok else 'MISSED')}")
     lines.append("")
     for name in SECTIONS:
-        lines += [f"## {name}", ""]
-        if name in report.get("seconds", {}):
-            lines += [f"{report['seconds'][name]:.0f} s", ""]
-        if name in report["errors"]:
-            lines += [f"ERROR: {report['errors'][name]}", ""]
-        if name in report["skipped"]:
-            lines += [f"skipped: {report['skipped'][name]}", ""]
+        lines += section_head(report, name)
         body = report["sections"].get(name)
         if body is None:
             continue

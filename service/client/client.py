@@ -15,7 +15,8 @@ import asyncio
 import re
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, Unpack
 from urllib.parse import quote
 
 import httpx
@@ -23,10 +24,9 @@ import msgspec
 
 from service.client.errors import ClientError
 from service.client.images import ImageInput, encode
-from service.client.kinds import CLASSIFY, DETECT, DetectedImage, Kind, R, answer_of, detect_query
+from service.client.kinds import CLASSIFY, DETECT, DetectedImage, DetectQuery, Kind, R, answer_of, detect_query
 from service.client.retry import Attempts, RetryPolicy
 from service.core.answers import ImageResult
-from service.core.boxes import BoxFormat
 
 File = tuple[str, bytes, str]  # (filename, data, media type)
 
@@ -34,10 +34,22 @@ File = tuple[str, bytes, str]  # (filename, data, media type)
 # and the client learns it.
 DEFAULT_MAX_IMAGES_PER_REQUEST = 8
 _LIMIT_MESSAGE = re.compile(r"images in one request, over the limit of (\d+)")
+_Http = TypeVar("_Http", httpx.Client, httpx.AsyncClient)
 
 
-class _Base:
-    """What the sync and async clients share: the routes, splitting, and reading answers."""
+@dataclass(frozen=True, slots=True)
+class _Call(Generic[R]):
+    """One ``classify`` or ``detect`` call: what it asks and where (its requests differ only in their images)."""
+
+    kind: Kind[R]
+    route: str
+    query: dict[str, Any]
+
+
+class _Base(Generic[_Http]):
+    """What the sync and async clients share: building the requests, splitting, and reading answers."""
+
+    _http: _Http
 
     def __init__(
         self,
@@ -58,13 +70,18 @@ class _Base:
         self.requests_sent = 0  # counting every attempt, retries included
         self.retries = 0
 
-    def _route(self, model: str | None, version: int | None, kind: Kind[Any]) -> str:
+    def _call(self, kind: Kind[R], query: dict[str, Any], model: str | None, version: int | None) -> _Call[R]:
         model = model or self.model
         if not model:
             raise ValueError(f"no model named: pass model= to the client or to {kind.action}()")
         version = version if version is not None else self.version
         where = f"/v1/models/{quote(model, safe='')}"
-        return where + (f"/versions/{int(version)}" if version is not None else "") + f"/{kind.action}"
+        route = where + (f"/versions/{int(version)}" if version is not None else "") + f"/{kind.action}"
+        return _Call(kind, route, query)
+
+    def _request(self, call: _Call[Any], files: list[File]) -> httpx.Request:
+        """One attempt's request (built again for each attempt: a multipart body is read as it is sent)."""
+        return self._http.build_request("POST", call.route, params=call.query, files=[("file", f) for f in files])
 
     @staticmethod
     def _files(images: ImageInput | Sequence[ImageInput]) -> list[File]:
@@ -126,7 +143,7 @@ def _message(response: httpx.Response) -> str:
     return response.text[:300] or response.reason_phrase
 
 
-class Client(_Base):
+class Client(_Base[httpx.Client]):
     """A blocking client of the image API.
 
     >>> with Client("http://127.0.0.1:8000", model="digits") as client:  # doctest: +SKIP
@@ -163,59 +180,40 @@ class Client(_Base):
 
         Raises :class:`ClientError` when a request is refused as a whole (an unknown model: 404) or the server
         cannot be reached within the retry policy; an image the server cannot use gets its own ``error``."""
-        return self._ask(CLASSIFY, images, {"top_k": top_k}, model, version)
+        return self._ask(self._call(CLASSIFY, {"top_k": top_k}, model, version), images)
 
     def detect(
         self,
         images: ImageInput | Sequence[ImageInput],
         *,
-        score_threshold: float = 0.25,
-        iou_threshold: float | None = None,
-        max_detections: int = 100,
-        classes: Sequence[str | int] | None = None,
-        class_agnostic: bool | None = None,
-        box_format: BoxFormat = "xyxy",
-        normalized: bool = False,
         model: str | None = None,
         version: int | None = None,
+        **options: Unpack[DetectQuery],
     ) -> list[DetectedImage]:
         """One :class:`DetectedImage` per image, in order, from a detector's ``/detect`` route: the image's ``width``
         and ``height`` (as a viewer shows it) and its ``detections`` (best first, boxes in its own pixels), or its
-        own ``error``. The options are the route's, each sent as given; ``iou_threshold`` and ``class_agnostic``
-        only when given (the server's defaults are 0.45 and false), since a detector whose graph suppresses its own
-        boxes refuses them. ``images`` and the errors raised as :meth:`classify`'s."""
-        query = detect_query(
-            score_threshold=score_threshold, iou_threshold=iou_threshold, max_detections=max_detections,
-            classes=classes, class_agnostic=class_agnostic, box_format=box_format, normalized=normalized,
-        )  # fmt: skip
-        return self._ask(DETECT, images, query, model, version)
+        own ``error``. ``options``: the route's (:class:`~service.client.kinds.DetectQuery`: ``score_threshold``,
+        ``iou_threshold``, ``max_detections``, ``classes``, ``class_agnostic``, ``box_format``, ``normalized``),
+        each sent as given; ``iou_threshold`` and ``class_agnostic`` only when given (the server's defaults are 0.45
+        and false), since a detector whose graph suppresses its own boxes refuses them. ``images`` and the errors
+        raised as :meth:`classify`'s."""
+        return self._ask(self._call(DETECT, detect_query(**options), model, version), images)
 
-    def _ask(
-        self,
-        kind: Kind[R],
-        images: ImageInput | Sequence[ImageInput],
-        query: dict[str, Any],
-        model: str | None,
-        version: int | None,
-    ) -> list[R]:
-        route = self._route(model, version, kind)
-        out: list[R] = []
-        for chunk in self._chunks(self._files(images)):
-            out.extend(self._send(kind, route, chunk, query))
-        return out
+    def _ask(self, call: _Call[R], images: ImageInput | Sequence[ImageInput]) -> list[R]:
+        return [r for chunk in self._chunks(self._files(images)) for r in self._send(call, chunk)]
 
-    def _send(self, kind: Kind[R], route: str, files: list[File], query: dict[str, Any]) -> list[R]:
-        results, resend = self._read(self._post(route, files, query), files, kind)
+    def _send(self, call: _Call[R], files: list[File]) -> list[R]:
+        results, resend = self._read(self._post(call, files), files, call.kind)
         for chunk in resend:
-            results.extend(self._send(kind, route, chunk, query))
+            results.extend(self._send(call, chunk))
         return results
 
-    def _post(self, route: str, files: list[File], query: dict[str, Any]) -> httpx.Response:
+    def _post(self, call: _Call[Any], files: list[File]) -> httpx.Response:
         attempts = self.retry.start()
         while True:
             self.requests_sent += 1
             try:
-                response = self._http.post(route, params=query, files=[("file", f) for f in files])
+                response = self._http.send(self._request(call, files))
             except httpx.TransportError as exc:
                 time.sleep(self._retry_or_raise(attempts, None, exc))
                 continue
@@ -233,7 +231,7 @@ class Client(_Base):
         self.close()
 
 
-class AsyncClient(_Base):
+class AsyncClient(_Base[httpx.AsyncClient]):
     """The asyncio client of the image API: the same calls as :class:`Client`, awaited. The requests of one
     :meth:`classify` call go out ``max_concurrency`` at a time."""
 
@@ -271,60 +269,41 @@ class AsyncClient(_Base):
         version: int | None = None,
     ) -> list[ImageResult]:
         """As :meth:`Client.classify`."""
-        return await self._ask(CLASSIFY, images, {"top_k": top_k}, model, version)
+        return await self._ask(self._call(CLASSIFY, {"top_k": top_k}, model, version), images)
 
     async def detect(
         self,
         images: ImageInput | Sequence[ImageInput],
         *,
-        score_threshold: float = 0.25,
-        iou_threshold: float | None = None,
-        max_detections: int = 100,
-        classes: Sequence[str | int] | None = None,
-        class_agnostic: bool | None = None,
-        box_format: BoxFormat = "xyxy",
-        normalized: bool = False,
         model: str | None = None,
         version: int | None = None,
+        **options: Unpack[DetectQuery],
     ) -> list[DetectedImage]:
         """As :meth:`Client.detect`."""
-        query = detect_query(
-            score_threshold=score_threshold, iou_threshold=iou_threshold, max_detections=max_detections,
-            classes=classes, class_agnostic=class_agnostic, box_format=box_format, normalized=normalized,
-        )  # fmt: skip
-        return await self._ask(DETECT, images, query, model, version)
+        return await self._ask(self._call(DETECT, detect_query(**options), model, version), images)
 
-    async def _ask(
-        self,
-        kind: Kind[R],
-        images: ImageInput | Sequence[ImageInput],
-        query: dict[str, Any],
-        model: str | None,
-        version: int | None,
-    ) -> list[R]:
-        route = self._route(model, version, kind)
-        chunks = self._chunks(self._files(images))
+    async def _ask(self, call: _Call[R], images: ImageInput | Sequence[ImageInput]) -> list[R]:
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def one(chunk: list[File]) -> list[R]:
             async with gate:
-                return await self._send(kind, route, chunk, query)
+                return await self._send(call, chunk)
 
-        done = await asyncio.gather(*(one(chunk) for chunk in chunks))
+        done = await asyncio.gather(*(one(chunk) for chunk in self._chunks(self._files(images))))
         return [r for results in done for r in results]
 
-    async def _send(self, kind: Kind[R], route: str, files: list[File], query: dict[str, Any]) -> list[R]:
-        results, resend = self._read(await self._post(route, files, query), files, kind)
+    async def _send(self, call: _Call[R], files: list[File]) -> list[R]:
+        results, resend = self._read(await self._post(call, files), files, call.kind)
         for chunk in resend:
-            results.extend(await self._send(kind, route, chunk, query))
+            results.extend(await self._send(call, chunk))
         return results
 
-    async def _post(self, route: str, files: list[File], query: dict[str, Any]) -> httpx.Response:
+    async def _post(self, call: _Call[Any], files: list[File]) -> httpx.Response:
         attempts = self.retry.start()
         while True:
             self.requests_sent += 1
             try:
-                response = await self._http.post(route, params=query, files=[("file", f) for f in files])
+                response = await self._http.send(self._request(call, files))
             except httpx.TransportError as exc:
                 await asyncio.sleep(self._retry_or_raise(attempts, None, exc))
                 continue

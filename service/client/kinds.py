@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import msgspec
 
@@ -50,27 +50,35 @@ CLASSIFY = Kind("classify", ImageResult)
 DETECT = Kind("detect", DetectedImage)
 
 
-def detect_query(
-    *,
-    score_threshold: float = 0.25,
-    iou_threshold: float | None = None,
-    max_detections: int = 100,
-    classes: Sequence[str | int] | None = None,
-    class_agnostic: bool | None = None,
-    box_format: BoxFormat = "xyxy",
-    normalized: bool = False,
-) -> dict[str, Any]:
-    """The detect route's query for these options (the server checks them: a bad one is its 400). The suppression's
-    own options go only when given: a detector whose graph suppresses its boxes refuses them."""
+class DetectQuery(TypedDict, total=False):
+    """The detect route's options, as keywords of ``detect()``: ``score_threshold`` (0.25), ``iou_threshold``,
+    ``max_detections`` (100), ``classes`` (labels or indices to keep), ``class_agnostic``, ``box_format``
+    (``"xyxy"``) and ``normalized`` (False). ``iou_threshold`` and ``class_agnostic`` go only when given (the
+    server's defaults are 0.45 and false), since a detector whose graph suppresses its own boxes refuses them."""
+
+    score_threshold: float
+    iou_threshold: float | None
+    max_detections: int
+    classes: Sequence[str | int] | None
+    class_agnostic: bool | None
+    box_format: BoxFormat
+    normalized: bool
+
+
+def detect_query(**options: Unpack[DetectQuery]) -> dict[str, Any]:
+    """The detect route's query for these options (the server checks them: a bad one is its 400); TypeError on a
+    keyword that is none of them, as a misspelt keyword argument gets."""
+    unknown = sorted(options.keys() - DetectQuery.__optional_keys__)
+    if unknown:
+        raise TypeError(f"detect() got an unexpected keyword argument {unknown[0]!r}")
     query: dict[str, Any] = {
-        "score_threshold": score_threshold, "max_detections": max_detections, "box_format": box_format,
-        "normalized": normalized,
+        "score_threshold": options.get("score_threshold", 0.25), "max_detections": options.get("max_detections", 100),
+        "box_format": options.get("box_format", "xyxy"), "normalized": options.get("normalized", False),
     }  # fmt: skip
-    if iou_threshold is not None:
-        query["iou_threshold"] = iou_threshold
-    if class_agnostic is not None:
-        query["class_agnostic"] = class_agnostic
-    if classes is not None:
+    for key in ("iou_threshold", "class_agnostic"):
+        if options.get(key) is not None:
+            query[key] = options[key]
+    if (classes := options.get("classes")) is not None:
         query["classes"] = [str(c) for c in classes]
     return query
 
