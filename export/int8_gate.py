@@ -200,8 +200,9 @@ def describe_speed(speed: Int8Speed) -> str:
         f"({speed.int8_median_ms[n] / fp32:.2f}x)"
         for n, fp32 in speed.fp32_median_ms.items()
     )
+    where = f"{speed.device}, {speed.cpu}" if speed.cpu else speed.device
     return (
-        f"speed on {speed.device} ({speed.provider}, median of {speed.runs} runs each, in alternating blocks): "
+        f"speed on {where} ({speed.provider}, median of {speed.runs} runs each, in alternating blocks): "
         f"{sizes}; "
         f"int8 / fp32 {speed.ratio:.2f}x, limit {1 - speed.min_speedup:.2f}x"
     )

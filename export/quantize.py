@@ -40,6 +40,7 @@ import msgspec
 import numpy as np
 
 from export.int8_gate import MIN_BOX_MAP, Int8Verdict, Judge, Truth, describe_speed, judge_for, passed
+from service.core.cpu import describe_cpu
 from service.core.errors import ConfigError
 from service.core.spec import Int8Record, Int8Speed, ModelSpec
 
@@ -298,6 +299,7 @@ def _speed(paths: tuple[Path, Path], cpu: tuple[Any, Any], images: np.ndarray, d
         min_speedup=options.min_speedup,
         passed=passed,
         allowed_slower=not passed and (options.allow_slower or options.ungated),
+        cpu=describe_cpu() if kind == "cpu" else "",
     )
 
 

@@ -53,6 +53,7 @@ class Int8Speed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     min_speedup: float  # a fraction: 0.05 asks int8 to take at most 95% of fp32's time
     passed: bool
     allowed_slower: bool = False  # written though not faster (--int8-allow-slower, or --int8-ungated)
+    cpu: str = ""  # on the CPU: its model and the instruction sets int8 speed depends on (service/core/cpu.py)
 
 
 class Int8Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -12,18 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from service.core.batchcost import KNEE_SLACK, CostModel
+from service.core.cpu import cpu_name
 from service.tune import model as prediction_model
 from service.tune.tuner import TuneRun, finite, ratio
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _clean(value: Any) -> Any:
@@ -60,7 +51,7 @@ def build(run: TuneRun, written: dict[str, Any] | None = None) -> dict[str, Any]
     report: dict[str, Any] = {
         "model": o.model, "repository": o.repository, "slo_p99_ms": o.slo_p99_ms, "budget_s": o.budget_s,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_name(), "cores": run.measured.cores if run.measured else None,
+        "machine": {"cpu": cpu_name(), "cores": run.measured.cores if run.measured else None,
                     "python": platform.python_version()},
         "device": run.measured.device if run.measured else None,
         "outcome": "met" if winner else "unmet", "interrupted": run.interrupted, "message": message,
