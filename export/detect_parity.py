@@ -243,3 +243,14 @@ def refuse_unproved(spec: ModelSpec, *, formats: Sequence[str]) -> None:
             f"top-K decoding compiled with a dynamic batch) has not been proved against eager; export onnx and "
             "torchscript, which the detection parity gate checks"
         )
+
+
+def drop_refused(module: object, formats: Sequence[str]) -> tuple[tuple[str, ...], list[str]]:
+    """``formats`` less those ``module`` refuses (its ``refused_formats``: format -> why; torchvision's detectors,
+    ``models/tv_detectors.py``), and a note for each; refused outright when none is left."""
+    refused: Mapping[str, str] = getattr(module, "refused_formats", {})
+    kept = tuple(f for f in formats if f not in refused)
+    notes = [f"{f} refused: {refused[f]}" for f in formats if f in refused]
+    if not kept:
+        raise ConfigError(f"--formats {','.join(formats)}: " + "; ".join(notes))
+    return kept, notes

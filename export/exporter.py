@@ -45,7 +45,7 @@ from export.artifacts import (
     to_onnx,
     to_torchscript,
 )
-from export.detect_parity import DetectParityResult, check_parity, refuse_unproved
+from export.detect_parity import DetectParityResult, check_parity, drop_refused, parity_rows, refuse_unproved
 from export.int8_gate import MIN_BOX_MAP, NO_INT8_DATA, Int8Verdict
 from export.parity import FP16, FP32, ParityResult, eager_outputs, exact_fp32, parity_batches
 from export.quantize import INT8_FILE, MIN_SPEEDUP, Int8Data, Int8Options, quantize_model
@@ -248,11 +248,12 @@ def export_model(
     when given (tests prove a broken wrapper is refused); by default ``eager``."""
     check_request(request)
     refuse_unproved(spec, formats=request.formats)
-    eager = eager.eval()
+    formats, notes = drop_refused(artifact_model or eager, request.formats)  # e.g. a torchvision detector's onnx
+    request, eager = msgspec.structs.replace(request, formats=formats), eager.eval()
     candidates = module_candidates((artifact_model or eager).eval(), spec, request)
 
-    def reference(batches: list[np.ndarray]) -> list[np.ndarray]:
-        return eager_outputs(eager, batches)
+    def reference(batches: list[np.ndarray]) -> list[np.ndarray]:  # read as the artifact's are (end2end: top rows)
+        return [parity_rows(spec, {"output": out}) for out in eager_outputs(eager, batches)]
 
     return publish(
         spec,
@@ -264,6 +265,7 @@ def export_model(
         source_sha256=source_sha256,
         progress=progress,
         int8_data=int8_data,
+        notes=notes,
     )
 
 

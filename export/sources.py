@@ -15,6 +15,7 @@ from models.datasets import IMAGE_EXTENSIONS, load_dataset
 from models.folder import validation_sample
 from models.normalize import Uint8Classifier
 from models.registry import get_architecture, with_input_size
+from models.tv_detectors import TorchvisionDetector, Uint8Detector
 from service.core.errors import BadInputError, ConfigError, DatasetError
 from service.core.preprocess import preprocess_image
 from service.core.spec import ModelSpec
@@ -79,8 +80,16 @@ def from_architecture(name: str, *, weights: str | None = None, input_size: int 
     network = arch.build(num_classes=spec.num_classes)
     sha = None
     if weights:
-        apply_weights(network, load_weights(weights), source=weights)
+        # torchvision's own state dict for its detectors (their keys), a visionserve one for the rest
+        target = network.detector if isinstance(network, TorchvisionDetector) else network
+        apply_weights(target, load_weights(weights), source=weights)
         sha = file_sha256(weights)
+    if isinstance(network, TorchvisionDetector):
+        # Resize inside the model to the spec's input (one resize, by the server's ``stretch``); the front names
+        # the formats torchvision's postprocessing cannot be exported to.
+        network.fit_input(spec.input.height, spec.input.width)
+        network.script()
+        return Source(Uint8Detector(network, spec.mean, spec.std).eval(), spec, sha, None, "random uint8 batches only")
     eager = Uint8Classifier(network, spec.mean, spec.std).eval()
     return Source(eager, spec, sha, None, "random uint8 batches only")
 

@@ -28,8 +28,9 @@ class Architecture:
     builder: Builder
     spec: ModelSpec
     description: str
-    # What its forward answers: classifiers logits [N, classes]; detectors [N, K, 6] candidates before suppression
-    # (models/detector.py). `train` picks its loop by it.
+    # What its forward answers: classifiers logits [N, classes]; detectors [N, K, 6] rows, candidates before
+    # suppression (models/detector.py) or torchvision's suppressed ones (models/tv_detectors.py: its spec's
+    # output_layout says which). `train` picks its loop by it.
     task: Task = "classify"
 
     def build(self, *, num_classes: int | None = None) -> nn.Module:

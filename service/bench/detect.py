@@ -35,6 +35,7 @@ from service.core.boxes import DetectOptions, Transform, suppress, to_original
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
 from service.core.errors import VisionServeError
+from service.core.layouts import image_rows, keep
 from service.core.repository import ModelVersion
 from service.core.spec import ModelSpec
 from service.runtime import RuntimeLike, choose_backend, make_runtime, warm_up
@@ -107,7 +108,9 @@ def in_process_answers(
             decoding = pool.submit(data)
             pixels = decoding.result()
             assert decoding.transform is not None
-            kept = to_original(suppress(runtime.run(pixels[np.newaxis])[0], options), decoding.transform)
+            outputs = runtime.submit_outputs(pixels[np.newaxis]).result()
+            rows = image_rows(spec.output_layout, outputs, len(spec.labels), options.score_threshold)[0]
+            kept = to_original(keep(spec.output_layout, rows, options), decoding.transform)
             out[name] = [_known(row[:4], spec.labels[int(row[5])], 1) for row in kept]
     finally:
         pool.close()
@@ -145,15 +148,17 @@ class DetectPipeline:
         batch, transforms = self._next.result()
         self._next = self._decoder.submit(self._decode_next)
         started = time.perf_counter()
-        candidates = self.runtime.run(batch)
+        outputs = self.runtime.submit_outputs(batch).result()
         ran = time.perf_counter()
-        kept = [to_original(suppress(rows, self.options), t) for rows, t in zip(candidates, transforms, strict=True)]
+        spec, options = self.runtime.spec, self.options
+        rows = image_rows(spec.output_layout, outputs, len(spec.labels))  # every layout read as the server reads it
+        kept = [to_original(keep(spec.output_layout, r, options), t) for r, t in zip(rows, transforms, strict=True)]
         self.post_s += time.perf_counter() - ran
         self.compute_s += ran - started
         self.images += len(batch)
         self.kept += sum(len(k) for k in kept)
-        self.candidates += candidates.shape[0] * candidates.shape[1]
-        self.above += int((candidates[..., 4] >= self.options.score_threshold).sum())
+        self.candidates += sum(len(r) for r in rows)
+        self.above += sum(int((r[:, 4] >= options.score_threshold).sum()) for r in rows)
         return len(batch)
 
     def figures(self, rate: float) -> dict[str, Any]:

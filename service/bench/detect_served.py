@@ -110,8 +110,9 @@ def main(args: argparse.Namespace) -> int:
         limit = in_process(args, scratch / "images")
         pipeline = limit["pipeline_images_per_s"]
         row: dict[str, Any] = {"pipeline_images_per_s": pipeline, "in_process": limit, "served": {}}
-        print(f"round {r + 1}: in-process pipeline {pipeline:.1f} images/s (batch {PIPELINE_BATCH}; suppression + "
-              f"mapping {100 * limit['postprocess_share']:.1f}% of the forward)", flush=True)  # fmt: skip
+        share = limit.get("postprocess_share")
+        post = f"; suppression + mapping {100 * share:.1f}% of the forward" if share is not None else ""
+        print(f"round {r + 1}: in-process pipeline {pipeline:.1f} images/s (batch {PIPELINE_BATCH}{post})", flush=True)
         with launcher.start(repo, workers=args.workers, log=scratch / f"server-{r}.log") as server:
             for per in args.images_per_request:
                 bodies = payloads(args.model, corpus.images, per_request=per, task="detect", names=corpus.names)

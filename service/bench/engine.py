@@ -195,9 +195,10 @@ def _measure(
     result["engine_images_per_s"] = engine
     if "decode" in figures:
         result.update(_decode_figures(jpegs, largest, spec, device, pool, options, say))
-    # Other output layouts than "candidates" are measured as a classifier's pipeline: decode and run only.
-    if spec.output_layout == "candidates" and ("pipeline" in figures or "batcher" in figures):
-        say(f"pipeline: decode + letterbox + run + suppression and mapping, batch {largest}")
+    # A detector's pipeline reads its output layout as the server does: suppressed, or only selected where the graph
+    # suppressed its rows itself (the 1,000-candidate figure needs a "candidates" graph: service/bench/detect.py).
+    if spec.task == "detect" and ("pipeline" in figures or "batcher" in figures):
+        say(f"pipeline: decode + resize + run + suppression (where the server does it) and mapping, batch {largest}")
         result.update(detect.pipeline_figures(_timed, jpegs, largest, runtime, pool, options.seconds))
         if "candidates" in figures:
             say(f"the same graph emitting {detect.THOUSAND} candidates an image, and dense candidates")

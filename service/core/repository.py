@@ -25,6 +25,7 @@ others from loading.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ import numpy as np
 
 from service.core.config import CONFIG_FILE, ModelConfig, load_config, parse_config
 from service.core.errors import BadInputError, ConfigError, NotFoundError
+from service.core.layouts import check_outputs
 from service.core.spec import SPEC_FILE, ModelSpec, load_spec
 
 log = logging.getLogger(__name__)
@@ -142,10 +144,24 @@ def load_torchscript(path: str | Path, device: str = "cpu") -> Any:
     """``torch.jit.load`` without its deprecation warning (TorchScript is the serving format we ship)."""
     import torch
 
+    _register_torchvision_ops(Path(path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         return torch.jit.load(str(path), map_location=device)
+
+
+def _register_torchvision_ops(path: Path) -> None:
+    """Import torchvision when ``path`` holds scripted torchvision code (its detectors: models/tv_detectors.py):
+    its operators (``torchvision::nms``) exist only once imported, and TorchScript resolves them at the first call,
+    so the load succeeded and the first batch failed. Other models skip the import."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            scripted = any("/__torch__/torchvision/" in name for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return  # not an archive torch wrote: its own load says what is wrong
+    if scripted and importlib.util.find_spec("torchvision") is not None:
+        import torchvision  # noqa: F401
 
 
 def _check_zip(path: Path, what: str) -> None:
@@ -169,10 +185,13 @@ def _check_torchscript(path: Path, spec: ModelSpec, deep: bool) -> None:
         module = load_torchscript(path, "cpu").eval()
         x = torch.zeros((1, spec.input.channels, spec.input.height, spec.input.width), dtype=torch.uint8)
         with torch.inference_mode():
-            width = int(module(x).shape[-1])
+            shape = tuple(module(x).shape)
     except Exception as exc:
         raise ConfigError(f"{path} does not run on a uint8 batch of the spec's shape: {exc}") from exc
-    if width != spec.num_classes:
+    width = shape[-1]
+    if spec.task == "detect" and spec.output_layout is not None:  # a detector: its output held to its layout
+        check_outputs(spec.output_layout, {"output": shape}, spec.num_classes)
+    elif width != spec.num_classes:
         raise ConfigError(f"labels in spec.json count {spec.num_classes} classes but {path} outputs {width} logits")
 
 
