@@ -188,3 +188,18 @@ def test_an_image_without_exif_is_untouched_and_a_one_channel_letterbox_pads() -
     arr, t = decode_transformed(open_image(stored(pixels, "PNG", 1)), spec_of("letterbox", channels=1))
     assert arr.shape == (1, 48, 64) and t == Transform(40, 10, 64 / 40, 16 / 10, 0.0, 16.0)
     assert (arr[0, :16] == 114).all() and (arr[0, 16:32] == 0).all() and (arr[0, 32:] == 114).all()
+
+
+@pytest.mark.parametrize("agnostic", [False, True])
+def test_a_handful_of_rows_is_suppressed_as_the_plain_reference_does(agnostic: bool) -> None:
+    """Few rows above the threshold (a trained head's usual answer) take a plain loop, not the matrix: the same
+    answers on many small overlapping sets."""
+    rng = np.random.default_rng(3)
+    options = DetectOptions(class_agnostic=agnostic, iou_threshold=0.4)
+    for _ in range(500):
+        k = int(rng.integers(2, 13))
+        xy = rng.uniform(0, 40, (k, 2))
+        wh = rng.uniform(5, 30, (k, 2))
+        rows = np.concatenate([xy, xy + wh, rng.uniform(0.3, 1, (k, 1)), rng.integers(0, 3, (k, 1))], axis=1)
+        rows = rows.astype(np.float32)
+        np.testing.assert_array_equal(suppress(rows, options), rows[reference_nms(rows, options)])
