@@ -198,6 +198,12 @@ def evaluate(
 
 
 def _check(config: TrainConfig) -> None:
+    layout = get_architecture(config.arch).spec.output_layout
+    if layout != "candidates":  # torchvision's detectors (models/tv_detectors.py): suppressed rows, another loss
+        raise ConfigError(
+            f"--arch {config.arch} is a detector this loop does not train (output_layout {layout}): train digitdet "
+            "here, or train it elsewhere and export it with --weights W.pt (its torchvision state dict)"
+        )
     if config.dataset != DATASET:
         raise ConfigError(
             f"--dataset for a detector must be {DATASET} (generated digit canvases), got {config.dataset!r}"

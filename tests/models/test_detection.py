@@ -216,3 +216,7 @@ def test_a_detector_trains_from_the_command_line(tmp_path: Path, capsys: pytest.
     assert "all-point" in det.ap_definition and len(det.history) == 2
     refused = in_process(capsys, "train", "--arch", "smallcnn", "--dataset", "canvases", "--out", str(out))
     assert refused.returncode != 0 and "--arch digitdet" in refused.stderr
+    for dataset in ("digits", "canvases"):  # torchvision's detectors: refused first, whatever the dataset
+        other = in_process(capsys, "train", "--arch", "ssdlite320_mobilenet_v3_large", "--dataset", dataset)
+        assert other.returncode != 0
+        assert "is a detector this loop does not train (output_layout end2end)" in other.stderr
