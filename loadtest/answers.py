@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from service.core.boxes import match
+
 MATCH_IOU = 0.5
 
 
@@ -63,28 +67,16 @@ def write_reference(path: str | Path, reference: Reference) -> Path:
     return Path(path)
 
 
-def iou(a: Sequence[float], b: Sequence[float]) -> float:
-    w = min(a[2], b[2]) - max(a[0], b[0])
-    h = min(a[3], b[3]) - max(a[1], b[1])
-    if w <= 0 or h <= 0:
-        return 0.0
-    inter = w * h
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
-
 def found(detections: Sequence[Mapping[str, Any]], known: Sequence[Known]) -> int:
     """How many of ``known`` the ``detections`` (the answer's ``{"box", "label", "score"}``, xyxy) find, one to
-    one, the best scored detection first."""
-    left = list(known)
-    hits = 0
-    for d in sorted(detections, key=lambda d: -float(d.get("score", 0.0))):
-        scored = [(iou(d["box"], k.box), i) for i, k in enumerate(left) if k.label == str(d.get("label"))]
-        best = max(scored, default=(0.0, -1))
-        if best[0] >= MATCH_IOU:
-            left.pop(best[1])
-            hits += 1
-    return hits
+    one, the best scored detection first (:func:`service.core.boxes.match`, as a detector's rollout matches)."""
+    classes: dict[str, int] = {}
+    rows = np.array(
+        [[*d["box"], float(d.get("score", 0.0)), classes.setdefault(str(d.get("label")), len(classes))]
+         for d in detections], dtype=np.float32,
+    ).reshape(-1, 6)  # fmt: skip
+    truth = np.array([[*k.box, 0.0, classes.setdefault(k.label, len(classes))] for k in known], dtype=np.float32)
+    return len(match(rows, truth.reshape(-1, 6), MATCH_IOU)[0])
 
 
 @dataclass

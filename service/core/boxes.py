@@ -213,6 +213,26 @@ def _greedy(over: np.ndarray, alive: np.ndarray) -> np.ndarray:
     return keep
 
 
+def match(found: np.ndarray, truth: np.ndarray, min_iou: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """One-to-one matches of ``found`` rows ``[M, 6]`` to ``truth`` rows ``[G, 6]`` (their scores unused): the
+    best scored found row first, each to the free truth box of its class it overlaps most, at IoU >= ``min_iou``.
+    (found indices, truth indices) of the pairs, in that order."""
+    if len(found) == 0 or len(truth) == 0:
+        return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+    overlaps = iou_matrix(found[:, :4], truth[:, :4])
+    overlaps[found[:, CLASS][:, None] != truth[:, CLASS][None, :]] = 0.0
+    taken = np.zeros(len(truth), dtype=bool)
+    pairs: list[tuple[int, int]] = []
+    for i in np.argsort(-found[:, SCORE], kind="stable"):
+        row = np.where(taken, 0.0, overlaps[i])
+        j = int(row.argmax())
+        if row[j] >= min_iou:
+            taken[j] = True
+            pairs.append((int(i), j))
+    rows, cols = zip(*pairs, strict=True) if pairs else ((), ())
+    return np.asarray(rows, dtype=np.intp), np.asarray(cols, dtype=np.intp)
+
+
 def to_original(detections: np.ndarray, transform: Transform) -> np.ndarray:
     """``detections`` ``[M, 6]`` with their boxes taken from input pixels to the original image's, clipped to it
     (a copy)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from service.core.boxes import DetectOptions, iou_matrix
+from service.core.boxes import DetectOptions, iou_matrix, match
 from service.core.layouts import image_rows, keep
 from service.core.status import InferResult
 from service.engine.comparison import SHIFT_EDGES, Comparison
@@ -30,19 +30,10 @@ def box_f1(primary: np.ndarray, candidate: np.ndarray) -> tuple[float, np.ndarra
         return 1.0, np.zeros(0), np.zeros(0)
     if len(primary) == 0 or len(candidate) == 0:
         return 0.0, np.zeros(0), np.zeros(0)
-    overlaps = iou_matrix(candidate[:, :4].astype(np.float64), primary[:, :4].astype(np.float64))
-    overlaps[candidate[:, 5][:, None] != primary[:, 5][None, :]] = 0.0
-    taken = np.zeros(len(primary), dtype=bool)
-    ious, shifts = [], []
-    for i in np.argsort(-candidate[:, 4], kind="stable"):  # best scored first, each to its best free partner
-        row = np.where(taken, 0.0, overlaps[i])
-        j = int(row.argmax())
-        if row[j] >= MATCH_IOU:
-            taken[j] = True
-            ious.append(row[j])
-            shifts.append(float(candidate[i, 4] - primary[j, 4]))
-    pairs = len(ious)
-    return 2.0 * pairs / (len(primary) + len(candidate)), np.asarray(ious), np.asarray(shifts)
+    rows, cols = match(candidate, primary, MATCH_IOU)  # best scored first, each to its best free partner
+    ious = iou_matrix(candidate[rows, :4], primary[cols, :4]).diagonal() if len(rows) else np.zeros(0)
+    shifts = (candidate[rows, 4] - primary[cols, 4]).astype(np.float64)
+    return 2.0 * len(rows) / (len(primary) + len(candidate)), ious, shifts
 
 
 class BoxComparison(Comparison):
