@@ -17,10 +17,10 @@ import numpy as np
 
 from service.client.kinds import DetectedImage
 from service.core.answers import Detection, ImageResult, Prediction
-from service.core.boxes import DetectOptions, Transform, formatted, to_original
+from service.core.boxes import DetectOptions, Transform, class_indices, formatted, to_original
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
-from service.core.errors import ConfigError, VisionServeError
+from service.core.errors import BadInputError, ConfigError, VisionServeError
 from service.core.layouts import image_rows, keep, suppresses
 from service.core.repository import ModelRepository
 from service.core.scores import softmax
@@ -167,20 +167,11 @@ def detect_options(
             f"{' and '.join(given)}: the graph of {model.model!r} suppresses its own boxes (output_layout "
             f"{model.layout}), so nothing is suppressed here; --score-threshold, --classes and --max-detections apply"
         )
-    labels = model.version.spec.labels
-    indices: list[int] = []
-    for name in classes or ():
-        text = name.strip()
-        if text in labels:
-            indices.append(labels.index(text))
-        elif text.isascii() and text.isdigit() and int(text) < len(labels):
-            indices.append(int(text))
-        else:
-            raise ConfigError(
-                f"--classes: unknown class {name!r}: name a label ({', '.join(labels[:20])}) or an index from 0 to "
-                f"{len(labels) - 1}"
-            )
+    try:
+        indices = class_indices("--classes", classes or (), model.version.spec.labels)
+    except BadInputError as exc:
+        raise ConfigError(str(exc)) from None
     return DetectOptions(
         iou_threshold=0.45 if iou_threshold is None else iou_threshold, class_agnostic=bool(class_agnostic),
-        classes=None if classes is None else tuple(sorted(set(indices))), **options,
+        classes=None if classes is None else indices, **options,
     )  # fmt: skip

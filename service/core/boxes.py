@@ -15,10 +15,13 @@ numpy only: the serving install has no torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import numpy as np
+
+from service.core.errors import BadInputError
 
 BoxFormat = Literal["xyxy", "xywh", "cxcywh"]
 BOX_FORMATS: Final = ("xyxy", "xywh", "cxcywh")
@@ -52,6 +55,25 @@ class DetectOptions:
     class_agnostic: bool = False
     box_format: BoxFormat = "xyxy"
     normalized: bool = False
+
+
+def class_indices(name: str, values: Iterable[Any], labels: tuple[str, ...]) -> tuple[int, ...]:
+    """Each class named by its label or its index in ``labels`` (a request's ``classes``, the detect command's
+    ``--classes``); an unknown one is refused (BadInputError, naming ``name``), listing the labels."""
+    out = []
+    for value in values:
+        text = str(value).strip()
+        if text in labels:
+            out.append(labels.index(text))
+        elif not isinstance(value, bool) and text.isascii() and text.isdigit() and int(text) < len(labels):
+            out.append(int(text))
+        else:
+            shown_labels = ", ".join(labels[:20]) + (", ..." if len(labels) > 20 else "")
+            raise BadInputError(
+                f"{name}: unknown class {value!r}: name a label ({shown_labels}) or an index from 0 to "
+                f"{len(labels) - 1}"
+            )
+    return tuple(sorted(set(out)))
 
 
 def letterbox_geometry(width: int, height: int, in_w: int, in_h: int) -> tuple[int, int, int, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from service.core.boxes import BOX_FORMATS, BoxFormat, DetectOptions
+from service.core.boxes import BOX_FORMATS, BoxFormat, DetectOptions, class_indices
 from service.core.errors import BadInputError
 from service.frontend.parameters import flag, integer, shown
 
@@ -23,24 +23,6 @@ def threshold(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (0 <= value <= 1):
         raise BadInputError(f"{name} must be {THRESHOLD}, got {shown(value)}")
     return float(value)
-
-
-def class_indices(name: str, values: Iterable[Any], labels: tuple[str, ...]) -> tuple[int, ...]:
-    """Each class named by its label or its index in ``labels``; an unknown one is refused, listing the labels."""
-    out = []
-    for value in values:
-        text = str(value).strip()
-        if text in labels:
-            out.append(labels.index(text))
-        elif not isinstance(value, bool) and text.isascii() and text.isdigit() and int(text) < len(labels):
-            out.append(int(text))
-        else:
-            shown_labels = ", ".join(labels[:20]) + (", ..." if len(labels) > 20 else "")
-            raise BadInputError(
-                f"{name}: unknown class {value!r}: name a label ({shown_labels}) or an index from 0 to "
-                f"{len(labels) - 1}"
-            )
-    return tuple(sorted(set(out)))
 
 
 def box_format(name: str, value: Any) -> BoxFormat:
