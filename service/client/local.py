@@ -17,7 +17,7 @@ import numpy as np
 
 from service.client.kinds import DetectedImage
 from service.core.answers import Detection, ImageResult, Prediction
-from service.core.boxes import DetectOptions, Transform, class_indices, formatted, to_original
+from service.core.boxes import DetectOptions, Transform, class_indices, listed, to_original
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
 from service.core.errors import BadInputError, ConfigError, VisionServeError
@@ -133,16 +133,8 @@ class LocalModel:
                 kept = to_original(keep(self.layout, candidates, options), where)
                 result = results[good[r]]
                 result.width, result.height = where.width, where.height
-                result.detections = self._listed(kept, where, options)
+                result.detections = [Detection(**d) for d in listed(kept, where, options, self.version.spec.labels)]
         return results
-
-    def _listed(self, kept: np.ndarray, where: Transform, options: DetectOptions) -> list[Detection]:
-        labels = self.version.spec.labels
-        boxes = formatted(kept[:, :4], options.box_format, where.width, where.height, options.normalized).tolist()
-        return [
-            Detection(box=box, label=labels[c] if 0 <= c < len(labels) else str(c), index=c, score=score)
-            for box, c, score in zip(boxes, kept[:, 5].astype(np.int64).tolist(), kept[:, 4].tolist(), strict=True)
-        ]
 
     def close(self) -> None:
         self.runtime.close()

@@ -270,6 +270,17 @@ def to_original(detections: np.ndarray, transform: Transform) -> np.ndarray:
     return out
 
 
+def listed(kept: np.ndarray, where: Transform, options: DetectOptions, labels: tuple[str, ...]) -> list[dict[str, Any]]:
+    """One image's kept rows (in its own pixels) as answers list them, best first: ``{"box", "label", "index",
+    "score"}``, the box in ``options``' format (a class past the labels is named by its index)."""
+    boxes = formatted(kept[:, :4], options.box_format, where.width, where.height, options.normalized).tolist()
+    classes = kept[:, CLASS].astype(np.int64).tolist()
+    return [
+        {"box": box, "label": labels[c] if 0 <= c < len(labels) else str(c), "index": c, "score": score}
+        for box, c, score in zip(boxes, classes, kept[:, SCORE].tolist(), strict=True)
+    ]
+
+
 def formatted(boxes: np.ndarray, box_format: BoxFormat, width: int, height: int, normalized: bool) -> np.ndarray:
     """xyxy ``boxes`` ``[M, 4]`` as ``box_format`` (xyxy; xywh: corner and size; cxcywh: centre and size), divided
     by the image's width and height where ``normalized``."""

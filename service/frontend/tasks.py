@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from service.core.boxes import DetectOptions, Transform, formatted, identity, to_original
+from service.core.boxes import DetectOptions, Transform, identity, listed, to_original
 from service.core.errors import BadInputError
 from service.core.layouts import image_rows, keep, suppresses
 from service.core.scores import classification_strings, predictions, softmax
@@ -220,8 +220,8 @@ class Detect:
         each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(rows)
         kept = [to_original(keep(self.layout, r, options), t) for r, t in zip(rows, each, strict=True)]
         tensors = [self._tensor(out.name, kept, options.max_detections) for out in want.outputs]
-        listed = [] if want.outputs else [self._listed(k, t, options) for k, t in zip(kept, each, strict=True)]
-        return Post(tensors, listed, [len(k) for k in kept])
+        answers = [] if want.outputs else [listed(k, t, options, self.labels) for k, t in zip(kept, each, strict=True)]
+        return Post(tensors, answers, [len(k) for k in kept])
 
     def _tensor(self, name: str, kept: list[np.ndarray], most: int) -> OutputTensor:
         if name == NUM_DETECTIONS:
@@ -231,18 +231,6 @@ class Detect:
         for row, k in enumerate(kept):
             out[row, : len(k)] = k
         return OutputTensor(name, "FP32", list(out.shape), out)
-
-    def _listed(self, kept: np.ndarray, where: Transform, options: DetectOptions) -> list[dict[str, object]]:
-        boxes = formatted(kept[:, :4], options.box_format, where.width, where.height, options.normalized).tolist()
-        classes = kept[:, 5].astype(np.int64).tolist()
-        scores = kept[:, 4].tolist()
-        return [
-            {"box": box, "label": self._label(index), "index": index, "score": score}
-            for box, index, score in zip(boxes, classes, scores, strict=True)
-        ]
-
-    def _label(self, index: int) -> str:
-        return self.labels[index] if 0 <= index < len(self.labels) else str(index)
 
 
 def task_for(spec: ModelSpec) -> Task:
