@@ -125,7 +125,9 @@ def test_a_folder_of_images_several_to_a_multipart_request(server: RunningServer
     (step,) = json.loads(run.stdout)["steps"]
     assert step["requests"] > 0 and step["errors"] == {}
     assert step["images"] == 3 * step["requests"]
-    # The server computed them all (its scrapes and the client's window differ by the requests in flight).
-    assert step["server"]["images"] >= 0.9 * step["images"]
+    # The server counted three images a request too. Its scrapes' window is not the client's (a scrape under load
+    # lands late), so its counts are held to each other, the two requests in flight at a scrape apart at most.
+    served, answered = step["server"]["images"], sum(step["server"]["requests"].values())
+    assert answered > 0 and abs(served - 3 * answered) <= 3 * 2, (served, answered)
     empty = loadtest(server, "--images", str(tmp_path / "none"))
     assert empty.returncode == 2 and "--images" in empty.stderr
