@@ -50,6 +50,7 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 test: lint
 	scripts/install-browser.sh
+	scripts/install-video.sh
 	BIN=$(BIN) TEST_WORKERS=$(TEST_WORKERS) scripts/test-suite.sh $(PYTEST_ARGS)
 	$(MAKE) test-serve-only
 

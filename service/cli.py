@@ -35,6 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export.commands", "export to ONNX, TorchScript or AOTInductor with proven parity into a repository"),
     "tune": ("service.tune.commands", "find the settings that serve the most at a p99 target here, and prove it"),
     "rollout": ("service.client.rollout", "start, watch, promote or abort a server's rollout of a candidate version"),
+    "watch": ("service.client.watch", "print or save a source's answers as they come"),
 }
 
 

@@ -113,10 +113,14 @@ class Supervisor:
                     gpus=[f"cuda:{i}"] if gpus else None, primary=i == 0, log_level=self.options.log_level,
                 )  # fmt: skip
                 self._start(Child("engine", engine.name, engine))
+            # The sources live in fe0 (docs/sources.md); with several front ends the others reach it on a Unix socket.
+            owner = self._sources_socket() if self.workers > 1 else None
             for i in range(self.workers):
                 launch = FrontendLaunch(
                     settings=self.settings, name=f"fe{i}", arena="", engines=tuple(endpoints),
                     fd=self._listener.fileno(), frontends=self.workers, log_level=self.options.log_level,
+                    sources_fd=owner.fileno() if owner is not None and i == 0 else -1,
+                    sources_socket=str(owner.getsockname()) if owner is not None else "",
                 )  # fmt: skip
                 self._start(Child("frontend", launch.name, launch))
             devices = ", ".join(f"cuda:{i}" for i in range(gpus)) if gpus else "cpu"
@@ -139,6 +143,15 @@ class Supervisor:
         sock.set_inheritable(True)
         return sock
 
+    def _sources_socket(self) -> socket.socket:
+        """The Unix socket the sources' owner (fe0) listens on, for the other front ends; kept across its restarts."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self._dir / "sources.sock"))
+        sock.listen(256)
+        sock.set_inheritable(True)
+        self._owner_socket = sock
+        return sock
+
     def _start(self, child: Child) -> None:
         if child.kind == "frontend":
             if child.arena:
@@ -147,6 +160,8 @@ class Supervisor:
             shm.create(child.arena, self.options.shm_mb * 1024 * 1024).close()
             child.launch = msgspec.structs.replace(child.launch, arena=child.arena)
             env_name, pass_fds = FRONTEND_ENV, [self._listener.fileno()]
+            if child.launch.sources_fd >= 0:
+                pass_fds.append(child.launch.sources_fd)
             module = "service.frontend.server"
         else:
             env_name, pass_fds, module = ENGINE_ENV, [], "service.engine.process"

@@ -26,6 +26,7 @@ SMOKE_TESTED = {
     "gen_protocol.py": "test_gen_protocol_regenerates_the_committed_modules",
     "gpu_check.py": "tests/test_gpu_check.py",
     "gpu_speed.py": "tests/test_gpu_speed.py",
+    "install-video.sh": "tests/sources/test_video_sources.py",
     "install-browser.sh": "test_install_browser_is_quiet_when_both_are_there",
     "make_folder_dataset.py": "test_make_folder_dataset_writes_its_classes",
     "test-suite.sh": "test_the_suite_script_runs_both_phases_on_what_it_is_given",

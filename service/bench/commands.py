@@ -25,6 +25,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "ab": ("service.bench.ab", "two server configurations under the same load, in alternating rounds"),
     "frontends": ("service.bench.frontends", "served throughput and CPU per request against the engine's limit"),
     "detect": ("service.bench.detect_served", "a detector served at c=8 against its in-process pipeline, checked"),
+    "sources": ("service.bench.sources", "RTSP cameras the server pulls into a detector: answered fps, fairness, age"),
     "transport": ("service.bench.transport", "the transport alone: shared-memory round trips between processes"),
     "train": ("service.bench.train", "training from image folders: throughput, loader, memory, fine-tuning"),
 }

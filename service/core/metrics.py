@@ -33,7 +33,7 @@ OUTCOMES = ("success", "bad_input", "rejected", "timeout", "cancelled", "error")
 OUTCOME_INDEX = {name: i for i, name in enumerate(OUTCOMES)}
 LABELS = ("model", "version", "device")
 REQUEST_LABELS = (*LABELS, "protocol")  # requests also say which protocol carried them (http, grpc)
-PROTOCOLS = ("http", "grpc", "stream")  # stream: frames of a stream that reached the engine (docs/streams.md)
+PROTOCOLS = ("http", "grpc", "stream", "source")  # stream, source: their frames that reached the engine
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FOLD_EVERY = 1024  # records held before folding: bounds the memory, and the fold's cost is spread thin
 # Exported only where a GPU is present.

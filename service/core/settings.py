@@ -78,6 +78,17 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     min_residency_s: Annotated[float, flag("a model loaded more recently is not evicted (churn guard)")] = 1.0
     max_parallel_loads: Annotated[int, flag("on-demand loads of different models at once")] = 2
     cold_start_limit_s: Annotated[float, flag("longest a request waits for its model's load")] = 60.0
+    # Sources the server pulls (docs/sources.md): admin-only; files only under source_root.
+    source_root: Annotated[
+        str | None, flag("file:// sources may be read only under this folder (none: no file sources)")
+    ] = None
+    sources: Annotated[str | None, flag("a JSON file of sources to start with the server (a list of POST bodies)")] = (
+        None
+    )
+    max_sources: Annotated[int, flag("most sources running at once")] = 32
+    source_connect_timeout_s: Annotated[float, flag("a source's connect timeout")] = 5.0
+    source_read_timeout_s: Annotated[float, flag("a source that sends nothing this long has dropped")] = 5.0
+    source_max_pixels: Annotated[int, flag("most pixels in a source's frame (the source fails past it)")] = 3840 * 2160
     strict_readiness: Annotated[
         bool,
         flag(
@@ -103,7 +114,15 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
 
         if self.max_pixels > pil_max_pixels():
             raise ConfigError(f"max_pixels must be at most {pil_max_pixels()} (PIL's own limit), got {self.max_pixels}")
-        for name in ("header_timeout_s", "body_timeout_s", "stream_send_timeout_s"):
+        if self.max_sources < 0 or self.source_max_pixels < 1:
+            raise ConfigError(
+                f"max_sources must be >= 0 and source_max_pixels >= 1, got {self.max_sources} and "
+                f"{self.source_max_pixels}"
+            )
+        for name in (
+            "header_timeout_s", "body_timeout_s", "stream_send_timeout_s", "source_connect_timeout_s",
+            "source_read_timeout_s",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.decode_workers is not None and self.decode_workers < 1:

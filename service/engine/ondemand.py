@@ -78,6 +78,8 @@ class Residency:
         self.misses: dict[str, int] = {}
         self.loads: dict[tuple[str, str], int] = {}  # (model, reason) -> count
         self.evictions: dict[tuple[str, str], int] = {}  # (model, reason: lru | unload) -> count
+        self._holds: dict[str, set[tuple[bytes, str]]] = {}  # model -> (front end's peer, holder) holding it
+        self.live_peer: Callable[[bytes], bool] = lambda peer: True  # a front end's holds end with it
         self.cold_starts: list[tuple[str, float]] = []  # (model, seconds), folded into a histogram at scrape
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -123,9 +125,27 @@ class Residency:
         if not task.cancelled() and task.exception() is not None:
             log.warning("an on-demand load failed: %s", task.exception())
 
+    def hold(self, name: str, holder: tuple[bytes, str], hold: bool) -> int:
+        """``holder`` (a front end's source) keeps ``name`` resident while it runs (``hold``), or no longer: how
+        many hold it now."""
+        holders = self._holds.setdefault(name, set())
+        if hold:
+            holders.add(holder)
+        else:
+            holders.discard(holder)
+        return len(holders)
+
+    def held(self, name: str) -> bool:
+        """A source of a live front end runs on ``name``."""
+        holders = self._holds.get(name)
+        if not holders:
+            return False
+        holders.difference_update({h for h in holders if not self.live_peer(h[0])})
+        return bool(holders)
+
     def busy(self, name: str) -> bool:
-        """Work queued, in flight, or waiting for its load: such a model is never evicted."""
-        if self._waiting.get(name) or name in self._loading:
+        """Work queued, in flight, or waiting for its load, or held by a source: such a model is never evicted."""
+        if self._waiting.get(name) or name in self._loading or self.held(name):
             return True
         return self.table.busy(name)
 

@@ -31,6 +31,7 @@ from service.core.metrics import LiveState, Metrics
 from service.core.repository import ModelEntry, ModelRepository, with_config
 from service.core.rollout_metrics import RolloutCollector
 from service.core.settings import ServerSettings, parse_budget
+from service.core.source_metrics import SourceCollector
 from service.core.status import SERVING_STATES
 from service.core.stream_metrics import StreamCollector
 from service.engine import views
@@ -44,6 +45,7 @@ from service.transport.messages import (
     CatalogQuery,
     ControlQuery,
     Failed,
+    HoldQuery,
     IndexQuery,
     LoadQuery,
     MetricsQuery,
@@ -72,6 +74,8 @@ class Endpoint(Protocol):
     def send(self, peer: bytes, message: Any) -> None: ...
 
     def announce(self) -> None: ...
+
+    def live_peer(self, peer: bytes) -> bool: ...
 
     async def flush(self, timeout_s: float = 0.5) -> None: ...
 
@@ -102,6 +106,7 @@ class EngineServer:
             drain_timeout_s=settings.drain_timeout_s, min_residency_s=settings.min_residency_s,
             max_parallel_loads=settings.max_parallel_loads, cold_start_limit_s=settings.cold_start_limit_s,
         )  # fmt: skip
+        self.residency.live_peer = endpoint.live_peer
         self.rollouts = Rollouts(
             self.table,
             self.residency,
@@ -114,6 +119,7 @@ class EngineServer:
             self.metrics.registry.register(ResidencyCollector(self.residency.snapshot))
             self.metrics.registry.register(RolloutCollector(self.rollouts.documents))
             self.metrics.registry.register(StreamCollector(lambda: reported("streams")))
+            self.metrics.registry.register(SourceCollector(lambda: reported("sources")))
 
     # ---- loading --------------------------------------------------------------------------------------------
     async def load_all(self) -> None:
@@ -319,6 +325,8 @@ class EngineServer:
             return await self._unload_model(call.name)
         if isinstance(call, RolloutQuery):
             return await self.rollouts.control(call, self._lock)
+        if isinstance(call, HoldQuery):
+            return self.residency.hold(call.name, (peer, call.holder), call.hold)
         raise BadInputError(f"unknown query {type(call).__name__}")
 
     async def _metrics(self) -> Any:

@@ -129,6 +129,10 @@ class FrontendLaunch(msgspec.Struct, frozen=True, kw_only=True):
     engines: tuple[str, ...]
     fd: int  # the listening socket, shared by every front end
     frontends: int = 1  # how many front ends the server runs: readiness waits until every engine has heard of all
+    # The sources' owner (docs/sources.md): it is handed the Unix socket it also listens on (sources_fd); the other
+    # front ends hand their sources requests to that socket's path (sources_socket).
+    sources_fd: int = -1
+    sources_socket: str = ""
     log_level: str = "warning"
 
 
@@ -139,18 +143,20 @@ def run_frontend(launch: FrontendLaunch) -> None:
     options = uvicorn_options(settings, launch.log_level)
     del options["host"], options["port"]
     links = SharedMemoryLinks(launch.arena, launch.engines)
-    app = create_app(settings, links, frontend=launch.name, frontends=launch.frontends)
+    owner = launch.sources_socket if launch.sources_fd < 0 else ""
+    app = create_app(settings, links, frontend=launch.name, frontends=launch.frontends, sources_owner=owner)
     server = _Server(uvicorn.Config(app, **options), app)
     # The inherited listening socket, with its real family: uvicorn's own ``fd=`` takes every fd for a Unix
     # socket, and then TCP_NODELAY is never set on connections, so a keep-alive client waited ~40 ms per answer
     # (Nagle against delayed ACKs; measured with the load tester: p50 48 ms at c=1 against 4 ms on the server).
     listener = socket.socket(fileno=launch.fd)
+    listeners = [listener] + ([socket.socket(fileno=launch.sources_fd)] if launch.sources_fd >= 0 else [])
     # uvicorn restores the handler it found once it has shut down. Outside its run (before start-up, or after the
     # drain while threads and the loop wind down) a SIGTERM, e.g. a supervisor repeating itself, means "exit now",
     # and nothing accepted is left: exit 0 rather than die by the signal.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     started = time.perf_counter()
-    server.run(sockets=[listener])
+    server.run(sockets=listeners)
     log.info("front end %s stopped after %.1f s", launch.name, time.perf_counter() - started)
 
 

@@ -245,6 +245,8 @@ class ServerState:
         self.stream_frames: dict[tuple[str, str], int] = {}  # (model, outcome) -> frames, this front end's
         self.stream_ages: dict[str, list[float]] = {}  # model -> answered frames' age histogram (STREAM_AGE_BUCKETS)
         self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight
+        self.sources: Any = None  # the sources this front end runs (service.frontend.sources.registry.Sources)
+        self.sources_owner: Any = None  # or the front end that runs them (service.frontend.sources.forward.Owner)
 
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new inference (503) and wait until every request already accepted has been answered, or
@@ -428,7 +430,8 @@ class ServerState:
         """Everything this front end has recorded (cumulative): the engine sums every front end's."""
         requests = self.metrics.request_snapshot() if self.metrics is not None else []
         counts = list(self._stats.values())  # encoded at once by the caller, before they count on
-        return Snapshot(token, requests, counts, self._stream_states())
+        sources = self.sources.states() if self.sources is not None else []
+        return Snapshot(token, requests, counts, self._stream_states(), sources)
 
     def _stream_states(self) -> list[StreamState]:
         """Copies: the in-process engine reads them on a scrape's thread while streams count on."""

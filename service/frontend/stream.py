@@ -22,7 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from service.core.boxes import Transform
 from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError
+from service.core.spec import ModelSpec
 from service.core.stream_metrics import STREAM_OUTCOMES
 from service.frontend.request import Answer, Ask, Expired, Target, run
 from service.frontend.tasks import Want
@@ -46,6 +50,9 @@ class Frame:
     data: bytes
     received: float = field(default_factory=time.perf_counter)
     want: Want | None = None  # what its answer holds, where the frame says (gRPC's outputs); else the stream's
+    # A frame decoded already (a source's): the model's input and the frame's Transform from its spec, computed
+    # off the event loop when the frame is taken; ``data`` is then empty.
+    prepare: Callable[[ModelSpec], tuple[np.ndarray, Transform]] | None = None
 
     def age_ms(self, now: float | None = None) -> float:
         return ((time.perf_counter() if now is None else now) - self.received) * 1000.0
@@ -164,7 +171,14 @@ class FrameStream:
             self._answer(frame, "expired", stage="wait")
             return
         timing = Timing(arrived=frame.received)
-        ask = Ask(frame.want or self.want, [frame.data], id=frame.id, each=True)
+        if frame.prepare is None:
+            ask = Ask(frame.want or self.want, [frame.data], id=frame.id, each=True)
+        else:
+            started = time.perf_counter()
+            pixels, transform = await asyncio.to_thread(frame.prepare, self.slot.spec)
+            timing.preprocess_s = time.perf_counter() - started
+            want = frame.want or self.want
+            ask = Ask(want, pixels=pixels[np.newaxis], id=frame.id, each=True, transforms=[transform])
         ask.expires = frame.received + self.max_age_ms / 1000.0  # the queue's deadline: the frame's age
         try:
             answer = await run(self.where, ask, timing, _itself, observe=self.protocol)

@@ -36,6 +36,7 @@ from service.transport.messages import (
     Failed,
     Flush,
     Hello,
+    HoldQuery,
     IndexQuery,
     LoadQuery,
     MetricsQuery,
@@ -100,6 +101,10 @@ class ControlCalls:
         """``name``'s rollout document (None where this engine does not serve it), after ``action`` if given."""
         document = await self.call(RolloutQuery(name, action, settings, reason))
         return None if document is None else dict(document)
+
+    async def hold(self, name: str, holder: str, hold: bool = True) -> int:
+        """Keep ``name`` resident while ``holder`` runs (a source), or let it go: how many hold it now."""
+        return int(await self.call(HoldQuery(name, holder, hold)))
 
 
 class _Waiting:

@@ -22,6 +22,7 @@ import numpy as np
 from service.core import errors as _errors
 from service.core.errors import OverloadedError, VisionServeError
 from service.core.metrics import ModelCounts, RequestState
+from service.core.source_metrics import SourceState
 from service.core.stream_metrics import StreamState
 
 
@@ -124,7 +125,18 @@ class RolloutQuery(msgspec.Struct, tag="rollout", array_like=True, frozen=True):
     reason: str = ""
 
 
-ControlQuery = CatalogQuery | MetricsQuery | StatsQuery | IndexQuery | LoadQuery | UnloadQuery | RolloutQuery
+class HoldQuery(msgspec.Struct, tag="hold", array_like=True, frozen=True):
+    """Keep model ``name`` resident while ``holder`` (a source of this front end) runs (``hold``), or no longer:
+    a held model is never evicted. Answered with how many hold it now; a front end's holds end with it."""
+
+    name: str
+    holder: str
+    hold: bool = True
+
+
+ControlQuery = (
+    CatalogQuery | MetricsQuery | StatsQuery | IndexQuery | LoadQuery | UnloadQuery | RolloutQuery | HoldQuery
+)
 
 
 class Query(msgspec.Struct, tag="query", array_like=True, frozen=True):
@@ -141,12 +153,13 @@ def query_name(call: ControlQuery) -> str:
 
 class Snapshot(msgspec.Struct, tag="snapshot", array_like=True, frozen=True):
     """A front end's answer to :class:`Flush`: everything it has recorded so far (cumulative, so idempotent).
-    ``streams`` came later: a sender without it decodes with none."""
+    ``streams``, then ``sources``, came later: a sender without them decodes with none."""
 
     token: int
     requests: list[RequestState]
     counts: list[ModelCounts]
     streams: list[StreamState] = []
+    sources: list[SourceState] = []
 
 
 # ---- engine -> front end ------------------------------------------------------------------------------------

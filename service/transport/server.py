@@ -189,6 +189,10 @@ class EngineEndpoint:
         self.send(peer, Welcome(self.name, os.getpid(), self._handler.catalog_version()))
         self.announce()  # every front end learns at once how many have reached this engine (their readiness)
 
+    def live_peer(self, peer: bytes) -> bool:
+        """``peer`` is the current connection of its front end (not one a restarted front end left behind)."""
+        return peer in self._by_frontend.values()
+
     @property
     def frontends(self) -> int:
         """Front ends (by name) that have reached this engine; a restarted one counts once."""

@@ -148,6 +148,9 @@ class Endpoint:
     def announce(self) -> None:
         self.announced += 1
 
+    def live_peer(self, peer: bytes) -> bool:
+        return True
+
     async def flush(self, timeout_s: float = 0.5) -> None:
         return None
 

@@ -13,7 +13,7 @@ from litestar.exceptions import HTTPException
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 
-from service.core.errors import VisionServeError
+from service.core.errors import ConfigError, VisionServeError
 from service.core.metrics import CONTENT_TYPE
 from service.core.settings import ServerSettings
 from service.frontend.grpc import start_grpc
@@ -23,10 +23,13 @@ from service.frontend.http.errors import handle_http, handle_ours, handle_unexpe
 from service.frontend.http.image_api import classify
 from service.frontend.http.openapi_ui import swagger_asset, swagger_plugin
 from service.frontend.http.page import docs, index, list_models
+from service.frontend.http.sources_api import ROUTER as SOURCES_ROUTER
 from service.frontend.http.stream_ws import stream
 from service.frontend.http.timing import ServerTimingMiddleware
 from service.frontend.http.v2 import ROUTES, SERVER_VERSION
 from service.frontend.link import Linker
+from service.frontend.sources.forward import Owner
+from service.frontend.sources.registry import Sources
 from service.frontend.state import ServerState
 
 log = logging.getLogger("visionserve.server")
@@ -46,19 +49,35 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(await server.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def start_sources(server: ServerState) -> None:
+    """The sources' registry, and those of ``--sources FILE`` started (a row that cannot start is logged with the
+    reason; the server serves on)."""
+    server.sources = Sources(server)
+    if server.settings.sources:
+        try:
+            started = server.sources.start_listed(server.settings.sources)
+            log.info("started %d source(s) from %s", len(started), server.settings.sources)
+        except ConfigError as exc:
+            log.error("%s", exc)
+
+
 def create_app(
     settings: ServerSettings | None = None,
     linker: Linker | None = None,
     *,
     frontend: str = "fe0",
     frontends: int = 1,
+    sources_owner: str = "",
 ) -> Litestar:
     """The HTTP app of one front end. ``linker`` gives its links to the engines: shared memory when the supervisor
     starts it (``service.supervisor``), or in process (``service.inprocess``); ``frontends``: how many front ends
     the server runs (readiness waits for all of them). Its start-up returns only once every engine link is up, so
-    uvicorn accepts no connection this front end could not serve."""
+    uvicorn accepts no connection this front end could not serve. ``sources_owner``: the Unix socket of the front
+    end that runs the sources, where that is another one (service.frontend.sources.forward)."""
     settings = settings or ServerSettings()
     server = ServerState(settings, linker, frontend=frontend, frontends=frontends)
+    if sources_owner:
+        server.sources_owner = Owner(sources_owner)
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -67,11 +86,15 @@ def create_app(
         grpc_server = await start_grpc(server)
         if await server.wait_linked():
             log.info("front end %s linked to %d engine(s)", frontend, len(server.links))
+        if server.sources_owner is None:
+            start_sources(server)
         try:
             yield
         finally:
             log.info("shutting down: draining queued requests (up to %.1f s)", settings.drain_timeout_s)
             await grpc_server.stop(settings.drain_timeout_s)
+            if server.sources is not None:
+                await server.sources.close()
             await server.close()
 
     app = Litestar(
@@ -85,6 +108,7 @@ def create_app(
             list_models,
             *ROUTES,
             *CONTROL_ROUTES,
+            SOURCES_ROUTER,
             *([metrics] if settings.metrics else []),
         ],
         lifespan=[lifespan],

@@ -12,13 +12,15 @@ what it is charged there; read again after each answer, since a request may load
 another. Below it, each model with a rollout (docs/rollouts.md): mode, primary -> candidate, samples compared,
 agreement with its interval, latency ratio, shed and the verdict, read from ``GET /v2/models/{m}/rollout`` with the
 table (a 404, from a server without rollouts, counts as no rollout). Then the live mode (``demo_live.py``): the
-camera or a video file streamed to the model, each frame's answer as it comes.
+camera or a video file streamed to the model, each frame's answer as it comes; and the sources (``demo_sources.py``):
+the cameras and files the server pulls itself, listed with the admin token, one watched frame by frame.
 """
 
 from __future__ import annotations
 
 from service.frontend.http.demo_boxes import BOXES_SCRIPT, BOXES_STYLE, SCORE_CONTROL
 from service.frontend.http.demo_live import LIVE_SCRIPT, LIVE_SECTION, LIVE_STYLE
+from service.frontend.http.demo_sources import SOURCES_SCRIPT, SOURCES_SECTION, SOURCES_STYLE
 
 _PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>visionserve</title>
@@ -48,6 +50,7 @@ _PAGE = """<!doctype html>
  #rollouts td.verdict { white-space: normal; }
 /* boxes: style */
 /* live: style */
+/* sources: style */
 </style></head>
 <body>
 <h1>visionserve</h1>
@@ -65,6 +68,7 @@ _PAGE = """<!doctype html>
 <p id="error" role="alert"></p>
 <ul id="grid" aria-label="images and their answers" aria-live="polite"></ul>
 <!-- live: section -->
+<!-- sources: section -->
 <h2>Server latency of recent requests</h2>
 <svg id="chart" viewBox="0 0 300 60" preserveAspectRatio="none" role="img" aria-labelledby="latency">
  <polyline points=""></polyline></svg>
@@ -279,6 +283,7 @@ document.addEventListener('paste', (e) => {
 // boxes: script
 loadModels(true);
 // live: script
+// sources: script
 </script></body></html>
 """
 PAGE = (
@@ -288,4 +293,7 @@ PAGE = (
     .replace("/* live: style */\n", LIVE_STYLE)
     .replace("<!-- live: section -->\n", LIVE_SECTION)
     .replace("// live: script\n", LIVE_SCRIPT)
+    .replace("/* sources: style */\n", SOURCES_STYLE)
+    .replace("<!-- sources: section -->\n", SOURCES_SECTION)
+    .replace("// sources: script\n", SOURCES_SCRIPT)
 )

@@ -1,0 +1,194 @@
+"""The demo page's sources view (``demo.py`` puts these in the page): the cameras and files the server pulls
+(docs/sources.md), listed, and one of them watched frame by frame.
+
+Every sources route is admin-only, so the view starts with a field for the admin token. The token stays in the page:
+in the field and the tab's ``sessionStorage`` (so a reload keeps it and closing the tab forgets it), sent only to this
+server, as ``Authorization: Bearer`` on ``GET /v1/sources`` and as ``?token=`` on the results WebSocket (a browser's
+WebSocket cannot send a header). Refresh lists the sources: id, model, state (a finished one's reason beside it),
+frames answered per second and the answers' p99 age. Watching one opens ``/v1/sources/{id}/results?frames=1``: each
+result carries its frame as a JPEG (at most 640 pixels wide, the answer's ``width`` x ``height`` aspect), shown with
+a detector's boxes drawn over it by ``demo_boxes.py`` (the page's score threshold filters them, as everywhere on the
+page) or a classifier's top class over its top edge, and a line of counts below. When the source finishes, the
+socket's last message says how (``ended``, ``failed`` or ``stopped``) and why, and the view shows it. The view's
+``data-`` attributes (``data-frame``, ``data-detections``, ``data-drawn``, ``data-state``) say what it shows, for
+a test to read. Ids, labels, reasons and errors from the server are inserted as text, never as HTML.
+"""
+
+from __future__ import annotations
+
+SOURCES_STYLE = """ #sources td { white-space: nowrap; }
+ #sources td.state { white-space: normal; }
+ #sources tr[aria-current="true"] { background: #eef; }
+ #sources-picture { width: 32rem; max-width: 100%; margin-top: .5rem; }
+ #sources-frame { display: block; width: 100%; height: auto; background: #f4f4f4; }
+ #sources-top { position: absolute; top: 0; left: 0; margin: 0; padding: .1rem .4rem; background: rgba(0, 0, 0, .7);
+                color: #fff; font-size: .9rem; }
+ #sources-counts, #sources-end { font-size: .9rem; }
+"""
+
+SOURCES_SECTION = """<section id="sources-section" aria-labelledby="sources-title">
+<h2 id="sources-title">Sources</h2>
+<p id="sources-help">The cameras and files the server pulls and answers by itself. Managing or watching them needs the
+ server's admin token: it stays in this tab (forgotten when the tab closes) and is sent to this server only.</p>
+<div class="controls">
+ <label for="sources-token">Admin token</label>
+ <input id="sources-token" type="password" autocomplete="off" spellcheck="false" aria-describedby="sources-help">
+ <button id="sources-refresh" type="button">Refresh</button>
+</div>
+<p id="sources-status" role="status">Enter the admin token and refresh to list the sources.</p>
+<table id="sources" aria-labelledby="sources-title"><thead><tr><th scope="col">Source</th><th scope="col">Model</th>
+ <th scope="col">State</th><th scope="col">Answered per second</th><th scope="col">Age p99</th>
+ <th scope="col"><span hidden>Watch</span></th></tr></thead><tbody></tbody></table>
+<div id="sources-view" hidden>
+ <h3 id="sources-watching"></h3>
+ <div id="sources-picture" class="view" hidden>
+  <img id="sources-frame" alt="The source's last answered frame">
+  <svg id="sources-boxes" class="boxes" aria-hidden="true"></svg>
+  <p id="sources-top" hidden></p>
+ </div>
+ <p id="sources-counts"></p>
+ <p id="sources-end" role="status"></p>
+</div>
+</section>
+"""
+
+SOURCES_SCRIPT = r"""
+// ---- Sources: the server's own cameras and files (docs/sources.md), listed and watched frame by frame ----
+const SOURCES_TOKEN_KEY = 'visionserve-admin-token';  // sessionStorage: this tab only
+const SOURCES_FINAL = ['ended', 'failed', 'stopped'];
+const watch = {socket: null, id: '', found: null, last: null, ended: null, shown: 0,
+  counts: {result: 0, expired: 0, error: 0}};
+
+const sourcesToken = () => $('sources-token').value.trim();
+const sourcesMs = (v) => typeof v === 'number' ? `${v.toFixed(1)} ms` : '-';
+
+function sourceRow(s) {
+  const state = SOURCES_FINAL.includes(s.state) && s.reason ? `${s.state}: ${s.reason}` : String(s.state);
+  const button = el('button', {type: 'button', className: 'watch'}, 'Watch');
+  button.setAttribute('aria-label', `Watch ${s.id}`);
+  button.addEventListener('click', () => sourcesWatch(String(s.id)));
+  const row = el('tr', {className: 'source'}, el('td', {className: 'id'}, String(s.id)),
+    el('td', {className: 'model'}, String(s.model)), el('td', {className: 'state'}, state),
+    el('td', {className: 'fps'}, s.fps && typeof s.fps.answered === 'number' ? s.fps.answered.toFixed(1) : '-'),
+    el('td', {className: 'age'}, sourcesMs(s.age_ms && s.age_ms.p99)), el('td', {}, button));
+  row.dataset.id = String(s.id);
+  row.setAttribute('aria-current', String(s.id === watch.id));
+  return row;
+}
+
+async function sourcesRefresh() {
+  const token = sourcesToken();
+  if (!token) { $('sources-status').textContent = 'Enter the admin token first.'; return; }
+  $('sources-status').textContent = 'Listing the sources...';
+  try {
+    const r = await fetch('/v1/sources', {headers: {Authorization: `Bearer ${token}`}});
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) throw new Error(body.error || `${r.status} ${r.statusText}`);
+    const sources = body.sources || [];
+    $('sources').querySelector('tbody').replaceChildren(...sources.map(sourceRow));
+    $('sources-status').textContent = sources.length ? `${sources.length} source(s).` : 'The server has no source.';
+  } catch (e) {
+    $('sources-status').textContent = `Could not list the sources: ${e.message}`;
+  }
+}
+
+// The counts line and the view's data- attributes, from what the watched source sent last.
+function sourcesCounts() {
+  const view = $('sources-view'), a = watch.last, c = watch.counts;
+  const drawn = $('sources-boxes').querySelectorAll('g.box').length;
+  let what = 'No frame answered yet.';
+  if (a && Array.isArray(a.detections)) {
+    what = `Frame ${a.frame}, age ${sourcesMs(a.age_ms)}: ${a.detections.length} box(es), ${drawn} drawn at score ` +
+      `${scoreThreshold().toFixed(2)} or more (frame ${a.width} x ${a.height} pixels).`;
+  } else if (a) {
+    what = `Frame ${a.frame}, age ${sourcesMs(a.age_ms)}.`;
+  }
+  $('sources-counts').textContent = `${what} Answered ${c.result}, expired ${c.expired}, errors ${c.error}.`;
+  view.dataset.frame = a ? String(a.frame) : '';
+  view.dataset.detections = a && Array.isArray(a.detections) ? String(a.detections.length) : '';
+  view.dataset.drawn = String(drawn);
+}
+
+function sourcesPaint() {
+  drawBoxes($('sources-boxes'), watch.found);
+  sourcesCounts();
+}
+
+// A result: its frame shown, then its boxes (or top class) over it once the frame is decoded, so they never sit
+// over another frame; a newer result meanwhile wins.
+function sourcesResult(a) {
+  const shown = ++watch.shown;
+  const show = () => {
+    if (shown !== watch.shown) return;
+    $('sources-picture').hidden = false;
+    watch.last = a;
+    watch.found = Array.isArray(a.detections) ? {width: a.width, height: a.height, detections: a.detections} : null;
+    const top = !watch.found && Array.isArray(a.predictions) && a.predictions.length ? a.predictions[0] : null;
+    $('sources-top').hidden = !top;
+    $('sources-top').textContent = top ? `${top.label} ${percentText(top.score)}` : '';
+    sourcesPaint();
+  };
+  if (!a.image) { show(); return; }  // an answer without its frame (subscribed while it was prepared)
+  const img = $('sources-frame');
+  img.src = `data:image/jpeg;base64,${a.image}`;
+  img.decode().catch(() => {}).then(show);
+}
+
+function sourcesMessage(text) {
+  let a;
+  try { a = JSON.parse(text); } catch { a = {status: 'error', error: `not an answer: ${String(text).slice(0, 200)}`}; }
+  const status = String(a.status);
+  if (status === 'result') { watch.counts.result++; sourcesResult(a); return; }
+  if (status === 'ended') { watch.ended = a; return; }
+  if (status === 'expired') watch.counts.expired++;
+  else {
+    watch.counts.error++;
+    $('sources-end').textContent = status === 'cut_off' ? `Cut off: ${a.reason}.` : `Error: ${a.error || status}`;
+  }
+  sourcesCounts();
+}
+
+function sourcesWatch(id) {
+  const token = sourcesToken();
+  if (watch.socket) watch.socket.close(1000, 'the page watches another source');
+  Object.assign(watch, {socket: null, id, found: null, last: null, ended: null, counts: {result: 0, expired: 0,
+    error: 0}});
+  watch.shown++;  // a frame of the source watched before, still decoding, is dropped
+  for (const row of $('sources').querySelectorAll('tr.source')) {
+    row.setAttribute('aria-current', String(row.dataset.id === id));
+  }
+  const view = $('sources-view');
+  view.hidden = false;
+  view.dataset.state = 'connecting';
+  $('sources-watching').textContent = `Watching ${id}`;
+  $('sources-picture').hidden = true;
+  $('sources-top').hidden = true;
+  $('sources-end').textContent = 'Connecting...';
+  sourcesPaint();
+  const scheme = location.protocol === 'https:' ? 'wss:' : 'ws:';
+  const query = new URLSearchParams({token, frames: '1'});
+  const socket = new WebSocket(`${scheme}//${location.host}/v1/sources/${encodeURIComponent(id)}/results?${query}`);
+  socket.onopen = () => {
+    if (socket !== watch.socket) return;
+    view.dataset.state = 'open';
+    $('sources-end').textContent = 'Watching: each answer as the server computes it.';
+  };
+  socket.onmessage = (e) => { if (socket === watch.socket) sourcesMessage(e.data); };
+  socket.onclose = (e) => {
+    if (socket !== watch.socket) return;
+    watch.socket = null;
+    const end = watch.ended;
+    view.dataset.state = end ? String(end.state) : 'closed';
+    $('sources-end').textContent = end ? `Source ${id} ${end.state}${end.reason ? `: ${end.reason}` : ''}.`
+      : `The server closed the results (${e.code}${e.reason ? `: ${e.reason}` : ''}).`;
+    sourcesRefresh();  // the list shows its final state and counts
+  };
+  watch.socket = socket;
+}
+
+$('sources-token').value = sessionStorage.getItem(SOURCES_TOKEN_KEY) || '';
+$('sources-token').addEventListener('input', () => sessionStorage.setItem(SOURCES_TOKEN_KEY, sourcesToken()));
+$('sources-token').addEventListener('keydown', (e) => { if (e.key === 'Enter') sourcesRefresh(); });
+$('sources-refresh').addEventListener('click', sourcesRefresh);
+$('score').addEventListener('input', () => { if (watch.id) sourcesPaint(); });
+"""

@@ -1,0 +1,191 @@
+"""``/v1/sources``: the sources the server pulls (docs/sources.md). Every route is admin, reading included: off
+unless the server has an admin token, then ``Authorization: Bearer <token>``, or ``?token=`` on the results routes
+(a browser's WebSocket and EventSource cannot send a header).
+
+``GET /v1/sources/{id}/results`` is a WebSocket of the source's answers (JSON text, one per frame, then one
+``ended``; closed 1001 when the source ends or the server drains, 1008 when the subscriber was cut off for not
+reading), and, as plain HTTP, the same messages as Server-Sent Events (``curl -N``). ``?frames=1``: each result
+also carries its frame as a base64 JPEG (``image``), for a page that draws the answer over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+from urllib.parse import quote
+
+from litestar import Request, Response, Router, WebSocket, delete, get, patch, post, websocket
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.params import FromPath
+from litestar.response import ServerSentEvent
+
+from service.core.errors import BadInputError, ForbiddenError, OverloadedError
+from service.frontend.http.image_api import ERROR_RESPONSES
+from service.frontend.sources.forward import Owner
+from service.frontend.sources.registry import Sources
+from service.frontend.state import ServerState
+
+GOING_AWAY, NOT_READING, UNKNOWN = 1001, 1008, 4404
+RESULTS = "/v1/sources/{id:str}/results"
+
+
+def sources_admin(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Every sources route needs the admin token: a server that fetches URLs must not be an open proxy."""
+    server: ServerState = connection.app.state.server
+    token = server.settings.admin_token
+    if not token:
+        raise ForbiddenError("sources are off: start the server with --admin-token to manage them")
+    given = connection.headers.get("authorization", "")
+    if not given and connection.scope["path"].endswith("/results"):
+        given = f"Bearer {connection.query_params.get('token', '')}"
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        raise ForbiddenError("sources need 'Authorization: Bearer <admin token>' (or ?token= on the results routes)")
+
+
+def sources_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Sources:
+    server: ServerState = connection.app.state.server
+    if server.sources is None:
+        raise OverloadedError("the server is starting: its sources are not up yet")
+    return server.sources
+
+
+async def _body(request: Request[Any, Any, Any]) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        raise BadInputError("the body must be a JSON object") from None
+
+
+def _owner(connection: ASGIConnection[Any, Any, Any, Any]) -> Owner | None:
+    """The front end that runs the sources, where it is not this one."""
+    server: ServerState = connection.app.state.server
+    return server.sources_owner
+
+
+async def _forwarded(request: Request[Any, Any, Any], owner: Owner) -> Response[Any]:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    answer = await owner.request(request.method, target, dict(request.headers), await request.body())
+    return Response(answer.body, status_code=answer.status)
+
+
+@post("/v1/sources", summary="Start a source (admin)", status_code=201, responses=ERROR_RESPONSES)
+async def create_source(request: Request[Any, Any, Any]) -> Any:
+    """Start pulling ``url`` into ``model``: docs/sources.md."""
+    if (owner := _owner(request)) is not None:
+        return await _forwarded(request, owner)
+    return sources_of(request).create(await _body(request)).describe()
+
+
+@get("/v1/sources", summary="Every source (admin)", responses=ERROR_RESPONSES)
+async def list_sources(request: Request[Any, Any, Any]) -> Any:
+    if (owner := _owner(request)) is not None:
+        return await _forwarded(request, owner)
+    return {"sources": sources_of(request).describe()}
+
+
+@get("/v1/sources/{id:str}", summary="One source (admin)", responses=ERROR_RESPONSES)
+async def show_source(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
+    if (owner := _owner(request)) is not None:
+        return await _forwarded(request, owner)
+    return sources_of(request).get(id).describe()
+
+
+@patch("/v1/sources/{id:str}", summary="Change a source's options (admin)", responses=ERROR_RESPONSES)
+async def change_source(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
+    if (owner := _owner(request)) is not None:
+        return await _forwarded(request, owner)
+    return sources_of(request).change(id, await _body(request)).describe()
+
+
+@delete("/v1/sources/{id:str}", summary="Stop a source (admin)", status_code=200, responses=ERROR_RESPONSES)
+async def delete_source(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
+    if (owner := _owner(request)) is not None:
+        return await _forwarded(request, owner)
+    return await sources_of(request).delete(id)
+
+
+@get(RESULTS, summary="A source's answers as Server-Sent Events (admin)", responses=ERROR_RESPONSES)
+async def source_events(request: Request[Any, Any, Any], id: FromPath[str]) -> ServerSentEvent | Response[Any]:
+    """One ``data:`` event per answer, the last one ``ended``."""
+    if (owner := _owner(request)) is not None:  # a source that is not there is refused before the events start
+        found = await owner.request("GET", f"/v1/sources/{quote(id)}", dict(request.headers))
+        if found.status != 200:
+            return Response(found.body, status_code=found.status)
+    else:
+        sources_of(request).get(id)
+    return ServerSentEvent(_texts(request, id))
+
+
+async def _texts(connection: ASGIConnection[Any, Any, Any, Any], id: str) -> AsyncGenerator[str, None]:
+    """The source's answers as JSON texts, from the sources here or from their owner; with ``?frames=1``, each
+    result carries its frame (``image``, a base64 JPEG), as the demo page shows it."""
+    frames = connection.query_params.get("frames", "") in ("1", "true")
+    owner = _owner(connection)
+    if owner is not None:
+        auth = f"Bearer {connection.app.state.server.settings.admin_token}"
+        target = f"/v1/sources/{quote(id)}/results" + ("?frames=1" if frames else "")
+        async for text in owner.events(target, {"authorization": auth}):
+            yield text
+        return
+    source = sources_of(connection).get(id)
+    subscriber = source.subscribe(frames)
+    try:
+        async for message in subscriber.messages():
+            yield json.dumps(message, separators=(",", ":"))
+        if subscriber.cut_off is not None:
+            cut = {"source": source.id, "status": "cut_off", "reason": subscriber.cut_off}
+            yield json.dumps(cut, separators=(",", ":"))
+    finally:
+        source.unsubscribe(subscriber)
+
+
+@websocket(RESULTS)
+async def source_results(socket: WebSocket[Any, Any, Any], id: FromPath[str]) -> None:
+    """The source's answers, a JSON text message each; the last is ``ended`` (1001 follows), or ``cut_off`` for a
+    subscriber that stopped reading (1008)."""
+    server: ServerState = socket.app.state.server
+    await socket.accept()
+    if server.sources_owner is None:
+        try:
+            sources_of(socket).get(id)
+        except Exception as exc:
+            await socket.send_text(json.dumps({"status": "error", "error": str(exc)}))
+            await socket.close(code=UNKNOWN, reason=str(exc)[:120])
+            return
+    code, why = GOING_AWAY, "the source ended"
+    texts = _texts(socket, id)
+    try:
+        async for text in texts:
+            await asyncio.wait_for(socket.send_text(text), server.settings.stream_send_timeout_s)
+            if '"status":"cut_off"' in text:
+                code, why = NOT_READING, "cut off: it left answers unread"
+    except TimeoutError:
+        code, why = NOT_READING, "cut off: an answer waited too long to be read"
+    except Exception:  # the subscriber went away
+        return
+    finally:
+        await texts.aclose()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(socket.close(code=code, reason=why[:120]), 2.0)
+
+
+ROUTER = Router(
+    path="/",
+    route_handlers=[
+        create_source,
+        list_sources,
+        show_source,
+        change_source,
+        delete_source,
+        source_events,
+        source_results,
+    ],
+    guards=[sources_admin],
+    tags=["sources"],
+)

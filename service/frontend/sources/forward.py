@@ -1,0 +1,134 @@
+"""The sources of a server with several front ends live in one of them (the owner, ``fe0``): the front ends share
+one listening socket, so a request about a source lands on any of them, and each of the others hands it to the owner
+over a Unix socket the supervisor gives it (docs/sources.md, "One owner").
+
+Plain HTTP/1.1 over that socket, one connection a request (``Connection: close``): a request's answer is read
+whole; a results stream is read as the owner's Server-Sent Events, line by line, for as long as it lasts. Nothing
+here needs more than the standard library (the serving install has no HTTP client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from service.core.errors import OverloadedError
+
+CONNECT_TIMEOUT_S = 5.0
+ANSWER_TIMEOUT_S = 60.0
+PASSED_HEADERS = ("authorization", "content-type")
+
+
+@dataclass
+class Forwarded:
+    """The owner's answer: its status and its JSON body."""
+
+    status: int
+    body: Any
+
+
+class Owner:
+    """The front end that runs the sources, reached at ``path`` (a Unix socket)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    async def _open(
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, dict[str, str]]:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError) as exc:
+            raise OverloadedError(f"the front end that runs the sources cannot be reached: {exc}") from None
+        lines = [f"{method} {target} HTTP/1.1", "Host: sources", "Connection: close", f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() in PASSED_HEADERS]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        await writer.drain()
+        status_line = await reader.readline()
+        try:
+            status = int(status_line.split()[1])
+        except (IndexError, ValueError):
+            writer.close()
+            raise OverloadedError("the front end that runs the sources answered nothing") from None
+        answer_headers: dict[str, str] = {}
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, _, value = line.decode("latin-1").partition(":")
+            answer_headers[name.strip().lower()] = value.strip()
+        return reader, writer, status, answer_headers
+
+    async def request(self, method: str, target: str, headers: Mapping[str, str], body: bytes = b"") -> Forwarded:
+        """``method target`` (path and query) answered by the owner, its JSON body read whole."""
+
+        async def exchange() -> Forwarded:
+            reader, writer, status, answer_headers = await self._open(method, target, headers, body)
+            try:
+                if "content-length" in answer_headers:
+                    raw = await reader.readexactly(int(answer_headers["content-length"]))
+                elif answer_headers.get("transfer-encoding", "").lower() == "chunked":
+                    raw = await _chunked(reader)
+                else:
+                    raw = await reader.read()
+            finally:
+                writer.close()
+            return Forwarded(status, json.loads(raw) if raw else None)
+
+        return await asyncio.wait_for(exchange(), ANSWER_TIMEOUT_S)
+
+    async def events(self, target: str, headers: Mapping[str, str]) -> AsyncIterator[str]:
+        """The owner's Server-Sent Events at ``target``: each ``data:`` payload, as long as the owner sends them.
+        A refusal (not 200) is yielded as one JSON error message."""
+        reader, writer, status, answer_headers = await self._open("GET", target, headers, b"")
+        try:
+            if status != 200:
+                raw = await reader.read()
+                yield json.dumps({"status": "error", "code": status, "error": raw.decode("utf-8", "replace")[:500]})
+                return
+            chunked = answer_headers.get("transfer-encoding", "").lower() == "chunked"
+            async for line in _lines(reader, chunked):
+                if line.startswith("data:"):
+                    yield line[5:].strip()
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    parts: list[bytes] = []
+    while True:
+        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            await reader.readline()
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readline()
+
+
+async def _lines(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[str]:
+    """The body's text lines as they come, chunked or not."""
+    pending = b""
+    while True:
+        if chunked:
+            size_line = await reader.readline()
+            if not size_line:
+                return
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                return
+            data = await reader.readexactly(size)
+            await reader.readline()
+        else:
+            data = await reader.read(65536)
+            if not data:
+                return
+        pending += data
+        *done, pending = pending.split(b"\n")
+        for line in done:
+            yield line.decode("utf-8", "replace").rstrip("\r")

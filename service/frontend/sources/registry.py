@@ -1,0 +1,218 @@
+"""The server's sources (docs/sources.md): created, changed and deleted while the server runs, or started with it
+from ``--sources FILE``; at most ``--max-sources`` running at once.
+
+A request body (``POST /v1/sources``, a row of the sources file) holds ``url`` and ``model`` (with ``version``
+optional), ``max_fps`` (0: every frame), ``max_age_ms``, ``pace`` (a file's: ``realtime`` or ``answered``), an
+``id`` of the caller's choosing (else one is made), and the task's options as the stream routes take them: a
+classifier's ``top_k``; a detector's ``score_threshold``, ``iou_threshold``, ``max_detections``, ``classes``,
+``class_agnostic``, ``box_format``, ``normalized``. A key it does not know is refused, named.
+
+A running source counts as an open stream of its model (``visionserve_streams_open``): told to end when the server
+drains. A finished one (ended, failed, stopped) stays listed with its reason and counts until it is deleted; the
+oldest finished are forgotten past :data:`FINISHED_KEPT`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import re
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError
+from service.core.source_metrics import SourceState
+from service.frontend import request as path
+from service.frontend.detect_options import detect_options
+from service.frontend.sources.source import Source, SourceOptions
+from service.frontend.sources.urls import check_url
+from service.frontend.state import ModelSlot, ServerState
+from service.frontend.stream import stream_max_age, stream_top_k
+from service.frontend.tasks import Detect, Want
+
+log = logging.getLogger("visionserve.sources")
+
+FINISHED_KEPT = 64
+MAX_FPS_LIMIT = 240.0
+_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+DETECT_KEYS = ("score_threshold", "iou_threshold", "max_detections", "classes", "class_agnostic", "box_format",
+               "normalized")  # fmt: skip
+CLASSIFY_KEYS = ("top_k",)
+COMMON_KEYS = ("url", "model", "version", "id", "max_fps", "max_age_ms", "pace")
+CHANGEABLE = ("max_fps", "max_age_ms", "pace", *CLASSIFY_KEYS, *DETECT_KEYS)
+
+
+class Sources:
+    """Every source of this server, by id."""
+
+    def __init__(self, server: ServerState) -> None:
+        self.server = server
+        self.settings = server.settings
+        self.sources: dict[str, Source] = {}
+        self._telling: set[asyncio.Task[None]] = set()
+
+    # ---- the routes' calls --------------------------------------------------------------------------------------
+    def create(self, body: Any) -> Source:
+        """Check ``body`` and start its source; BadInputError (400) naming what is wrong, NotFoundError for an
+        unknown model, OverloadedError (503) at ``--max-sources`` running."""
+        if self.server.draining:
+            raise OverloadedError("the server is draining: no new sources")
+        if not isinstance(body, Mapping):
+            raise BadInputError("a source is a JSON object with at least 'url' and 'model'")
+        unknown = sorted(set(body) - {*COMMON_KEYS, *CLASSIFY_KEYS, *DETECT_KEYS})
+        if unknown:
+            raise BadInputError(f"unknown source field(s) {', '.join(map(repr, unknown))}; known: "
+                                f"{', '.join((*COMMON_KEYS, *CLASSIFY_KEYS, *DETECT_KEYS))}")  # fmt: skip
+        if importlib.util.find_spec("av") is None:
+            raise BadInputError("sources need PyAV, which this install lacks: pip install 'visionserve[video]'")
+        for key in ("url", "model"):
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise BadInputError(f"a source needs {key!r} (a string)")
+        id = body.get("id")
+        if id is None:
+            id = secrets.token_hex(4)
+        elif not isinstance(id, str) or not _ID.fullmatch(id):
+            raise BadInputError(f"a source's id is 1-64 letters, digits, '_' or '-', got {id!r}")
+        if id in self.sources:
+            if not self.sources[id].finished:
+                raise BadInputError(f"a source {id!r} is running already (DELETE it first)")
+            del self.sources[id]
+        settings = self.settings
+        url = check_url(
+            body["url"],
+            source_root=Path(settings.source_root) if settings.source_root else None,
+            connect_timeout_s=settings.source_connect_timeout_s,
+            read_timeout_s=settings.source_read_timeout_s,
+        )
+        running = sum(1 for s in self.sources.values() if not s.finished)
+        if running >= settings.max_sources:
+            raise OverloadedError(f"{running} sources are running, the most this server runs (--max-sources)")
+        version = body.get("version")
+        where = path.target(self.server, body["model"], None if version is None else str(version), {}, aliases=False)
+        options = source_options(where.slot, body, None)
+        source = Source(
+            id, url, where, options, max_pixels=settings.source_max_pixels,
+            connect_timeout_s=settings.source_connect_timeout_s, read_timeout_s=settings.source_read_timeout_s,
+            backoff_cap_s=1.0, on_outcome=self.server.stream_outcome(where.slot.name), on_final=self._finished,
+        )  # fmt: skip
+        self.sources[id] = source
+        self.server.streams.add(source)
+        self.server.streams_open[source.model] = self.server.streams_open.get(source.model, 0) + 1
+        source.start()
+        self._hold(source, True)
+        log.info("source %s: %s to %s", id, url.shown, source.model)
+        self._forget_oldest()
+        return source
+
+    def get(self, id: str) -> Source:
+        source = self.sources.get(id)
+        if source is None:
+            raise NotFoundError(f"no source {id!r}")
+        return source
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [source.describe() for source in self.sources.values()]
+
+    def states(self) -> list[SourceState]:
+        """Every source's metrics record (a copy: the in-process engine reads it on a scrape's thread)."""
+        return [source.record(self.server.frontend) for source in list(self.sources.values())]
+
+    def change(self, id: str, body: Any) -> Source:
+        """New options for a running source (``PATCH``): those in :data:`CHANGEABLE`; the others stay."""
+        source = self.get(id)
+        if not isinstance(body, Mapping):
+            raise BadInputError("a change is a JSON object of the options to change")
+        fixed = sorted(set(body) - set(CHANGEABLE))
+        if fixed:
+            raise BadInputError(f"{', '.join(map(repr, fixed))} cannot change while a source runs (DELETE it and "
+                                f"POST it again); changeable: {', '.join(CHANGEABLE)}")  # fmt: skip
+        if source.finished:
+            raise BadInputError(f"source {id!r} has {source.state}: nothing to change")
+        source.change(source_options(source.where.slot, body, source.options))
+        return source
+
+    async def delete(self, id: str) -> dict[str, Any]:
+        """Stop the source (the frame computing is answered, its reader and decoder freed) and forget it."""
+        source = self.get(id)
+        await source.stop("deleted", timeout_s=self.settings.drain_timeout_s)
+        self.sources.pop(id, None)
+        return source.describe()
+
+    async def close(self) -> None:
+        for source in list(self.sources.values()):
+            await source.stop("the server stopped", timeout_s=1.0)
+
+    # ---- the sources file ---------------------------------------------------------------------------------------
+    def start_listed(self, file: str) -> list[Source]:
+        """Start every source in ``file`` (a JSON list of POST bodies); ConfigError naming the row that fails."""
+        try:
+            rows = json.loads(Path(file).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--sources {file}: {exc}") from exc
+        if not isinstance(rows, list):
+            raise ConfigError(f"--sources {file}: a JSON list of sources, each as POST /v1/sources takes it")
+        started = []
+        for i, row in enumerate(rows):
+            try:
+                started.append(self.create(row))
+            except (BadInputError, NotFoundError, OverloadedError) as exc:
+                raise ConfigError(f"--sources {file}, source {i}: {exc}") from exc
+        return started
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _finished(self, source: Source) -> None:
+        if source in self.server.streams:
+            self.server.streams.discard(source)
+            self.server.streams_open[source.model] -= 1
+            self._hold(source, False)
+        log.info("source %s %s: %s", source.id, source.state, source.reason)
+
+    def _hold(self, source: Source, hold: bool) -> None:
+        """Tell the model's engine that the source holds it resident (never evicted under it), or no longer."""
+
+        async def tell() -> None:
+            try:
+                await self.server.link_for(source.model).hold(source.model, source.id, hold)
+            except Exception as exc:  # the engine restarts: its holds start afresh, the next frame loads the model
+                log.warning("source %s: the engine did not hear of its hold on %s: %s", source.id, source.model, exc)
+
+        task = asyncio.get_running_loop().create_task(tell())
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    def _forget_oldest(self) -> None:
+        finished = [s for s in self.sources.values() if s.finished]
+        for source in finished[: max(0, len(finished) - FINISHED_KEPT)]:
+            self.sources.pop(source.id, None)
+
+
+def source_options(slot: ModelSlot, body: Mapping[str, Any], before: SourceOptions | None) -> SourceOptions:
+    """A source's options from ``body``, each checked (BadInputError names it); what ``body`` leaves out is as
+    ``before`` had it (a change), else the default."""
+    max_fps = body.get("max_fps", before.max_fps if before else 0.0)
+    if isinstance(max_fps, bool) or not isinstance(max_fps, int | float) or not 0 <= max_fps <= MAX_FPS_LIMIT:
+        raise BadInputError(f"max_fps must be a number from 0 (every frame) to {MAX_FPS_LIMIT:g}, got {max_fps!r}")
+    max_age_ms = stream_max_age(body["max_age_ms"]) if "max_age_ms" in body else (
+        before.max_age_ms if before else stream_max_age(None))  # fmt: skip
+    pace = body.get("pace", ("realtime" if before.realtime else "answered") if before else "realtime")
+    if pace not in ("realtime", "answered"):
+        raise BadInputError(f"pace must be 'realtime' (a file at its own rate) or 'answered', got {pace!r}")
+    keys = DETECT_KEYS if slot.spec.task == "detect" else CLASSIFY_KEYS
+    wrong = sorted(k for k in body if k in (*CLASSIFY_KEYS, *DETECT_KEYS) and k not in keys)
+    if wrong:
+        raise BadInputError(f"{', '.join(wrong)}: not an option of {slot.name}'s task ({slot.spec.task})")
+    task_options = {**(before.task_options if before else {}), **{k: body[k] for k in keys if k in body}}
+    if slot.spec.task == "detect":
+        if isinstance(slot.task, Detect):
+            slot.task.refuse_suppression([k for k in ("iou_threshold", "class_agnostic") if k in task_options])
+        found = dict(task_options)
+        if "box_format" in found:
+            found["box_format_"] = found.pop("box_format")
+        want = Want(detect=detect_options(slot.spec.labels, **found))
+    else:
+        want = Want(top_k=stream_top_k(task_options.get("top_k")))
+    return SourceOptions(float(max_fps), max_age_ms, pace == "realtime", want, task_options)

@@ -1,0 +1,351 @@
+"""One source: a URL the server pulls and decodes (:class:`~service.frontend.sources.reader.Reader`), its frames fed
+to a stream (:class:`~service.frontend.stream.FrameStream`: latest frame wins, every frame one fate, a bounded age),
+its answers fanned out to subscribers (docs/sources.md).
+
+A frame's fate: ``skipped`` (``max_fps`` left it out, or a newer frame replaced it while the model was busy),
+``answered``, ``expired`` (older than ``max_age_ms`` before it was computed) or ``error``; ``decoded`` is their sum
+plus the frame computing. Its age runs from when it was decoded to when its answer is sent. Subscribers get every
+answer but the skips, each through a bounded outbox: one that leaves :data:`OUTBOX_LIMIT` answers unread is cut off,
+and never slows the source. When the source ends (its file ended, it failed, it was deleted, the server drains),
+each subscriber's last message is ``{"status": "ended", ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import bisect
+import dataclasses
+import io
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from service.core.boxes import Transform
+from service.core.preprocess import prepare
+from service.core.source_metrics import SourceState
+from service.core.spec import ModelSpec
+from service.core.stream_metrics import STREAM_AGE_BUCKETS, empty_ages
+from service.frontend.request import Target
+from service.frontend.sources.reader import Pace, Picture, Reader
+from service.frontend.sources.urls import SourceUrl
+from service.frontend.stream import Frame, FrameStream
+from service.frontend.tasks import Want
+
+OUTBOX_LIMIT = 64  # answers a subscriber has not taken before it is cut off
+RATE_WINDOW_S = 5.0  # fps in and answered: over the last this many seconds
+AGES_KEPT = 2048  # the answered ages the percentiles are read from (the newest)
+FINAL = ("ended", "failed", "stopped")
+SHOWN_WIDTH = 640  # a frame sent to a subscriber that shows frames is at most this wide
+IMAGES_KEPT = 8
+
+
+@dataclass
+class SourceCounts:
+    """A source's frames: decoded, and each decoded frame's fate."""
+
+    decoded: int = 0
+    skipped: int = 0
+    answered: int = 0
+    expired: int = 0
+    error: int = 0
+
+
+class Subscriber:
+    """One reader of a source's answers (a WebSocket or an event stream): a bounded outbox of answer dicts."""
+
+    def __init__(self, frames: bool = False) -> None:
+        self.frames = frames  # each result also carries its frame as a JPEG (``image``, base64): the demo page's
+        self.outbox: deque[dict[str, Any]] = deque()
+        self.ready = asyncio.Event()
+        self.cut_off: str | None = None
+        self.ended = False
+
+    def put(self, message: dict[str, Any]) -> None:
+        if self.cut_off is not None or self.ended:
+            return
+        if len(self.outbox) >= OUTBOX_LIMIT:
+            self.cut_off = f"left {OUTBOX_LIMIT} answers unread"
+        else:
+            self.outbox.append(message)
+            self.ended = message.get("status") == "ended"
+        self.ready.set()
+
+    async def messages(self) -> Any:
+        """Each message in order, until the ``ended`` one (the last) or the subscriber is cut off."""
+        while True:
+            while self.outbox:
+                message = self.outbox.popleft()
+                yield message
+                if message.get("status") == "ended":
+                    return
+            if self.cut_off is not None:
+                return
+            self.ready.clear()
+            await self.ready.wait()
+
+
+@dataclass
+class SourceOptions:
+    """What a source runs with, changeable while it runs (``PATCH``): ``max_fps`` (0: every frame), ``max_age_ms``,
+    a file's pace (``realtime`` or ``answered``), and what each answer holds (``want``, from the task's options as
+    given, ``task_options``)."""
+
+    max_fps: float
+    max_age_ms: float
+    realtime: bool
+    want: Want
+    task_options: dict[str, Any] = field(default_factory=dict)
+
+
+class Source:
+    """One running (or finished) source. Built and started on the event loop; its reader thread reports back
+    through the loop. ``on_outcome`` hears of each frame's fate (the model's stream metrics); ``on_final`` once
+    the source has finished and freed its reader."""
+
+    def __init__(
+        self,
+        id: str,
+        url: SourceUrl,
+        where: Target,
+        options: SourceOptions,
+        *,
+        max_pixels: int,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        backoff_cap_s: float,
+        on_outcome: Callable[[str, float], None] | None = None,
+        on_final: Callable[[Source], None] | None = None,
+    ) -> None:
+        self.id = id
+        self.url = url
+        self.where = where
+        self.model = where.slot.name
+        self.options = options
+        self.state = "connecting"
+        self.reason = ""
+        self.created = time.time()
+        self._started_perf = time.perf_counter()
+        self.counts = SourceCounts()
+        self.reconnects = 0
+        self.subscribers: set[Subscriber] = set()
+        self._on_outcome = on_outcome
+        self._on_final = on_final
+        self._loop = asyncio.get_running_loop()
+        self._decoded_at: deque[float] = deque()
+        self._answered_at: deque[float] = deque()
+        self._ages_ms: deque[float] = deque(maxlen=AGES_KEPT)
+        self.ages = empty_ages()  # the answered ages as a histogram (STREAM_AGE_BUCKETS), for the metrics
+        self.done = asyncio.Event()  # set once finished: reader ended, every frame answered, subscribers told
+        self._finishing: asyncio.Task[None] | None = None
+        self._images: dict[int, bytes] = {}  # frame index -> its JPEG, while it computes (for frames=1 subscribers)
+        self.stream = FrameStream(
+            where, self._emit, max_age_ms=options.max_age_ms, want=options.want, on_outcome=self._outcome,
+            protocol="source",
+        )  # fmt: skip
+        self.reader = Reader(
+            url, name=id, hand=self._hand, on_state=self._state_from_thread, on_skip=self._skip_from_thread,
+            pace=Pace(options.max_fps, options.realtime), max_pixels=max_pixels,
+            connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, backoff_cap_s=backoff_cap_s,
+        )  # fmt: skip
+
+    # ---- life ---------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.stream.start()
+        self.reader.start()
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINAL
+
+    def change(self, options: SourceOptions) -> None:
+        """New options from now on (the frame computing keeps the ones it started with)."""
+        self.options = options
+        self.stream.max_age_ms = options.max_age_ms
+        self.stream.want = options.want
+        self.reader.set_pace(Pace(options.max_fps, options.realtime))
+
+    async def stop(self, reason: str = "deleted", timeout_s: float = 10.0) -> None:
+        """Stop pulling, answer the frame computing, tell subscribers, free the reader: the source is ``stopped``."""
+        if not self.finished:
+            self.state, self.reason = "stopped", reason
+        await self._finish(reason, timeout_s)
+
+    def drain(self) -> None:
+        """The server drains (``ServerState.drain``): stop as if deleted, the reason said."""
+        if not self.finished:
+            self.state, self.reason = "stopped", "the server is draining"
+        if self._finishing is None:
+            self._finishing = self._loop.create_task(self._finish("the server is draining", 10.0))
+
+    async def _finish(self, reason: str, timeout_s: float) -> None:
+        if self._finishing is not None and self._finishing is not asyncio.current_task():
+            await asyncio.shield(self._finishing)
+            return
+        if self._finishing is None:
+            self._finishing = asyncio.current_task()
+        self.reader.stop()
+        await self.stream.close(reason, timeout_s=timeout_s)
+        await asyncio.to_thread(self.reader.join, timeout_s)
+        self.reconnects = self.reader.reconnects
+        for subscriber in list(self.subscribers):
+            subscriber.put(self._ended_message())
+        self.done.set()
+        if self._on_final is not None:
+            self._on_final(self)
+
+    # ---- from the reader's thread ------------------------------------------------------------------------------
+    def _hand(self, picture: Picture) -> None:
+        self._loop.call_soon_threadsafe(self._offer, picture)
+
+    def _state_from_thread(self, state: str, reason: str) -> None:
+        self._loop.call_soon_threadsafe(self._set_state, state, reason)
+
+    def _skip_from_thread(self) -> None:
+        self._loop.call_soon_threadsafe(self._skipped_by_rate)
+
+    # ---- on the loop --------------------------------------------------------------------------------------------
+    def _offer(self, picture: Picture) -> None:
+        self.counts.decoded += 1
+        self._decoded_at.append(picture.decoded)
+        if self.finished:  # decoded while it stopped: never computed, still counted
+            self.counts.skipped += 1
+            return
+        frame = Frame(picture.index, picture.pts, b"", received=picture.decoded, prepare=self._preparer(picture))
+        self.stream.offer(frame)
+
+    def _skipped_by_rate(self) -> None:
+        self.counts.decoded += 1
+        self.counts.skipped += 1
+        self._decoded_at.append(time.perf_counter())
+
+    def _set_state(self, state: str, reason: str) -> None:
+        if self.finished:
+            return
+        if state == "reconnecting":
+            self.reconnects += 1
+        self.state, self.reason = state, reason
+        if state in ("ended", "failed") and self._finishing is None:
+            self._finishing = self._loop.create_task(self._finish(reason or state, 30.0))
+
+    def _outcome(self, outcome: str, age_s: float) -> None:
+        if outcome == "superseded":
+            self.counts.skipped += 1
+        else:
+            setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
+        if outcome == "answered":
+            self._answered_at.append(time.perf_counter())
+            self._ages_ms.append(age_s * 1000.0)
+            self.ages[bisect.bisect_left(STREAM_AGE_BUCKETS, age_s)] += 1
+            self.ages[-1] += age_s
+        if self._on_outcome is not None and outcome != "superseded":
+            self._on_outcome(outcome, age_s)
+        self.reader.answered()
+
+    def _preparer(self, picture: Picture) -> Callable[[ModelSpec], tuple[np.ndarray, Transform]]:
+        """The model's input from a decoded frame, run off the loop when the frame is taken (never for a skipped
+        one); with a subscriber that shows frames, the frame as a JPEG too."""
+
+        def run(spec: ModelSpec) -> tuple[np.ndarray, Transform]:
+            image = picture.frame.to_image()
+            if any(s.frames for s in list(self.subscribers)):
+                self._images[picture.index] = _jpeg(image)
+            return prepare(image, spec)
+
+        return run
+
+    def _emit(self, answer: dict[str, Any]) -> None:
+        if answer.get("status") == "superseded":
+            return
+        message = {"source": self.id, "frame": answer.pop("id"), "pts": answer.pop("ts"), **answer}
+        image = self._images.pop(message["frame"], None)
+        while len(self._images) > IMAGES_KEPT:  # frames that expired after their JPEG was made
+            self._images.pop(next(iter(self._images)))
+        shown = {**message, "image": base64.b64encode(image).decode()} if image is not None else message
+        for subscriber in list(self.subscribers):
+            subscriber.put(shown if subscriber.frames else message)
+
+    # ---- subscribers ------------------------------------------------------------------------------------------
+    def subscribe(self, frames: bool = False) -> Subscriber:
+        subscriber = Subscriber(frames)
+        if self.done.is_set():
+            subscriber.put(self._ended_message())
+        else:
+            self.subscribers.add(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self.subscribers.discard(subscriber)
+
+    def _ended_message(self) -> dict[str, Any]:
+        return {"source": self.id, "status": "ended", "state": self.state, "reason": self.reason}
+
+    # ---- what it shows ------------------------------------------------------------------------------------------
+    def rates(self) -> tuple[float, float]:
+        """Frames decoded and answered per second, over the last :data:`RATE_WINDOW_S` seconds."""
+        now = time.perf_counter()
+        out = []
+        for times in (self._decoded_at, self._answered_at):
+            while times and times[0] < now - RATE_WINDOW_S:
+                times.popleft()
+            span = min(RATE_WINDOW_S, now - self._started_perf)
+            out.append(len(times) / span if span > 0 else 0.0)
+        return out[0], out[1]
+
+    def age_percentiles(self) -> tuple[float | None, float | None]:
+        """The answered frames' age p50 and p99 in ms (the newest :data:`AGES_KEPT`), None before any."""
+        if not self._ages_ms:
+            return None, None
+        p50, p99 = np.percentile(np.fromiter(self._ages_ms, float), [50, 99])
+        return round(float(p50), 3), round(float(p99), 3)
+
+    def record(self, frontend: str) -> SourceState:
+        """What the metrics show of it (reported to the engine with the front end's other counts)."""
+        fps_in, fps_answered = self.rates()
+        return SourceState(self.id, self.model, self.state, dataclasses.asdict(self.counts), list(self.ages),
+                           self.reconnects, fps_in, fps_answered, frontend)  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        fps_in, fps_answered = self.rates()
+        p50, p99 = self.age_percentiles()
+        counts = self.counts
+        decode_ms = 1000.0 * self.reader.decode_s / self.reader.decoded if self.reader.decoded else None
+        return {
+            "id": self.id,
+            "url": self.url.shown,
+            "model": self.model,
+            "state": self.state,
+            "reason": self.reason,
+            "created": self.created,
+            "max_fps": self.options.max_fps,
+            "max_age_ms": self.options.max_age_ms,
+            "pace": "realtime" if self.options.realtime else "answered",
+            "options": self.options.task_options,
+            "frames": {
+                "decoded": counts.decoded,
+                "skipped": counts.skipped,
+                "answered": counts.answered,
+                "expired": counts.expired,
+                "error": counts.error,
+            },
+            "fps": {"in": round(fps_in, 3), "answered": round(fps_answered, 3)},
+            "age_ms": {"p50": p50, "p99": p99},
+            "decode_ms_per_frame": round(decode_ms, 3) if decode_ms is not None else None,
+            "reconnects": self.reconnects,
+            "reader_alive": self.reader.alive,  # its thread, connection and decoder: false once finished
+            "subscribers": len(self.subscribers),
+        }
+
+
+def _jpeg(image: Image.Image) -> bytes:
+    """A frame as a page shows it: at most :data:`SHOWN_WIDTH` wide, JPEG."""
+    if image.width > SHOWN_WIDTH:
+        image = image.resize((SHOWN_WIDTH, round(image.height * SHOWN_WIDTH / image.width)))
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=75)
+    return out.getvalue()

@@ -1,0 +1,166 @@
+"""Sources against a real server process (docs/sources.md): a file, an RTSP camera and an MJPEG endpoint pulled,
+answered to subscribers over Server-Sent Events and WebSocket, managed while running, and admin-only."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.http.conftest import ADMIN_TOKEN, RunningServer, start_server, stop_server
+from tests.sources.video import write_mp4
+
+ROOT = Path(__file__).resolve().parents[2]
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("media")
+    write_mp4(root / "clip.mp4", frames=30, fps=15, width=160, height=120)
+    return root
+
+
+@pytest.fixture(scope="module")
+def served(media: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    repo = tmp_path_factory.mktemp("sources-repo")
+    for name in ("digits", "digits-detect"):
+        shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
+    log = tmp_path_factory.mktemp("sources-log") / "server.log"
+    running = start_server(repo, log, "--admin-token", ADMIN_TOKEN, "--source-root", str(media),
+                           real_models=("digits", "digits-detect"))  # fmt: skip
+    yield running
+    stop_server(running)
+
+
+def wait_for(url: str, id: str, states: tuple[str, ...], timeout_s: float = 60.0) -> dict[str, Any]:
+    """The source's document once its state is one of ``states`` (states that last: ended, failed, running)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        doc = httpx.get(f"{url}/v1/sources/{id}", headers=AUTH, timeout=10).json()
+        if doc["state"] in states or time.monotonic() > deadline:
+            return dict(doc)
+        time.sleep(0.1)
+
+
+def events(url: str, id: str, limit: int = 1000) -> list[dict[str, Any]]:
+    """Every Server-Sent Event of the source's results until its ``ended`` (bounded by ``limit``)."""
+    out: list[dict[str, Any]] = []
+    with httpx.stream("GET", f"{url}/v1/sources/{id}/results", headers=AUTH, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                out.append(json.loads(line[5:]))
+                if out[-1]["status"] == "ended" or len(out) >= limit:
+                    break
+    return out
+
+
+def test_a_file_is_answered_frame_by_frame_to_a_subscriber_and_every_frame_is_accounted_for(
+    served: RunningServer, media: Path
+) -> None:
+    body = {"url": f"file://{media / 'clip.mp4'}", "model": "digits", "pace": "answered", "top_k": 2, "id": "clip"}
+    created = httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10)
+    assert created.status_code == 201, created.text
+    doc = wait_for(served.url, "clip", ("ended", "failed"))
+    assert doc["state"] == "ended", doc
+    frames = doc["frames"]
+    # As fast as answered: every frame decoded is computed, none skipped; each frame has exactly one fate.
+    assert frames["decoded"] == 30 and frames["answered"] == 30, frames
+    assert frames["skipped"] + frames["expired"] + frames["error"] == 0, frames
+    assert doc["age_ms"]["p50"] is not None and doc["age_ms"]["p50"] <= doc["age_ms"]["p99"]
+    # A subscriber that comes after the end hears that it ended, and why.
+    (last,) = events(served.url, "clip")
+    assert last["status"] == "ended" and last["state"] == "ended" and "file ended" in last["reason"]
+
+
+def test_a_subscriber_gets_each_answer_with_its_frame_index_and_time_then_ended(
+    served: RunningServer, media: Path
+) -> None:
+    body = {"url": f"file://{media / 'clip.mp4'}", "model": "digits-detect", "id": "boxes", "score_threshold": 0.1}
+    with httpx.Client(timeout=60) as client:
+        # Subscribed before it starts: realtime pace (15 fps for 2 s), so the subscription is in place first.
+        created = client.post(f"{served.url}/v1/sources", json=body, headers=AUTH)
+        assert created.status_code == 201, created.text
+        got = events(served.url, "boxes")
+    assert got[-1]["status"] == "ended"
+    results = [m for m in got if m["status"] == "result"]
+    assert results, got
+    for message in results:
+        assert message["source"] == "boxes" and isinstance(message["frame"], int)
+        assert message["width"] == 160 and message["height"] == 120  # boxes in the frame's own pixels
+        assert isinstance(message["detections"], list) and message["age_ms"] >= 0
+    frames = [m["frame"] for m in results]
+    assert frames == sorted(frames) and len(set(frames)) == len(frames)
+    pts = [m["pts"] for m in results]
+    assert all(b > a for a, b in itertools.pairwise(pts))
+
+
+def test_every_sources_route_needs_the_admin_token(served: RunningServer) -> None:
+    routes = [("GET", "/v1/sources"), ("POST", "/v1/sources"), ("GET", "/v1/sources/x"), ("PATCH", "/v1/sources/x"),
+              ("DELETE", "/v1/sources/x"), ("GET", "/v1/sources/x/results")]  # fmt: skip
+    for method, path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            answer = httpx.request(method, served.url + path, headers=headers, json={}, timeout=10)
+            assert answer.status_code == 403, (method, path, answer.text)
+    wrong = httpx.get(f"{served.url}/v1/sources/x/results?token=wrong", timeout=10)
+    assert wrong.status_code == 403
+    right = httpx.get(f"{served.url}/v1/sources/nope/results?token={ADMIN_TOKEN}", timeout=10)
+    assert right.status_code == 404  # the query's token is taken on the results route
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("ftp://127.0.0.1/x.mp4", "scheme"),
+        ("file:///etc/hostname", "source root"),
+        ("concat:/etc/hostname", "scheme"),
+    ],
+)
+def test_a_url_outside_the_allowed_schemes_or_root_is_refused(served: RunningServer, url: str, words: str) -> None:
+    answer = httpx.post(f"{served.url}/v1/sources", json={"url": url, "model": "digits"}, headers=AUTH, timeout=10)
+    assert answer.status_code == 400 and words in answer.text.lower(), answer.text
+
+
+def test_bad_options_are_refused_naming_them(served: RunningServer, media: Path) -> None:
+    url = f"file://{media / 'clip.mp4'}"
+    cases = [
+        ({"url": url, "model": "digits", "max_fps": -1}, "max_fps"),
+        ({"url": url, "model": "digits", "score_threshold": 0.5}, "score_threshold"),
+        ({"url": url, "model": "digits", "colour": "red"}, "colour"),
+        ({"url": url, "model": "nope"}, "nope"),
+        ({"url": url}, "model"),
+    ]
+    for body, words in cases:
+        answer = httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10)
+        assert answer.status_code in (400, 404) and words in answer.text, (body, answer.text)
+
+
+def test_a_subscriber_that_shows_frames_gets_each_answered_frame_as_a_jpeg(served: RunningServer, media: Path) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    body = {"url": f"file://{media / 'clip.mp4'}", "model": "digits-detect", "id": "shown"}
+    assert httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10).status_code == 201
+    got = []
+    with httpx.stream("GET", f"{served.url}/v1/sources/shown/results?frames=1", headers=AUTH, timeout=60) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data:"):
+                got.append(json.loads(line[5:]))
+                if got[-1]["status"] == "ended":
+                    break
+    shown = [m for m in got if m["status"] == "result"]
+    assert shown, got
+    for message in shown:
+        picture = Image.open(io.BytesIO(base64.b64decode(message["image"])))
+        assert picture.format == "JPEG" and picture.size == (message["width"], message["height"]) == (160, 120)
