@@ -164,3 +164,19 @@ def test_a_subscriber_that_shows_frames_gets_each_answered_frame_as_a_jpeg(serve
     for message in shown:
         picture = Image.open(io.BytesIO(base64.b64decode(message["image"])))
         assert picture.format == "JPEG" and picture.size == (message["width"], message["height"]) == (160, 120)
+
+
+def test_the_sources_listed_at_start_run_with_the_server(media: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "examples" / "model_repository" / "digits", repo / "digits")
+    listed = tmp_path / "sources.json"
+    listed.write_text(json.dumps([{"id": "door", "url": f"file://{media / 'clip.mp4'}", "model": "digits",
+                                   "pace": "answered", "top_k": 1}]))  # fmt: skip
+    running = start_server(repo, tmp_path / "server.log", "--admin-token", ADMIN_TOKEN, "--source-root", str(media),
+                           "--sources", str(listed))  # fmt: skip
+    try:
+        doc = wait_for(running.url, "door", ("ended", "failed"))
+        assert doc["state"] == "ended" and doc["frames"]["answered"] == 30, doc
+        assert doc["options"] == {"top_k": 1}
+    finally:
+        stop_server(running)
