@@ -180,3 +180,18 @@ def test_the_sources_listed_at_start_run_with_the_server(media: Path, tmp_path: 
         assert doc["options"] == {"top_k": 1}
     finally:
         stop_server(running)
+
+
+def test_a_source_whose_frames_are_over_the_pixel_cap_fails_saying_so(media: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "examples" / "model_repository" / "digits", repo / "digits")
+    running = start_server(repo, tmp_path / "server.log", "--admin-token", ADMIN_TOKEN, "--source-root", str(media),
+                           "--source-max-pixels", "10000")  # fmt: skip
+    try:
+        body = {"id": "big", "url": f"file://{media / 'clip.mp4'}", "model": "digits"}
+        assert httpx.post(f"{running.url}/v1/sources", json=body, headers=AUTH, timeout=10).status_code == 201
+        doc = wait_for(running.url, "big", ("ended", "failed"))
+        assert doc["state"] == "failed" and "160x120" in doc["reason"] and "10000" in doc["reason"], doc
+        assert doc["frames"]["answered"] == 0 and doc["reader_alive"] is False
+    finally:
+        stop_server(running)

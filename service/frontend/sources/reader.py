@@ -188,13 +188,13 @@ class Reader:
             for frame in frames:
                 decoded = clock()
                 self.decoded += 1
-                if not running:
-                    running = True
-                    self.on_state("running", "")
                 if frame.width * frame.height > self.max_pixels:
                     raise _Refused(
                         f"a frame of {frame.width}x{frame.height} is over the {self.max_pixels} pixels a frame may have"
                     )
+                if not running:
+                    running = True
+                    self.on_state("running", "")
                 pts = float(frame.pts * frame.time_base) if frame.pts is not None and frame.time_base else None
                 pace = self.pace
                 if not self.url.live and pace.realtime and pts is not None:
