@@ -67,7 +67,6 @@ class StreamCounts:
     superseded: int = 0
     expired: int = 0
     error: int = 0
-    ages_ms: list[float] = field(default_factory=list)  # answered frames' ages (the stream's own report)
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -218,8 +217,6 @@ class FrameStream:
         outcome = "answered" if status == "result" else status
         counts = self.counts
         setattr(counts, outcome, getattr(counts, outcome) + 1)
-        if outcome == "answered":
-            counts.ages_ms.append(age_ms)
         if self.on_outcome is not None:
             self.on_outcome(outcome, age_ms / 1000.0)
         self.emit({"id": frame.id, "ts": frame.client_ts, "status": status, "age_ms": round(age_ms, 3), **fields})

@@ -212,7 +212,7 @@ class Source:
     # ---- on the loop --------------------------------------------------------------------------------------------
     def _offer(self, picture: Picture) -> None:
         self.counts.decoded += 1
-        self._decoded_at.append(picture.decoded)
+        _note(self._decoded_at, picture.decoded)
         if self.finished:  # decoded while it stopped: never computed, still counted
             self.counts.skipped += 1
             return
@@ -222,7 +222,7 @@ class Source:
     def _skipped_by_rate(self) -> None:
         self.counts.decoded += 1
         self.counts.skipped += 1
-        self._decoded_at.append(time.perf_counter())
+        _note(self._decoded_at, time.perf_counter())
 
     def _set_state(self, state: str, reason: str) -> None:
         if self.finished:
@@ -239,7 +239,7 @@ class Source:
         else:
             setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
         if outcome == "answered":
-            self._answered_at.append(time.perf_counter())
+            _note(self._answered_at, time.perf_counter())
             self._ages_ms.append(age_s * 1000.0)
             self.ages[bisect.bisect_left(STREAM_AGE_BUCKETS, age_s)] += 1
             self.ages[-1] += age_s
@@ -340,6 +340,13 @@ class Source:
             "reader_alive": self.reader.alive,  # its thread, connection and decoder: false once finished
             "subscribers": len(self.subscribers),
         }
+
+
+def _note(times: deque[float], now: float) -> None:
+    """One more event at ``now``; those older than the rate window go (memory stays flat whoever reads it)."""
+    times.append(now)
+    while times[0] < now - RATE_WINDOW_S:
+        times.popleft()
 
 
 def _jpeg(image: Image.Image) -> bytes:
