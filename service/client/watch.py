@@ -97,6 +97,11 @@ def run_watch(args: argparse.Namespace) -> int:
         return _watch(args, token, out or sys.stdout, text=text)
     except KeyboardInterrupt:  # the user stopped watching: nothing went wrong, and nothing to say
         return INTERRUPTED
+    except BrokenPipeError:  # stdout's reader went away (`watch ... | head`): it took what it wanted
+        # Python flushes stdout again at exit, and would print a second BrokenPipeError: point it at nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     finally:
         if out is not None:
             out.close()
@@ -137,6 +142,8 @@ def _watch(args: argparse.Namespace, token: str, out: IO[str], *, text: bool) ->
                 message = _decode(data)
                 status = message.get("status")
                 if status in FRAME_STATUSES:
+                    if not text and "\n" in data:  # an event of several data lines: one line of JSON all the same
+                        data = msgspec.json.encode(message).decode()
                     out.write((answer_line(message) if text else data) + "\n")
                     out.flush()  # each answer visible as it comes (a tail -f, a Ctrl-C keeps what was taken)
                     taken += 1

@@ -213,6 +213,20 @@ def test_ctrl_c_stops_watching_quietly_with_status_130(served: RunningServer, me
         httpx.delete(f"{served.url}/v1/sources/interrupted", headers=AUTH, timeout=30)
 
 
+def test_a_reader_that_goes_away_ends_watching_quietly(served: RunningServer, media: Path) -> None:
+    create(served.url, {"url": f"file://{media / 'long.mp4'}", "model": "digits", "id": "piped"})
+    try:
+        process = start_watching(served.url, "piped", "--token", ADMIN_TOKEN)  # as `watch ... | head -1`
+        assert process.stdout is not None
+        assert process.stdout.readline().startswith("frame ")
+        process.stdout.close()  # the next answer's line finds no reader
+        code = process.wait(WATCH_TIMEOUT_S)
+        assert process.stderr is not None
+        assert code == 0 and process.stderr.read() == ""
+    finally:
+        httpx.delete(f"{served.url}/v1/sources/piped", headers=AUTH, timeout=30)
+
+
 def test_a_wrong_or_missing_token_is_refused_with_status_2(served: RunningServer, media: Path) -> None:
     create(served.url, {"url": f"file://{media / 'short.mp4'}", "model": "digits", "id": "guarded"})
     wrong = watch(served.url, "--source", "guarded", "--token", "wrong")
