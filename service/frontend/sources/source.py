@@ -27,11 +27,11 @@ import numpy as np
 from PIL import Image
 
 from service.core.boxes import Transform
-from service.core.preprocess import prepare
 from service.core.source_metrics import SourceState
 from service.core.spec import ModelSpec
 from service.core.stream_metrics import STREAM_AGE_BUCKETS, empty_ages
 from service.frontend.request import Target
+from service.frontend.sources.frames import frame_input
 from service.frontend.sources.reader import Pace, Picture, Reader
 from service.frontend.sources.urls import SourceUrl
 from service.frontend.stream import Frame, FrameStream
@@ -252,10 +252,9 @@ class Source:
         one); with a subscriber that shows frames, the frame as a JPEG too."""
 
         def run(spec: ModelSpec) -> tuple[np.ndarray, Transform]:
-            image = picture.frame.to_image()
             if any(s.frames for s in list(self.subscribers)):
-                self._images[picture.index] = _jpeg(image)
-            return prepare(image, spec)
+                self._images[picture.index] = _jpeg(picture.frame.to_image())
+            return frame_input(picture.frame, spec)
 
         return run
 
