@@ -33,7 +33,7 @@ SOURCES_SECTION = """<section id="sources-section" aria-labelledby="sources-titl
 <div class="controls">
  <label for="sources-token">Admin token</label>
  <input id="sources-token" type="password" autocomplete="off" spellcheck="false" aria-describedby="sources-help">
- <button id="sources-refresh" type="button">Refresh</button>
+ <button id="sources-refresh" type="button" aria-label="Refresh the sources">Refresh</button>
 </div>
 <p id="sources-status" role="status">Enter the admin token and refresh to list the sources.</p>
 <table id="sources" aria-labelledby="sources-title"><thead><tr><th scope="col">Source</th><th scope="col">Model</th>
