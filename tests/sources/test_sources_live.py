@@ -129,6 +129,12 @@ def test_a_camera_that_restarts_is_running_again_soon_and_the_others_are_unaffec
         wait_until(served.url, id, lambda d: d["frames"]["answered"] >= 5, what=f"{id} answering")
     own_rtsp_server.kill()
     wait_until(served.url, "flaky", lambda d: d["state"] == "reconnecting", what="noticing the camera went away")
+    # Subscribers that leave while it sends nothing are let go all the same.
+    ws_url = served.url.replace("http://", "ws://") + f"/v1/sources/flaky/results?token={ADMIN_TOKEN}"
+    for _ in range(3):
+        with connect(ws_url, open_timeout=10):
+            pass
+    wait_until(served.url, "flaky", lambda d: d["subscribers"] == 0, what="subscribers that left let go")
     before = source(served.url, "steady")["frames"]["answered"]
     # The steady camera answers on while the other is away: at least 2 s of its frames.
     wait_until(served.url, "steady", lambda d: d["frames"]["answered"] >= before + 10, what="the other camera")
@@ -224,6 +230,12 @@ def test_with_several_front_ends_any_of_them_answers_for_any_source(
             with httpx.Client(timeout=10) as client:
                 answer = client.get(f"{running.url}/v1/sources", headers=AUTH)
                 assert answer.status_code == 200 and [s["id"] for s in answer.json()["sources"]] == ["cam"]
+        for _ in range(8):  # refusals as the owner gives them, whichever front end hears the request
+            with httpx.Client(timeout=10) as client:
+                by_query = client.get(f"{running.url}/v1/sources/nope/results?token={ADMIN_TOKEN}")
+                assert by_query.status_code == 404, by_query.text
+                spaced = client.get(f"{running.url}/v1/sources/a%20b", headers=AUTH)
+                assert spaced.status_code == 404 and "a b" in spaced.text, spaced.text
         for _ in range(4):
             with httpx.stream("GET", f"{running.url}/v1/sources/cam/results", headers=AUTH, timeout=30) as events:
                 assert events.status_code == 200

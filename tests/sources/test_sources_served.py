@@ -170,7 +170,8 @@ def test_the_sources_listed_at_start_run_with_the_server(media: Path, tmp_path: 
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "examples" / "model_repository" / "digits", repo / "digits")
     listed = tmp_path / "sources.json"
-    listed.write_text(json.dumps([{"id": "door", "url": f"file://{media / 'clip.mp4'}", "model": "digits",
+    listed.write_text(json.dumps([{"id": "bad", "url": "ftp://x/y", "model": "digits"},  # logged; the rest start
+                                  {"id": "door", "url": f"file://{media / 'clip.mp4'}", "model": "digits",
                                    "pace": "answered", "top_k": 1}]))  # fmt: skip
     running = start_server(repo, tmp_path / "server.log", "--admin-token", ADMIN_TOKEN, "--source-root", str(media),
                            "--sources", str(listed))  # fmt: skip
@@ -195,3 +196,17 @@ def test_a_source_whose_frames_are_over_the_pixel_cap_fails_saying_so(media: Pat
         assert doc["frames"]["answered"] == 0 and doc["reader_alive"] is False
     finally:
         stop_server(running)
+
+
+def test_a_file_with_a_corrupt_frame_plays_to_its_end_past_it(served: RunningServer, media: Path) -> None:
+    from tests.sources.video import jpeg, moving_picture
+
+    pictures = [jpeg(moving_picture(i, 160, 120)) for i in range(10)]
+    pictures[4] = b"\xff\xd8\xff\xdb" + bytes(range(256)) * 8 + b"\xff\xd9"  # a JPEG's markers around garbage
+    (media / "broken.mjpeg").write_bytes(b"".join(pictures))
+    body = {"url": f"file://{media / 'broken.mjpeg'}", "model": "digits", "pace": "answered", "id": "broken"}
+    assert httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10).status_code == 201
+    doc = wait_for(served.url, "broken", ("ended", "failed"))
+    # Read once through, never again from the start: the bad frame passed over, the nine others answered.
+    assert doc["state"] == "ended" and doc["reconnects"] == 0 and doc["decode_errors"] == 1, (doc["reason"], doc)
+    assert doc["frames"]["decoded"] == doc["frames"]["answered"] == 9, doc

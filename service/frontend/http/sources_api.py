@@ -41,7 +41,7 @@ def sources_admin(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseR
     if not token:
         raise ForbiddenError("sources are off: start the server with --admin-token to manage them")
     given = connection.headers.get("authorization", "")
-    if not given and connection.scope["path"].endswith("/results"):
+    if not given and handler.handler_name in ("source_events", "source_results"):
         given = f"Bearer {connection.query_params.get('token', '')}"
     if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
         raise ForbiddenError("sources need 'Authorization: Bearer <admin token>' (or ?token= on the results routes)")
@@ -69,7 +69,7 @@ def _owner(connection: ASGIConnection[Any, Any, Any, Any]) -> Owner | None:
 
 
 async def _forwarded(request: Request[Any, Any, Any], owner: Owner) -> Response[Any]:
-    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    target = quote(request.url.path) + (f"?{request.url.query}" if request.url.query else "")
     answer = await owner.request(request.method, target, dict(request.headers), await request.body())
     return Response(answer.body, status_code=answer.status)
 
@@ -114,7 +114,8 @@ async def delete_source(request: Request[Any, Any, Any], id: FromPath[str]) -> A
 async def source_events(request: Request[Any, Any, Any], id: FromPath[str]) -> ServerSentEvent | Response[Any]:
     """One ``data:`` event per answer, the last one ``ended``."""
     if (owner := _owner(request)) is not None:  # a source that is not there is refused before the events start
-        found = await owner.request("GET", f"/v1/sources/{quote(id)}", dict(request.headers))
+        auth = {"authorization": f"Bearer {request.app.state.server.settings.admin_token}"}  # (given as ?token=)
+        found = await owner.request("GET", f"/v1/sources/{quote(id)}", auth)
         if found.status != 200:
             return Response(found.body, status_code=found.status)
     else:
@@ -160,8 +161,18 @@ async def source_results(socket: WebSocket[Any, Any, Any], id: FromPath[str]) ->
             return
     code, why = GOING_AWAY, "the source ended"
     texts = _texts(socket, id)
+    gone = asyncio.ensure_future(_until_closed(socket))  # a client that leaves while nothing is sent is noticed
     try:
-        async for text in texts:
+        while True:
+            following = asyncio.ensure_future(anext(texts))
+            await asyncio.wait([following, gone], return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                following.cancel()
+                return
+            try:
+                text = following.result()
+            except StopAsyncIteration:
+                break
             await asyncio.wait_for(socket.send_text(text), server.settings.stream_send_timeout_s)
             if '"status":"cut_off"' in text:
                 code, why = NOT_READING, "cut off: it left answers unread"
@@ -170,9 +181,18 @@ async def source_results(socket: WebSocket[Any, Any, Any], id: FromPath[str]) ->
     except Exception:  # the subscriber went away
         return
     finally:
-        await texts.aclose()
+        gone.cancel()
+        with contextlib.suppress(Exception):
+            await texts.aclose()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(socket.close(code=code, reason=why[:120]), 2.0)
+
+
+async def _until_closed(socket: WebSocket[Any, Any, Any]) -> None:
+    """Returns once the client has closed (what it sends otherwise is not read: this route only answers)."""
+    with contextlib.suppress(Exception):
+        while (await socket.receive())["type"] != "websocket.disconnect":
+            pass
 
 
 ROUTER = Router(

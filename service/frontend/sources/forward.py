@@ -44,23 +44,27 @@ class Owner:
             reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), CONNECT_TIMEOUT_S)
         except (OSError, TimeoutError) as exc:
             raise OverloadedError(f"the front end that runs the sources cannot be reached: {exc}") from None
-        lines = [f"{method} {target} HTTP/1.1", "Host: sources", "Connection: close", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() in PASSED_HEADERS]
-        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        await writer.drain()
-        status_line = await reader.readline()
         try:
-            status = int(status_line.split()[1])
-        except (IndexError, ValueError):
+            lines = [f"{method} {target} HTTP/1.1", "Host: sources", "Connection: close"]
+            lines += [f"Content-Length: {len(body)}"]
+            lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() in PASSED_HEADERS]
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+            await writer.drain()
+            status_line = await reader.readline()
+            try:
+                status = int(status_line.split()[1])
+            except (IndexError, ValueError):
+                raise OverloadedError("the front end that runs the sources answered nothing") from None
+            answer_headers: dict[str, str] = {}
+            while True:
+                line = await reader.readline()
+                if line in (b"\r\n", b"\n", b""):
+                    break
+                name, _, value = line.decode("latin-1").partition(":")
+                answer_headers[name.strip().lower()] = value.strip()
+        except BaseException:
             writer.close()
-            raise OverloadedError("the front end that runs the sources answered nothing") from None
-        answer_headers: dict[str, str] = {}
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = line.decode("latin-1").partition(":")
-            answer_headers[name.strip().lower()] = value.strip()
+            raise
         return reader, writer, status, answer_headers
 
     async def request(self, method: str, target: str, headers: Mapping[str, str], body: bytes = b"") -> Forwarded:
@@ -77,9 +81,15 @@ class Owner:
                     raw = await reader.read()
             finally:
                 writer.close()
-            return Forwarded(status, json.loads(raw) if raw else None)
+            try:
+                return Forwarded(status, json.loads(raw) if raw else None)
+            except ValueError:  # not one of the routes' answers (a refusal before them): passed on as text
+                return Forwarded(status, {"error": raw.decode("utf-8", "replace")[:500]})
 
-        return await asyncio.wait_for(exchange(), ANSWER_TIMEOUT_S)
+        try:
+            return await asyncio.wait_for(exchange(), ANSWER_TIMEOUT_S)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            raise OverloadedError(f"the front end that runs the sources did not answer: {exc}") from None
 
     async def events(self, target: str, headers: Mapping[str, str]) -> AsyncIterator[str]:
         """The owner's Server-Sent Events at ``target``: each ``data:`` payload, as long as the owner sends them.

@@ -82,6 +82,7 @@ class Reader:
         self.decoded = 0
         self.reconnects = 0
         self.decode_s = 0.0  # the thread's time decoding, for the cost per frame
+        self.decode_errors = 0  # packets FFmpeg could not decode (passed over)
         self._stop = threading.Event()
         self._answered = threading.Event()
         self._answered.set()
@@ -142,8 +143,8 @@ class Reader:
                 _close(container)
             if self._stop.is_set():
                 return
-            if ended and not self.url.live:
-                self.on_state("ended", "the file ended")
+            if not self.url.live:  # a file read again would fail again where it did
+                self.on_state(*(("ended", "the file ended") if ended else ("failed", why)))
                 return
             self.on_state("reconnecting", why)
             backoff = BACKOFF_START_S  # it was running: the first retry comes soon
@@ -170,6 +171,8 @@ class Reader:
 
     def _play(self, container: Any) -> bool:
         """Decode until the stream ends (True), or the reader stops (False); raises what broke the stream."""
+        from av.error import InvalidDataError
+
         if not container.streams.video:
             raise _Refused(f"{self.url.shown} has no video stream")
         stream = container.streams.video[0]
@@ -183,7 +186,11 @@ class Reader:
             if self._stop.is_set():
                 return False
             began = clock()
-            frames = packet.decode()
+            try:
+                frames = packet.decode()
+            except InvalidDataError:  # a corrupt packet costs its own frame(s), not the source
+                self.decode_errors += 1
+                frames = []
             self.decode_s += clock() - began
             for frame in frames:
                 decoded = clock()

@@ -78,8 +78,11 @@ class Sources:
         elif not isinstance(id, str) or not _ID.fullmatch(id):
             raise BadInputError(f"a source's id is 1-64 letters, digits, '_' or '-', got {id!r}")
         if id in self.sources:
-            if not self.sources[id].finished:
+            old = self.sources[id]
+            if not old.finished:
                 raise BadInputError(f"a source {id!r} is running already (DELETE it first)")
+            if not old.done.is_set():
+                raise OverloadedError(f"source {id!r} is still stopping; try again in a moment")
             del self.sources[id]
         settings = self.settings
         url = check_url(
@@ -139,16 +142,17 @@ class Sources:
         """Stop the source (the frame computing is answered, its reader and decoder freed) and forget it."""
         source = self.get(id)
         await source.stop("deleted", timeout_s=self.settings.drain_timeout_s)
-        self.sources.pop(id, None)
+        if self.sources.get(id) is source:
+            del self.sources[id]
         return source.describe()
 
     async def close(self) -> None:
-        for source in list(self.sources.values()):
-            await source.stop("the server stopped", timeout_s=1.0)
+        await asyncio.gather(*(s.stop("the server stopped", timeout_s=1.0) for s in list(self.sources.values())))
 
     # ---- the sources file ---------------------------------------------------------------------------------------
     def start_listed(self, file: str) -> list[Source]:
-        """Start every source in ``file`` (a JSON list of POST bodies); ConfigError naming the row that fails."""
+        """Start every source in ``file`` (a JSON list of POST bodies): the ones started. A row that cannot start is
+        logged with the reason and the others start; ConfigError for a file that is not such a list."""
         try:
             rows = json.loads(Path(file).read_text())
         except (OSError, ValueError) as exc:
@@ -160,7 +164,7 @@ class Sources:
             try:
                 started.append(self.create(row))
             except (BadInputError, NotFoundError, OverloadedError) as exc:
-                raise ConfigError(f"--sources {file}, source {i}: {exc}") from exc
+                log.error("--sources %s, source %d not started: %s", file, i, exc)
         return started
 
     # ---- internals --------------------------------------------------------------------------------------------
@@ -176,7 +180,7 @@ class Sources:
 
         async def tell() -> None:
             try:
-                await self.server.link_for(source.model).hold(source.model, source.id, hold)
+                await self.server.link_for(source.model).hold(source.model, source.holder, hold)
             except Exception as exc:  # the engine restarts: its holds start afresh, the next frame loads the model
                 log.warning("source %s: the engine did not hear of its hold on %s: %s", source.id, source.model, exc)
 

@@ -17,6 +17,7 @@ import base64
 import bisect
 import dataclasses
 import io
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -69,7 +70,7 @@ class Subscriber:
     def put(self, message: dict[str, Any]) -> None:
         if self.cut_off is not None or self.ended:
             return
-        if len(self.outbox) >= OUTBOX_LIMIT:
+        if len(self.outbox) >= OUTBOX_LIMIT and message.get("status") != "ended":  # the end always finds room
             self.cut_off = f"left {OUTBOX_LIMIT} answers unread"
         else:
             self.outbox.append(message)
@@ -123,6 +124,7 @@ class Source:
         on_final: Callable[[Source], None] | None = None,
     ) -> None:
         self.id = id
+        self.holder = f"{id}#{secrets.token_hex(4)}"  # its hold on its model (a later source of its id: another)
         self.url = url
         self.where = where
         self.model = where.slot.name
@@ -132,7 +134,6 @@ class Source:
         self.created = time.time()
         self._started_perf = time.perf_counter()
         self.counts = SourceCounts()
-        self.reconnects = 0
         self.subscribers: set[Subscriber] = set()
         self._on_outcome = on_outcome
         self._on_final = on_final
@@ -174,25 +175,26 @@ class Source:
         """Stop pulling, answer the frame computing, tell subscribers, free the reader: the source is ``stopped``."""
         if not self.finished:
             self.state, self.reason = "stopped", reason
-        await self._finish(reason, timeout_s)
+        await asyncio.shield(self._finish_once(reason, timeout_s))
 
     def drain(self) -> None:
         """The server drains (``ServerState.drain``): stop as if deleted, the reason said."""
         if not self.finished:
             self.state, self.reason = "stopped", "the server is draining"
+        self._finish_once("the server is draining", 10.0)
+
+    def _finish_once(self, reason: str, timeout_s: float) -> asyncio.Task[None]:
+        """The one task that finishes the source (a task of its own: a caller cancelled does not stop it halfway)."""
         if self._finishing is None:
-            self._finishing = self._loop.create_task(self._finish("the server is draining", 10.0))
+            self._finishing = self._loop.create_task(self._finish(reason, timeout_s))
+        return self._finishing
 
     async def _finish(self, reason: str, timeout_s: float) -> None:
-        if self._finishing is not None and self._finishing is not asyncio.current_task():
-            await asyncio.shield(self._finishing)
-            return
-        if self._finishing is None:
-            self._finishing = asyncio.current_task()
         self.reader.stop()
         await self.stream.close(reason, timeout_s=timeout_s)
-        await asyncio.to_thread(self.reader.join, timeout_s)
-        self.reconnects = self.reader.reconnects
+        deadline = time.monotonic() + timeout_s  # polled: a thread of the shared pool would wait here meanwhile
+        while self.reader.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         for subscriber in list(self.subscribers):
             subscriber.put(self._ended_message())
         self.done.set()
@@ -227,11 +229,9 @@ class Source:
     def _set_state(self, state: str, reason: str) -> None:
         if self.finished:
             return
-        if state == "reconnecting":
-            self.reconnects += 1
         self.state, self.reason = state, reason
-        if state in ("ended", "failed") and self._finishing is None:
-            self._finishing = self._loop.create_task(self._finish(reason or state, 30.0))
+        if state in ("ended", "failed"):
+            self._finish_once(reason or state, 30.0)
 
     def _outcome(self, outcome: str, age_s: float) -> None:
         if outcome == "superseded":
@@ -307,7 +307,7 @@ class Source:
         """What the metrics show of it (reported to the engine with the front end's other counts)."""
         fps_in, fps_answered = self.rates()
         return SourceState(self.id, self.model, self.state, dataclasses.asdict(self.counts), list(self.ages),
-                           self.reconnects, fps_in, fps_answered, frontend)  # fmt: skip
+                           self.reader.reconnects, fps_in, fps_answered, frontend)  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         fps_in, fps_answered = self.rates()
@@ -335,7 +335,8 @@ class Source:
             "fps": {"in": round(fps_in, 3), "answered": round(fps_answered, 3)},
             "age_ms": {"p50": p50, "p99": p99},
             "decode_ms_per_frame": round(decode_ms, 3) if decode_ms is not None else None,
-            "reconnects": self.reconnects,
+            "reconnects": self.reader.reconnects,
+            "decode_errors": self.reader.decode_errors,  # packets FFmpeg could not decode, passed over
             "reader_alive": self.reader.alive,  # its thread, connection and decoder: false once finished
             "subscribers": len(self.subscribers),
         }

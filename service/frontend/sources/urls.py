@@ -68,7 +68,7 @@ RTSP_TRANSPORTS = ("tcp", "udp")
 
 # Demuxers a local file may be read with: containers and elementary streams that open no other file or URL (no
 # hls, dash, concat, image2 sequences). FFmpeg matches a demuxer if any of its names is listed ("mov" covers mp4).
-FILE_FORMATS = "mov,mp4,matroska,webm,mpegts,avi,flv,h264,hevc,mjpeg,mpjpeg,m4v,mpeg,ivf,asf"
+FILE_FORMATS = "mov,mp4,matroska,webm,mpegts,avi,flv,h264,hevc,mjpeg,mpjpeg,jpeg_pipe,m4v,mpeg,ivf,asf"
 
 _WHITELISTS = {
     ("rtsp", "tcp"): "tcp",
