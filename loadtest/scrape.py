@@ -92,7 +92,7 @@ def parse(text: str, model: str | Sequence[str]) -> Sample:
     return dict(out)
 
 
-def _bucket_quantile(delta: Sample, name: str, q: float, label: str = "") -> float:
+def bucket_quantile(delta: Sample, name: str, q: float, label: str = "") -> float:
     """``q`` of histogram ``name`` (of one ``stage`` label value, when given) from its buckets."""
     prefix = f"{name}_bucket|" + (f"{label}|" if label else "")
     edges = ((k[len(prefix) :], v) for k, v in delta.items() if k.startswith(prefix))
@@ -130,7 +130,7 @@ def server_split(before: Sample | None, after: Sample | None) -> dict[str, Any] 
         "batches": int(batches),
         "mean_batch_size": delta.get("visionserve_batch_size_sum", 0.0) / batches if batches else math.nan,
         "mean_ms": {stage: mean_ms(stage) for stage in STAGES},
-        "request_p99_ms": 1000 * _bucket_quantile(delta, "visionserve_request_duration_seconds", 0.99),
+        "request_p99_ms": 1000 * bucket_quantile(delta, "visionserve_request_duration_seconds", 0.99),
         "batch_costs": batch_costs(delta),
     }
 
@@ -144,6 +144,6 @@ def stage_split(delta: Sample) -> dict[str, dict[str, float]]:
         n = delta.get(f"{STAGE_FAMILY}_count|{name}", 0.0)
         out[name] = {
             "mean_ms": 1000 * delta.get(f"{STAGE_FAMILY}_sum|{name}", 0.0) / n if n else math.nan,
-            "p99_ms": 1000 * _bucket_quantile(delta, STAGE_FAMILY, 0.99, name),
+            "p99_ms": 1000 * bucket_quantile(delta, STAGE_FAMILY, 0.99, name),
         }
     return out

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian's GStreamer RTSP server and H.264 encoder, run by Debian's Python, for the camera-source tests
-# (tests/sources/rtsp_server.py). Installs them when missing and we are root (CI, fresh machines); otherwise says
+# (loadtest/rtsp_server.py). Installs them when missing and we are root (CI, fresh machines); otherwise says
 # how, and the RTSP tests skip (or fail under VISIONSERVE_REQUIRE_RTSP=1).
 #   python3-gi                  PyGObject for /usr/bin/python3
 #   gir1.2-gst-rtsp-server-1.0  gst-rtsp-server's bindings; pulls libgstrtspserver-1.0-0 (the server library)

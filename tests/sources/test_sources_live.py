@@ -1,4 +1,4 @@
-"""Live sources against a real server process and a real RTSP server (GStreamer's, tests/sources/rtsp_server.py)
+"""Live sources against a real server process and a real RTSP server (GStreamer's, loadtest/rtsp_server.py)
 and an HTTP MJPEG camera: running, changed, subscribed over WebSocket, deleted under load (its connection and
 reader freed), reconnected after the camera restarts, failed within its timeout, drained, and reached through any
 front end of several."""
