@@ -21,13 +21,6 @@ import os
 import signal
 import sys
 
-import gi  # type: ignore[import-not-found]
-
-gi.require_version("Gst", "1.0")
-gi.require_version("GstRtsp", "1.0")
-gi.require_version("GstRtspServer", "1.0")
-from gi.repository import GLib, Gst, GstRtsp, GstRtspServer  # type: ignore[import-not-found]  # noqa: E402
-
 HOST = "127.0.0.1"
 CANNOT_LISTEN = 3
 # One ball colour per mount (ARGB), so a picture shows which mount it came from.
@@ -70,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535 or args.mounts < 1 or min(args.width, args.height, args.fps, args.keyint) < 1:
         print(f"bad arguments: {vars(args)}", file=sys.stderr)
         return 2
+    # PyGObject is imported here, not at the top: the module is imported (never run) by the project's own checks
+    # in environments without it.
+    import gi  # type: ignore[import-not-found]
+
+    gi.require_version("Gst", "1.0")
+    gi.require_version("GstRtsp", "1.0")
+    gi.require_version("GstRtspServer", "1.0")
+    from gi.repository import GLib, Gst, GstRtsp, GstRtspServer  # type: ignore[import-not-found]
+
     Gst.init(None)
     server = GstRtspServer.RTSPServer()
     server.set_address(HOST)

@@ -159,8 +159,10 @@ def test_a_subscriber_that_shows_frames_gets_each_answered_frame_as_a_jpeg(serve
                 got.append(json.loads(line[5:]))
                 if got[-1]["status"] == "ended":
                     break
-    shown = [m for m in got if m["status"] == "result"]
-    assert shown, got
+    results = [m for m in got if m["status"] == "result"]
+    # A frame already converted when the subscription came has no picture kept: the first answer at most.
+    shown = [m for m in results if "image" in m]
+    assert shown and len(shown) >= len(results) - 1, got
     for message in shown:
         picture = Image.open(io.BytesIO(base64.b64decode(message["image"])))
         assert picture.format == "JPEG" and picture.size == (message["width"], message["height"]) == (160, 120)
