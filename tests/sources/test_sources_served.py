@@ -212,3 +212,15 @@ def test_a_file_with_a_corrupt_frame_plays_to_its_end_past_it(served: RunningSer
     # Read once through, never again from the start: the bad frame passed over, the nine others answered.
     assert doc["state"] == "ended" and doc["reconnects"] == 0 and doc["decode_errors"] == 1, (doc["reason"], doc)
     assert doc["frames"]["decoded"] == doc["frames"]["answered"] == 9, doc
+
+
+def test_an_rtsp_camera_may_be_read_over_udp_by_choice_and_nothing_else(served: RunningServer) -> None:
+    port = 9  # nothing listens: the source fails, but what it was asked to use shows
+    body = {"url": f"rtsp://127.0.0.1:{port}/cam", "model": "digits", "id": "udp", "rtsp_transport": "udp"}
+    created = httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10)
+    assert created.status_code == 201 and created.json()["rtsp_transport"] == "udp", created.text
+    wait_for(served.url, "udp", ("failed",))
+    assert httpx.delete(f"{served.url}/v1/sources/udp", headers=AUTH, timeout=30).status_code == 200
+    body |= {"id": "pigeon", "rtsp_transport": "pigeon"}
+    refused = httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10)
+    assert refused.status_code == 400 and "rtsp_transport" in refused.text, refused.text

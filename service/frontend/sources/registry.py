@@ -3,9 +3,10 @@ from ``--sources FILE``; at most ``--max-sources`` running at once.
 
 A request body (``POST /v1/sources``, a row of the sources file) holds ``url`` and ``model`` (with ``version``
 optional), ``max_fps`` (0: every frame), ``max_age_ms``, ``pace`` (a file's: ``realtime`` or ``answered``), an
-``id`` of the caller's choosing (else one is made), and the task's options as the stream routes take them: a
-classifier's ``top_k``; a detector's ``score_threshold``, ``iou_threshold``, ``max_detections``, ``classes``,
-``class_agnostic``, ``box_format``, ``normalized``. A key it does not know is refused, named.
+RTSP camera's ``rtsp_transport`` (``tcp``, the default, or ``udp``), an ``id`` of the caller's choosing (else one
+is made), and the task's options as the stream routes take them: a classifier's ``top_k``; a detector's
+``score_threshold``, ``iou_threshold``, ``max_detections``, ``classes``, ``class_agnostic``, ``box_format``,
+``normalized``. A key it does not know is refused, named.
 
 A running source counts as an open stream of its model (``visionserve_streams_open``): told to end when the server
 drains. A finished one (ended, failed, stopped) stays listed with its reason and counts until it is deleted; the
@@ -42,7 +43,7 @@ _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 DETECT_KEYS = ("score_threshold", "iou_threshold", "max_detections", "classes", "class_agnostic", "box_format",
                "normalized")  # fmt: skip
 CLASSIFY_KEYS = ("top_k",)
-COMMON_KEYS = ("url", "model", "version", "id", "max_fps", "max_age_ms", "pace")
+COMMON_KEYS = ("url", "model", "version", "id", "max_fps", "max_age_ms", "pace", "rtsp_transport")
 CHANGEABLE = ("max_fps", "max_age_ms", "pace", *CLASSIFY_KEYS, *DETECT_KEYS)
 
 
@@ -90,6 +91,7 @@ class Sources:
             source_root=Path(settings.source_root) if settings.source_root else None,
             connect_timeout_s=settings.source_connect_timeout_s,
             read_timeout_s=settings.source_read_timeout_s,
+            rtsp_transport=body.get("rtsp_transport", "tcp"),
         )
         running = sum(1 for s in self.sources.values() if not s.finished)
         if running >= settings.max_sources:

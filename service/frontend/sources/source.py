@@ -324,6 +324,7 @@ class Source:
             "max_fps": self.options.max_fps,
             "max_age_ms": self.options.max_age_ms,
             "pace": "realtime" if self.options.realtime else "answered",
+            "rtsp_transport": self.url.options.get("rtsp_transport"),  # None: not an RTSP source
             "options": self.options.task_options,
             "frames": {
                 "decoded": counts.decoded,
