@@ -102,7 +102,13 @@ class FrameStream:
         self._waiting: Frame | None = None
         self._wake = asyncio.Event()
         self._closing = False
+        self._computing = False
         self._worker: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """A frame waits or computes."""
+        return self._waiting is not None or self._computing
 
     @property
     def closed(self) -> bool:
@@ -153,6 +159,7 @@ class FrameStream:
                 if self._closing:
                     return
                 continue
+            self._computing = True
             try:
                 await self._process(frame)
             except asyncio.CancelledError:
@@ -161,6 +168,8 @@ class FrameStream:
             except Exception as exc:  # never lose a frame, whatever went wrong
                 log.exception("stream frame %r failed", frame.id)
                 self._answer(frame, "error", error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._computing = False
             if self._waiting is not None:
                 self._wake.set()
 

@@ -144,6 +144,7 @@ class Source:
         self.ages = empty_ages()  # the answered ages as a histogram (STREAM_AGE_BUCKETS), for the metrics
         self.done = asyncio.Event()  # set once finished: reader ended, every frame answered, subscribers told
         self._finishing: asyncio.Task[None] | None = None
+        self._final: tuple[str, str] | None = None  # the reader's last word (ended, failed), said once finished
         self._images: dict[int, bytes] = {}  # frame index -> its JPEG, while it computes (for frames=1 subscribers)
         self.stream = FrameStream(
             where, self._emit, max_age_ms=options.max_age_ms, want=options.want, on_outcome=self._outcome,
@@ -191,10 +192,15 @@ class Source:
 
     async def _finish(self, reason: str, timeout_s: float) -> None:
         self.reader.stop()
-        await self.stream.close(reason, timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s  # polled: a thread of the shared pool would wait here meanwhile
+        if self._final is not None and self._final[0] == "ended":  # a file's last frames are answered, not expired
+            while self.stream.pending and time.monotonic() < deadline and self.state != "stopped":
+                await asyncio.sleep(0.01)
+        await self.stream.close(reason, timeout_s=timeout_s)
         while self.reader.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+        if self._final is not None:
+            self.state, self.reason = self._final
         for subscriber in list(self.subscribers):
             subscriber.put(self._ended_message())
         self.done.set()
@@ -227,11 +233,13 @@ class Source:
         _note(self._decoded_at, time.perf_counter())
 
     def _set_state(self, state: str, reason: str) -> None:
-        if self.finished:
+        if self.finished or self._final is not None:
+            return
+        if state in ("ended", "failed"):  # said once it is so: every frame answered, the reader gone
+            self._final = (state, reason)
+            self._finish_once(reason or state, 30.0)
             return
         self.state, self.reason = state, reason
-        if state in ("ended", "failed"):
-            self._finish_once(reason or state, 30.0)
 
     def _outcome(self, outcome: str, age_s: float) -> None:
         if outcome == "superseded":
