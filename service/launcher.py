@@ -247,14 +247,15 @@ def stop(server: RunningServer, timeout_s: float = 30.0) -> int:
     """SIGTERM (the server drains, then exits), then the whole process group killed if it has not exited within
     ``timeout_s``; its exit status."""
     process = server.process
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    if server.own_group:  # children left by a supervisor that had to be killed
+    if process.poll() is not None:  # it ended before: its pid (and group id) may be another process's by now
+        return int(process.returncode)
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    if server.own_group:  # children left by a supervisor that had to be killed (its group id is not reused yet)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
     return int(process.returncode)
