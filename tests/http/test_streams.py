@@ -83,7 +83,8 @@ def test_supersede_and_expiry_are_counted_exactly(slow: launcher.RunningServer) 
 
     burst, late = asyncio.run(run())
     by_id = {a["id"]: a for a in burst}
-    print(f"\nburst: {[(a['id'], a['status']) for a in burst]}; late: {[(a['id'], a.get('stage')) for a in late]}")
+    judged = [(a["id"], a.get("stage"), a["age_ms"]) for a in late]
+    print(f"\nburst: {[(a['id'], a['status']) for a in burst]}; late: {judged}")
     assert sorted(by_id) == list(range(10))  # one answer per frame
     assert [i for i in range(10) if by_id[i]["status"] == "result"] == [0, 9]
     assert [i for i in range(10) if by_id[i]["status"] == "superseded"] == list(range(1, 9))

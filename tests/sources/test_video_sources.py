@@ -35,6 +35,7 @@ class Watch:
     sizes: set[tuple[int, int]] = field(default_factory=set)
     packets: int = 0
     first_keyframe_packet: int | None = None
+    decode_errors: int = 0  # packets FFmpeg would not decode, passed over
     error: BaseException | None = None
 
 
@@ -51,7 +52,12 @@ def watch(url: str, frames: int, into: Watch, *, keep: int = 2, options: dict[st
                 if packet.is_keyframe and into.first_keyframe_packet is None:
                     into.first_keyframe_packet = into.packets
                 into.packets += 1
-                for frame in packet.decode():
+                try:
+                    decoded = packet.decode()
+                except av.error.InvalidDataError:  # a packet of a shared stream being prepared again for a newcomer:
+                    into.decode_errors += 1  # passed over, as the server's reader passes it over
+                    continue
+                for frame in decoded:
                     count += 1
                     into.sizes.add((frame.width, frame.height))
                     if len(into.frames) < keep or count == frames:
