@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,10 @@ from service.core.boxes import Transform
 from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError
 from service.core.spec import ModelSpec
 from service.core.stream_metrics import STREAM_OUTCOMES
+from service.frontend.detect_options import detect_options
 from service.frontend.request import Answer, Ask, Expired, Target, run
-from service.frontend.tasks import Want
+from service.frontend.state import ModelSlot
+from service.frontend.tasks import Detect, Want
 from service.frontend.timing import Timing
 
 log = logging.getLogger("visionserve.stream")
@@ -244,6 +246,23 @@ def stream_max_age(value: Any) -> float:
     if not 0 < age <= MAX_AGE_LIMIT_MS:
         raise BadInputError(f"max_age_ms must be a number in (0, {MAX_AGE_LIMIT_MS:g}], got {value!r}")
     return age
+
+
+# A detector's stream options, as the detect route names them (a classifier's is ``top_k``).
+DETECT_OPTIONS = ("score_threshold", "iou_threshold", "max_detections", "classes", "class_agnostic", "box_format",
+                  "normalized")  # fmt: skip
+
+
+def stream_want(slot: ModelSlot, options: Mapping[str, Any]) -> Want:
+    """What each frame's answer holds, from a stream's (or a source's) options, each checked (BadInputError names
+    it): a classifier's ``top_k`` predictions, or a detector's detections under the detect route's options
+    (:func:`~service.frontend.detect_options.detect_options`), those of :data:`DETECT_OPTIONS` given."""
+    if slot.spec.task != "detect":
+        return Want(top_k=stream_top_k(options.get("top_k")))
+    if isinstance(slot.task, Detect):  # a graph that suppresses its own boxes refuses the suppression's options
+        slot.task.refuse_suppression([name for name in ("iou_threshold", "class_agnostic") if name in options])
+    found = {("box_format_" if k == "box_format" else k): v for k, v in options.items() if k in DETECT_OPTIONS}
+    return Want(detect=detect_options(slot.spec.labels, **found))
 
 
 def stream_top_k(value: Any) -> int:

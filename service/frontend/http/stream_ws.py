@@ -29,11 +29,10 @@ from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
 from service.frontend import request as path
-from service.frontend.detect_options import detect_options
 from service.frontend.outbox import StreamSession
 from service.frontend.state import ModelSlot, ServerState
-from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_top_k
-from service.frontend.tasks import Detect, Want
+from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_want
+from service.frontend.tasks import Want
 
 FRAME_FORMAT = 'docs/streams.md: a binary message is a 4-byte header length, a JSON header {"id", "ts"}, then the image'
 CLOSE_TIMEOUT_S = 2.0
@@ -120,7 +119,7 @@ async def stream(
     try:
         max_age_ms = stream_max_age(params.get("max_age_ms"))
         where = path.target(server, model, version, dict(socket.headers), aliases=False)
-        want = stream_want(where.slot, params)
+        want = query_want(where.slot, params)
     except VisionServeError as exc:
         code = UNKNOWN_MODEL if exc.http_status == 404 else POLICY if exc.http_status == 400 else INTERNAL
         await socket.send_text(json.dumps({"id": None, "status": "error", "error": str(exc)}))
@@ -136,30 +135,28 @@ async def stream(
         session.done.set()
 
 
-# The detect route's queries as this route reads them from the query string: (detect_options' keyword, type).
+# The detect route's queries as this route reads them from the query string, with the type each is read as.
 DETECT_QUERIES = {
-    "score_threshold": ("score_threshold", "number"),
-    "iou_threshold": ("iou_threshold", "number"),
-    "max_detections": ("max_detections", "integer"),
-    "class_agnostic": ("class_agnostic", "flag"),
-    "box_format": ("box_format_", "text"),
-    "normalized": ("normalized", "flag"),
+    "score_threshold": "number",
+    "iou_threshold": "number",
+    "max_detections": "integer",
+    "class_agnostic": "flag",
+    "box_format": "text",
+    "normalized": "flag",
 }
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _FLAGS = {"true": True, "1": True, "false": False, "0": False}
 
 
-def stream_want(slot: ModelSlot, params: MultiDict[Any]) -> Want:
-    """What each frame's answer holds, from the query: a classifier's ``top_k`` predictions, or a detector's
-    detections under the detect route's options (:func:`~service.frontend.detect_options.detect_options`; a bad
-    one is a BadInputError naming it)."""
+def query_want(slot: ModelSlot, params: MultiDict[Any]) -> Want:
+    """What each frame's answer holds, from the query (:func:`~service.frontend.stream.stream_want`, the query's
+    text read as each option's type, ``classes`` repeated)."""
     if slot.spec.task != "detect":
-        return Want(top_k=stream_top_k(params.get("top_k")))
-    if isinstance(slot.task, Detect):  # a graph that suppresses its own boxes refuses the suppression's options
-        slot.task.refuse_suppression([name for name in ("iou_threshold", "class_agnostic") if name in params])
-    found = {keyword: _typed(kind, params[name]) for name, (keyword, kind) in DETECT_QUERIES.items() if name in params}
-    classes = params.getall("classes", None)
-    return Want(detect=detect_options(slot.spec.labels, classes=classes, **found))
+        return stream_want(slot, {"top_k": params.get("top_k")})
+    options = {name: _typed(kind, params[name]) for name, kind in DETECT_QUERIES.items() if name in params}
+    if "classes" in params:
+        options["classes"] = params.getall("classes")
+    return stream_want(slot, options)
 
 
 def _typed(kind: str, text: str) -> Any:

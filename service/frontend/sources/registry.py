@@ -28,20 +28,17 @@ from typing import Any
 from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError
 from service.core.source_metrics import SourceState
 from service.frontend import request as path
-from service.frontend.detect_options import detect_options
 from service.frontend.sources.source import Source, SourceOptions
 from service.frontend.sources.urls import check_url
 from service.frontend.state import ModelSlot, ServerState
-from service.frontend.stream import stream_max_age, stream_top_k
-from service.frontend.tasks import Detect, Want
+from service.frontend.stream import DETECT_OPTIONS, stream_max_age, stream_want
 
 log = logging.getLogger("visionserve.sources")
 
 FINISHED_KEPT = 64
 MAX_FPS_LIMIT = 240.0
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-DETECT_KEYS = ("score_threshold", "iou_threshold", "max_detections", "classes", "class_agnostic", "box_format",
-               "normalized")  # fmt: skip
+DETECT_KEYS = DETECT_OPTIONS
 CLASSIFY_KEYS = ("top_k",)
 COMMON_KEYS = ("url", "model", "version", "id", "max_fps", "max_age_ms", "pace", "rtsp_transport")
 CHANGEABLE = ("max_fps", "max_age_ms", "pace", *CLASSIFY_KEYS, *DETECT_KEYS)
@@ -212,13 +209,5 @@ def source_options(slot: ModelSlot, body: Mapping[str, Any], before: SourceOptio
     if wrong:
         raise BadInputError(f"{', '.join(wrong)}: not an option of {slot.name}'s task ({slot.spec.task})")
     task_options = {**(before.task_options if before else {}), **{k: body[k] for k in keys if k in body}}
-    if slot.spec.task == "detect":
-        if isinstance(slot.task, Detect):
-            slot.task.refuse_suppression([k for k in ("iou_threshold", "class_agnostic") if k in task_options])
-        found = dict(task_options)
-        if "box_format" in found:
-            found["box_format_"] = found.pop("box_format")
-        want = Want(detect=detect_options(slot.spec.labels, **found))
-    else:
-        want = Want(top_k=stream_top_k(task_options.get("top_k")))
+    want = stream_want(slot, task_options)
     return SourceOptions(float(max_fps), max_age_ms, pace == "realtime", want, task_options)
