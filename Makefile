@@ -19,7 +19,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install install-dev install-serve lint test test-fast test-fast-models test-serve-only serve default-model clean
+.PHONY: install install-dev install-serve lint test test-slow test-fast test-fast-models test-serve-only serve default-model clean
 
 $(SERVE_STAMP): pyproject.toml constraints.txt
 	test -x $(SERVE_BIN)/python || $(PYTHON) -m venv $(SERVE_VENV)
@@ -53,6 +53,14 @@ test: lint
 	scripts/install-video.sh
 	BIN=$(BIN) TEST_WORKERS=$(TEST_WORKERS) scripts/test-suite.sh $(PYTEST_ARGS)
 	$(MAKE) test-serve-only
+
+# The whole suite as a machine about half as fast runs it (docs/testing.md, "On a slower machine"): every process of
+# both phases pinned to one core (SLOW_CPUS, a taskset list), the workers and the servers sharing it.
+SLOW_CPUS ?= 0
+test-slow: lint
+	scripts/install-browser.sh
+	scripts/install-video.sh
+	BIN=$(BIN) TEST_WORKERS=$(TEST_WORKERS) taskset -c $(SLOW_CPUS) scripts/test-suite.sh $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)

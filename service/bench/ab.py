@@ -46,6 +46,7 @@ from typing import Any
 
 from loadtest.inputs import PROTOCOLS, payloads
 from loadtest.pool import WorkerPool
+from loadtest.scrape import batch_stats
 from loadtest.step import StepBounds, StepSpec, run_step
 from service import launcher
 from service.bench.kit import COUNT, POSITIVE, Flag, bounds, write_json
@@ -118,9 +119,11 @@ class Side:
 
 def measure(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, pid: int | None) -> dict[str, Any]:
     """One step of the load tester, with the CPU time the server's process tree (``pid``'s, when known) spent per
-    request answered while it ran, warm-up and drain included."""
+    request answered while it ran, and the mean size of the batches it formed, both over the whole step (warm-up
+    and drain included: a short step's measured window can hold no batch, nor a scrape landing late in it)."""
     cpu_s = launcher.tree_cpu_s(pid) if pid else 0.0
     answered = pool.completed()
+    batches = batch_stats(bounds.url, model) if bounds.scrape else None
     step = run_step(pool, spec, bounds, model)
     answered = pool.completed() - answered
     cpu_ms = 1000 * (launcher.tree_cpu_s(pid) - cpu_s) / max(1, answered) if pid else None
@@ -132,8 +135,16 @@ def measure(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, pi
         "errors": step.errors,
         "client_limited": step.client_limited,
         "server_cpu_ms_per_request": cpu_ms,
-        "mean_batch_size": step.server.get("mean_batch_size") if step.server else None,
+        "mean_batch_size": None if batches is None else mean_batch_size(batches, batch_stats(bounds.url, model)),
     }
+
+
+def mean_batch_size(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Images per batch between two reads of the server's batch statistics (:func:`loadtest.scrape.batch_stats`);
+    None when no batch ran between them."""
+    counts = {int(k.split("|")[1]): after[k] - before.get(k, 0.0) for k in after if k.startswith("batch_count|")}
+    batches = sum(counts.values())
+    return sum(size * n for size, n in counts.items()) / batches if batches > 0 else None
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 one machine: ``visionserve bench``'s pipeline figure (decode + run in one process, no HTTP, at batch 1 and 8) and the
 runtime alone at batch 1, then the same model served (service/launcher.py) under the load tester's closed loop at
 each ``--concurrency``: images/s and their share of the pipeline figure, p50 and p99, the server's mean batch size
-(from its /metrics) and its process tree's CPU time per answered request.
+(from its batch statistics) and its process tree's CPU time per answered request, both over the whole step.
 
     visionserve bench frontends --repository REPO --model resnet18 --duration-s 10 --warmup-s 2
 

@@ -121,7 +121,9 @@ def _plan_steps(remaining_s: float, count: int, overhead_s: float) -> tuple[Step
                 return StepPlan(warmup_s=1.0, duration_s=step_s, max_steps=steps, precision=precision), n
         if per >= shortest.step_s * shortest.max_steps:
             return shortest, n
-    return shortest, 1 if remaining_s > overhead_s + shortest.step_s * 2 else 0
+    # Even the shortest steps do not fit: the best predicted is verified with them all the same, since a tune answers
+    # only what a real server showed (_verify_each says that the budget is overrun, and by how much).
+    return shortest, min(count, 1)
 
 
 @dataclass
@@ -258,11 +260,25 @@ def _verify_each(
     i = 0
     while i < len(state.todo):
         c, predicted = state.todo[i]
+        left = budget - run.elapsed() - RESERVE_S
         needed = overhead + plan.max_steps * plan.step_s
-        if budget - run.elapsed() - RESERVE_S < needed:
-            run.skipped += [f"{d.label}: not verified, the budget ran out" for d, _ in state.todo[i:]]
-            say(f"stopping verification: {budget - run.elapsed():.0f} s left, a candidate needs {needed:.0f} s")
-            break
+        if left < needed:
+            # The plan was made before the load generator started and the predictions ran: on a slower machine
+            # those took longer. Steps are shaped again to what is left; the first candidate is verified even
+            # when nothing fits (the shortest steps), later ones only when their steps fit.
+            fitted, fits = _plan_steps(left, 1, overhead)
+            fitted_s = overhead + fitted.max_steps * fitted.step_s
+            if run.verified and (not fits or fitted_s > left):
+                run.skipped += [f"{d.label}: not verified, the budget ran out" for d, _ in state.todo[i:]]
+                say(f"stopping verification: {budget - run.elapsed():.0f} s left, a candidate needs {needed:.0f} s")
+                break
+            if fitted_s > left:
+                say(
+                    f"the budget is spent ({max(0.0, left):.0f} s left): verifying {c.label} with the shortest "
+                    f"steps all the same (about {fitted_s:.0f} s), since a tune answers only what a server showed"
+                )
+            plan = state.plan = run.plan = fitted
+            state.shaped = _shaped(state.predictor, state.workload, plan)
         start = 0.7 * predicted if predicted > 0 else _fallback_start(run)
         say(f"verifying {i + 1}/{len(state.todo)}: {c.label} (predicted {predicted:.1f} req/s)")
         record = Verified(c, predicted)

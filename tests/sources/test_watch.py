@@ -1,11 +1,12 @@
 """``visionserve watch`` as a user runs it: a real server process pulling a real MP4 file, and the command as a
 process of its own, reading the source's answers as Server-Sent Events.
 
-A file source at realtime pace (a long file: 10 s) is still running when ``watch`` subscribes; the test waits until
-the server counts the subscriber, then switches the source to ``answered`` pace so the rest of the file goes as
-fast as it is computed. Frames answered before the subscription are never sent to it, so the assertions hold
-whatever the timing: the answers seen are in order, each frame once, the last one the file's last frame, and then
-the end.
+A file source at realtime pace (a long file: 20 s, many times what starting ``watch`` takes on a slow machine) is
+still running when ``watch`` subscribes; the test waits until the server counts the subscriber, then switches the
+source to ``answered`` pace so the rest of the file goes as fast as it is computed. Frames answered before the
+subscription are never sent to it, so the assertions hold whatever the timing: the answers seen are in order, each
+frame once, the last one the file's last frame, and then the end. Tests that need no end watch a camera that sends
+until the module ends instead.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import pytest
 
 from service.client.watch import answer_line, end_line, event_data
 from tests.http.conftest import ADMIN_TOKEN, RunningServer, start_server, stop_server
-from tests.sources.video import write_mp4
+from tests.sources.video import MjpegServer, write_mp4
 
 ROOT = Path(__file__).resolve().parents[2]
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-LONG_FRAMES = 150  # 10 s at 15 fps: time for `watch` to start and subscribe before the file ends
+LONG_FRAMES = 300  # 20 s at 15 fps: time for `watch` to start and subscribe before the file ends
 WATCH_TIMEOUT_S = 120.0
 FINAL = ("ended", "failed", "stopped")  # a source's states that last
 
@@ -42,6 +43,14 @@ def media(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_mp4(root / "long.mp4", frames=LONG_FRAMES, fps=15, width=160, height=120)
     write_mp4(root / "short.mp4", frames=10, fps=15, width=160, height=120)
     return root
+
+
+@pytest.fixture(scope="module")
+def camera() -> Iterator[MjpegServer]:
+    """An HTTP MJPEG camera that sends until the module ends: a source on it runs, and `watch` reads, for as long as
+    a test takes (a realtime file can end first on a slow machine: watch then exits 0 before it is signalled)."""
+    with MjpegServer(fps=15, width=160, height=120, max_frames=10**6) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -183,9 +192,9 @@ def test_text_prints_a_line_per_frame_with_its_boxes_then_the_end(served: Runnin
 
 
 def test_count_stops_after_that_many_answers_with_the_token_from_the_environment(
-    served: RunningServer, media: Path
+    served: RunningServer, camera: MjpegServer
 ) -> None:
-    create(served.url, {"url": f"file://{media / 'long.mp4'}", "model": "digits", "top_k": 3, "id": "counted"})
+    create(served.url, {"url": camera.url, "model": "digits", "top_k": 3, "id": "counted"})
     try:
         process = start_watching(served.url, "counted", "--count", "3", "--format", "jsonl", token=ADMIN_TOKEN)
         code, stdout, stderr = finish(process)
@@ -202,19 +211,23 @@ def test_count_stops_after_that_many_answers_with_the_token_from_the_environment
         httpx.delete(f"{served.url}/v1/sources/counted", headers=AUTH, timeout=30)
 
 
-def test_ctrl_c_stops_watching_quietly_with_status_130(served: RunningServer, media: Path) -> None:
-    create(served.url, {"url": f"file://{media / 'long.mp4'}", "model": "digits", "id": "interrupted"})
+def test_ctrl_c_stops_watching_quietly_with_status_130(served: RunningServer, camera: MjpegServer) -> None:
+    create(served.url, {"url": camera.url, "model": "digits", "id": "interrupted"})
     try:
         process = start_watching(served.url, "interrupted", "--token", ADMIN_TOKEN)
+        assert process.stdout is not None
+        first = process.stdout.readline()  # watch is in its reading loop, and stays there: the camera goes on
+        assert first.startswith("frame "), first
         process.send_signal(signal.SIGINT)
         code, _, stderr = finish(process)
         assert code == 130 and stderr == "", stderr
+        assert source(served.url, "interrupted")["state"] == "running"  # it was not the source that ended
     finally:
         httpx.delete(f"{served.url}/v1/sources/interrupted", headers=AUTH, timeout=30)
 
 
-def test_a_reader_that_goes_away_ends_watching_quietly(served: RunningServer, media: Path) -> None:
-    create(served.url, {"url": f"file://{media / 'long.mp4'}", "model": "digits", "id": "piped"})
+def test_a_reader_that_goes_away_ends_watching_quietly(served: RunningServer, camera: MjpegServer) -> None:
+    create(served.url, {"url": camera.url, "model": "digits", "id": "piped"})
     try:
         process = start_watching(served.url, "piped", "--token", ADMIN_TOKEN)  # as `watch ... | head -1`
         assert process.stdout is not None

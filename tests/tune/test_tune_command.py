@@ -11,9 +11,10 @@ ONNX file alone (:func:`small_repo`): torch's first load alone outlasted a short
 machine, leaving the measurements incomplete. The tuner spends about a fifth of the budget measuring and a little
 predicting, keeps 5 s for the report, and plans each candidate as a server start (``--server-start-s``, told 4 s
 here: digits starts in about that; the default of 10 s is for models that load for a while) plus its steps
-(tuner.py, ``_plan_steps``); a candidate whose steps and start no longer fit what is left is refused (the check in
-``_verify_each``). At 34 s one candidate fits with about four 1 s steps, with room for a busy machine's slower
-phases, so every run verifies one candidate.
+(tuner.py, ``_plan_steps``). At 34 s one candidate fits with about four 1 s steps. On a slower machine the phases
+before take longer and less is left: the steps are shaped again to what is left when the candidate starts, and the
+first candidate is verified with the shortest steps even when none fit (``_verify_each``), so every run verifies one
+candidate on any machine: what these tests judge does not depend on the budget being enough.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tests.tune.conftest import TuneProcess, copy_repo, processes_mentioning
 MODEL = "digits"
 SLO_P99_MS = 50.0  # far above what digits needs here: the run must meet it on any machine, however loaded
 BUDGET_S = 34.0
+SPENT_BUDGET_S = 12.0  # spent before any candidate's steps fit: the first is verified with the shortest steps
 SERVER_START_S = 4.0
 SLACK_S = 90.0  # beyond the budget: start-up, the report, a slow machine
 EXIT_UNMET, EXIT_INTERRUPTED = 3, 130
@@ -220,14 +222,18 @@ def test_an_impossible_target_exits_3_with_the_best_p99_seen_and_writes_nothing(
     repo = small_repo(tune_source_repo, tmp_path)
     original = (repo / MODEL / "config.toml").read_bytes()
     out = tmp_path / "out"
-    # Nothing is predicted to meet the target, so one candidate is planned, as in every run here (module docstring).
-    budget_s = BUDGET_S
+    # A budget that the measuring, the prediction and the report's reserve leave too little of for even the
+    # shortest steps (under 0.72 of it minus 5 s, against 4 s of start and 8.4 s of steps), on any machine: the best
+    # predicted is verified all the same, and says so (module docstring).
+    budget_s = SPENT_BUDGET_S
     with TuneProcess(tune_args(repo, out, slo_p99_ms=0.01, budget_s=budget_s), tmp_path) as tune:
         code = tune.wait(budget_s + SLACK_S)
         assert code == EXIT_UNMET, f"exit {code}\n{tune.stderr}\n{tune.stdout}"
 
     report = json.loads((out / "tune.json").read_text())
     assert report["outcome"] == "unmet" and report["winner"] is None and not report["interrupted"]
+    assert "the budget is spent" in unwrapped(tune.stdout + tune.stderr)
+    assert len(report["verified"]) == 1, report
     best = report["best_seen"]
     steps = [(s, v["label"]) for v in report["verified"] for s in v["steps"] if s["requests"] > 0]
     assert steps and not any(s["met"] for s, _ in steps)
