@@ -55,12 +55,17 @@ test: lint
 	$(MAKE) test-serve-only
 
 # The whole suite as a machine about half as fast runs it (docs/testing.md, "On a slower machine"): every process of
-# both phases pinned to one core (SLOW_CPUS, a taskset list), the workers and the servers sharing it.
+# both phases pinned to one core (SLOW_CPUS, a taskset list), the workers and the servers sharing it. SLOW_HOGS=N
+# adds N busy loops on the same cores for the run, each taking about an equal share of them (one: half again).
 SLOW_CPUS ?= 0
+SLOW_HOGS ?= 0
 test-slow: lint
 	scripts/install-browser.sh
 	scripts/install-video.sh
-	BIN=$(BIN) TEST_WORKERS=$(TEST_WORKERS) taskset -c $(SLOW_CPUS) scripts/test-suite.sh $(PYTEST_ARGS)
+	hogs=""; for i in $$(seq 1 $(SLOW_HOGS)); do taskset -c $(SLOW_CPUS) sh -c 'while :; do :; done' & \
+		hogs="$$hogs $$!"; done; \
+	BIN=$(BIN) TEST_WORKERS=$(TEST_WORKERS) taskset -c $(SLOW_CPUS) scripts/test-suite.sh $(PYTEST_ARGS); \
+	status=$$?; [ -z "$$hogs" ] || kill $$hogs; exit $$status
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
