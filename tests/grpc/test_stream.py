@@ -12,7 +12,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +72,13 @@ class Callbacks:
 
     def wait_for(self, wanted: tuple[str, str], timeout_s: float = 30) -> None:
         """Until a callback's :func:`fate` is ``wanted``."""
+        self.wait_until(lambda fates: wanted in fates, timeout_s, what=f"no {wanted}")
+
+    def wait_until(self, done: Callable[[list[tuple[str, str]]], bool], timeout_s: float = 30, what: str = "") -> None:
+        """Until ``done`` holds of the callbacks' :func:`fate` s so far."""
         with self._changed:
-            got = self._changed.wait_for(lambda: wanted in [fate(*call) for call in self.got], timeout_s)
-            assert got, f"no {wanted} in {[fate(*call) for call in self.got]}"
+            got = self._changed.wait_for(lambda: done([fate(*call) for call in self.got]), timeout_s)
+            assert got, f"{what or 'not done'} in {[fate(*call) for call in self.got]}"
 
 
 def fate(result: Any, error: InferenceServerException | None) -> tuple[str, str]:
@@ -300,8 +304,11 @@ def test_a_stream_across_a_drain_ends_with_every_frame_read_answered(tmp_path: P
     sent = 0
     try:
         client.start_stream(calls)
-        while sent < 400:  # 50 frames/s; the drain begins after 10
+        while sent < 400:  # 50 frames/s; the drain begins once frame 9 has been read
             if sent == 10:
+                # Frame 9's answer (nothing sent after it supersedes it, so it comes) proves the server read it, a state
+                # that lasts; a signal 20 ms after sending raced the server's read on a busy core.
+                calls.wait_until(lambda fates: any(i == "9" for i, _ in fates))
                 server.process.send_signal(signal.SIGTERM)
             try:
                 send(client, sent, max_age_ms=5000)

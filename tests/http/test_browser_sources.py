@@ -28,8 +28,11 @@ from tests.sources.video import write_mp4
 
 ROOT = Path(__file__).resolve().parents[2]
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-FRAMES, FPS, WIDTH, HEIGHT = 150, 15, 320, 240  # played in real time: 10 s, time enough to open the page and watch
-END_WAIT_S = 120  # the source ends when its file does (10 s), later on a slow machine
+# Played in real time at 1 fps, the file lasts 10 x WAIT_S (300 s): longer than every bounded wait the test makes
+# before it ends the file itself (six of WAIT_S), so it runs while watched whatever the machine's speed (a 10 s file
+# once had to outlast Chromium's steps). The test then plays the rest as fast as answered (PATCH ``pace``).
+FRAMES, FPS, WIDTH, HEIGHT = 10 * WAIT_S, 1, 320, 240
+END_WAIT_S = 120  # the rest of the file decoded, the frames handed on answered: seconds, more on a slow machine
 # What the sources view shows, and the last result it drew (``watch``, the page's own state), read in one go.
 VIEW = """const view = document.getElementById('sources-view'), img = document.getElementById('sources-frame');
 const last = watch.last;
@@ -172,9 +175,11 @@ def test_a_file_source_is_listed_and_watched_with_its_boxes_drawn_over_each_fram
         assert row[1] == body["model"] and row[2] in ("connecting", "running") and row[5] == "Watch", rows
         return rows
 
-    # A classifier: its top class over the frame, no boxes.
+    # A classifier: its top class over the frame, no boxes. At 1 fps a frame waits up to a second (more behind the
+    # B-frames decoded ahead of it) for its time, and its age counts from its decode: the default max_age_ms (500)
+    # would expire it. The point here is not expiry.
     url = f"file://{media / 'clip.mp4'}"
-    create({"url": url, "model": "digits", "id": "hall"})
+    create({"url": url, "model": "digits", "id": "hall", "max_age_ms": 60_000})
     browser.find_element(By.CSS_SELECTOR, "#sources tr.source[data-id='hall'] button.watch").click()
     view = _wait(browser, VIEW, lambda v: v["picture"] and v["last"] is not None and v["top"] is not None,
                  "a frame with its top class")  # fmt: skip
@@ -185,7 +190,7 @@ def test_a_file_source_is_listed_and_watched_with_its_boxes_drawn_over_each_fram
     # A detector, watched instead (the classifier's socket closed, its late answers dropped): a frame answered with
     # boxes, the frame shown, every box of the last message drawn (the source's default score threshold is the
     # page's, 0.25), and the counts line saying so.
-    assert set(create({"url": url, "model": "digits-detect", "id": "door"})) == {"hall", "door"}
+    assert set(create({"url": url, "model": "digits-detect", "id": "door", "max_age_ms": 60_000})) == {"hall", "door"}
     browser.find_element(By.CSS_SELECTOR, "#sources tr.source[data-id='door'] button.watch").click()
     view = _wait(browser, VIEW, lambda v: v["picture"] and v["last"] is not None and v["boxes"] > 0,
                  "a frame with its boxes")  # fmt: skip
@@ -199,7 +204,12 @@ def test_a_file_source_is_listed_and_watched_with_its_boxes_drawn_over_each_fram
     assert view["counts"].startswith(f"Frame {last['frame']}, age "), view["counts"]
     assert f"{len(last['detections'])} box(es), {view['boxes']} drawn" in view["counts"], view["counts"]
 
-    # The file ends: the view says so and why, its last frame and boxes stay, and the list shows the end.
+    # The file ends (the rest played as fast as answered, at most 5 frames a second handed on, so the page reads
+    # them as it read the source so far): the view says so and why, its last frame and boxes stay, and the list shows
+    # the end.
+    changed = httpx.patch(f"{sources_server.url}/v1/sources/door", json={"pace": "answered", "max_fps": 5},
+                          headers=AUTH, timeout=10)  # fmt: skip
+    assert changed.status_code == 200, changed.text
     view = _wait(browser, VIEW, lambda v: v["state"] == "ended", "the source's end", timeout_s=END_WAIT_S)
     assert view["end"] == "Source door ended: the file ended.", view["end"]
     assert view["last"] is not None and view["boxes"] == len(view["last"]["detections"]) == int(view["drawn"]), view

@@ -195,8 +195,13 @@ def test_a_stream_across_a_drain_ends_cleanly_with_every_frame_accounted_for(tmp
                     pass
 
             reader = asyncio.ensure_future(read())
-            while sent < 400 and not reader.done():  # 50 frames/s; the drain begins after 10
+            while sent < 400 and not reader.done():  # 50 frames/s; the drain begins once frame 9 has been read
                 if sent == 10:
+                    # Frame 9's answer (nothing sent after it supersedes it, so it comes) proves the server read it, a
+                    # state that lasts; a signal 20 ms after sending raced the server's read on a busy core.
+                    async with asyncio.timeout(30):
+                        while not any(a["id"] == 9 for a in got):
+                            await asyncio.sleep(0.01)
                     server.process.send_signal(signal.SIGTERM)
                 try:
                     await ws.send(frame(sent))

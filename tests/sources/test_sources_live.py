@@ -123,7 +123,10 @@ def test_an_rtsp_camera_is_answered_changed_subscribed_and_deleted_freeing_its_c
 def test_a_camera_that_restarts_is_running_again_soon_and_the_others_are_unaffected(
     served: RunningServer, rtsp_server: RtspServer, own_rtsp_server: RtspServer
 ) -> None:
+    created = time.monotonic()
     create(served.url, {"url": own_rtsp_server.url(0), "model": "digits", "id": "flaky"})
+    wait_until(served.url, "flaky", lambda d: d["state"] == "running", what="running at first")
+    first_open_s = time.monotonic() - created  # this camera's handshake, probe and first decode, on this machine
     create(served.url, {"url": rtsp_server.url(1), "model": "digits", "id": "steady"})
     for id in ("flaky", "steady"):
         wait_until(served.url, id, lambda d: d["frames"]["answered"] >= 5, what=f"{id} answering")
@@ -142,8 +145,11 @@ def test_a_camera_that_restarts_is_running_again_soon_and_the_others_are_unaffec
     restarted = time.monotonic()
     doc = wait_until(served.url, "flaky", lambda d: d["state"] == "running", what="running after the restart")
     back_s = time.monotonic() - restarted
-    print(f"running again {back_s:.2f} s after the camera's restart (reconnects {doc['reconnects']})")
-    assert back_s <= 2.0, back_s  # the backoff is capped at 1 s
+    print(f"running again {back_s:.2f} s after the camera's restart (reconnects {doc['reconnects']}); "
+          f"first opened in {first_open_s:.2f} s")  # fmt: skip
+    # The backoff is capped at 1 s; the rest is real work, bounded by what this camera's first open took here: an
+    # attempt begun as the camera came back may fail (one open), then the backoff, then the open that succeeds.
+    assert back_s <= 1.0 + 2 * first_open_s, (back_s, first_open_s)
     assert doc["reconnects"] >= 1
     assert source(served.url, "steady")["state"] == "running"
     for id in ("flaky", "steady"):

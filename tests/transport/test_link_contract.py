@@ -107,14 +107,21 @@ async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 
 async def slow_metrics(link: EngineLink) -> dict[str, float]:
-    """The engine's batches counted and in flight for model ``slow``."""
+    """The engine's batches counted, in flight and images queued for model ``slow``."""
     text = (await link.metrics()).decode()
-    out = {"visionserve_batches_total": 0.0, "visionserve_inflight_batches": 0.0}
+    out = {"visionserve_batches_total": 0.0, "visionserve_inflight_batches": 0.0, "visionserve_queue_depth": 0.0}
     for line in text.splitlines():
         name = line.split("{", 1)[0]
         if name in out and 'model="slow"' in line:
             out[name] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+async def until_slow(link: EngineLink, check: Callable[[dict[str, float]], bool], timeout_s: float = 30.0) -> None:
+    """Until ``check`` holds of :func:`slow_metrics` (the engine's own view), bounded in time."""
+    async with asyncio.timeout(timeout_s):
+        while not check(await slow_metrics(link)):
+            await asyncio.sleep(0.01)
 
 
 def submit(link: EngineLink, model: str, images: Any, version: int = 1, **kw: Any) -> Any:
@@ -148,9 +155,10 @@ def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
 
             one = np.zeros((1, 3, 224, 224), dtype=np.uint8)
             first = asyncio.ensure_future(submit(link, "slow", one))  # computing for 300 ms
-            await until(lambda: link.inflight == 1)
+            # The engine's batch computes (not merely `first` sent: the queue's place would still be taken by it).
+            await until_slow(link, lambda m: m["visionserve_inflight_batches"] >= 1)
             queued = asyncio.ensure_future(submit(link, "slow", one))  # the queue's one place
-            await asyncio.sleep(0.05)
+            await until_slow(link, lambda m: m["visionserve_queue_depth"] >= 1)  # taken, while `first` computes
             with pytest.raises(OverloadedError) as full:
                 await submit(link, "slow", one)
             assert full.value.http_status == 429  # the model's queue_full_status rides on the error
@@ -166,9 +174,7 @@ def test_the_link_contract(side: str, repo: Path, tmp_path: Path) -> None:
             # A request cancelled while its batch computes: the engine reads its pixels until the batch is done (a
             # failed batch is retried image by image), so its region is freed then, not at the cancel, nor never.
             computing = asyncio.ensure_future(submit(link, "slow", one))
-            async with asyncio.timeout(30):
-                while (await slow_metrics(link))["visionserve_inflight_batches"] < 1:  # its 300 ms batch runs
-                    await asyncio.sleep(0.01)
+            await until_slow(link, lambda m: m["visionserve_inflight_batches"] >= 1)  # its 300 ms batch runs
             batches = (await slow_metrics(link))["visionserve_batches_total"]
             computing.cancel()
             with pytest.raises(asyncio.CancelledError):
