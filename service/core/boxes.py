@@ -21,7 +21,7 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
-from service.core.errors import BadInputError
+from service.core.errors import BadInputError, shown
 
 BoxFormat = Literal["xyxy", "xywh", "cxcywh"]
 BOX_FORMATS: Final = ("xyxy", "xywh", "cxcywh")
@@ -59,18 +59,24 @@ class DetectOptions:
 
 def class_indices(name: str, values: Iterable[Any], labels: tuple[str, ...]) -> tuple[int, ...]:
     """Each class named by its label or its index in ``labels`` (a request's ``classes``, the detect command's
-    ``--classes``); an unknown one is refused (BadInputError, naming ``name``), listing the labels."""
+    ``--classes``); an unknown one is refused (BadInputError, naming ``name``), listing the labels. A number of any
+    length is refused as an index past the labels, never written out or read whole (Python's ``int`` and ``str``
+    refuse more than 4300 digits with a ValueError)."""
     out = []
     for value in values:
-        text = str(value).strip()
-        if text in labels:
+        number = isinstance(value, int) and not isinstance(value, bool)
+        text = "" if number and value.bit_length() > 64 else str(value).strip()
+        digits = not isinstance(value, bool) and text.isascii() and text.isdigit() and len(text) <= 20
+        if text and text in labels:
             out.append(labels.index(text))
-        elif not isinstance(value, bool) and text.isascii() and text.isdigit() and int(text) < len(labels):
+        elif number and 0 <= value < len(labels):
+            out.append(value)
+        elif digits and int(text) < len(labels):
             out.append(int(text))
         else:
             shown_labels = ", ".join(labels[:20]) + (", ..." if len(labels) > 20 else "")
             raise BadInputError(
-                f"{name}: unknown class {value!r}: name a label ({shown_labels}) or an index from 0 to "
+                f"{name}: unknown class {shown(value)}: name a label ({shown_labels}) or an index from 0 to "
                 f"{len(labels) - 1}"
             )
     return tuple(sorted(set(out)))

@@ -36,6 +36,10 @@ Runtimes translate torch and onnxruntime exceptions into this tree at their seam
 from __future__ import annotations
 
 import asyncio
+import math
+from typing import Any
+
+SHOWN_MAX_CHARS = 60  # a value quoted in a message past this is cut, its length said
 
 
 class VisionServeError(Exception):
@@ -163,3 +167,23 @@ def outcome_label(exc: BaseException) -> str:
     if isinstance(exc, VisionServeError):
         return exc.outcome
     return "cancelled" if isinstance(exc, asyncio.CancelledError) else "error"
+
+
+def shown(value: Any) -> str:
+    """``value`` as a message quotes it: JSON's spelling for the numbers JSON lacks (``NaN``, ``Infinity``),
+    ``repr`` otherwise, cut past :data:`SHOWN_MAX_CHARS` with its length said. A long integer is said by its size
+    alone: past 4300 digits Python refuses to write one (a ValueError, which made such a value a 500)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = math.floor(value.bit_length() * math.log10(2)) + 1  # the count within one, without writing it
+        if digits > SHOWN_MAX_CHARS:
+            return f"an integer of about {digits} digits"
+    try:
+        text = repr(value)
+    except ValueError:  # a list or an object holding such an integer
+        return f"a {type(value).__name__} too long to show"
+    if len(text) <= SHOWN_MAX_CHARS:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters written"
+    return f"{text[: SHOWN_MAX_CHARS - 20]}... ({size})"

@@ -7,12 +7,12 @@ since a gRPC ``InferParameter`` holds no list.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 from service.core.boxes import BOX_FORMATS, BoxFormat, DetectOptions, class_indices
-from service.core.errors import BadInputError
-from service.frontend.parameters import flag, integer, shown
+from service.core.errors import BadInputError, shown
+from service.frontend.parameters import flag, integer
 
 MAX_DETECTIONS: Final = 10_000  # the most a request may ask for: a cap on its answer's size
 THRESHOLD: Final = "a number from 0 to 1"
@@ -23,6 +23,14 @@ def threshold(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (0 <= value <= 1):
         raise BadInputError(f"{name} must be {THRESHOLD}, got {shown(value)}")
     return float(value)
+
+
+def class_list(name: str, value: Any) -> list[Any] | tuple[Any, ...]:
+    """``classes`` as a list (JSON's array; the query's repeated values): a number or a string alone is not one
+    (a source's ``"classes": 0`` iterated as nothing, a TypeError, and stopped a server starting its sources)."""
+    if not isinstance(value, list | tuple):
+        raise BadInputError(f"{name} must be a list of class labels or indices, got {shown(value)}")
+    return value
 
 
 def box_format(name: str, value: Any) -> BoxFormat:
@@ -37,20 +45,21 @@ def detect_options(
     score_threshold: Any = 0.25,
     iou_threshold: Any = 0.45,
     max_detections: Any = 100,
-    classes: Iterable[Any] | None = None,
+    classes: Any = None,
     class_agnostic: Any = False,
     box_format_: Any = "xyxy",
     normalized: Any = False,
     where: str = "",
 ) -> DetectOptions:
     """The options, each checked; ``where``: the prefix of each parameter's name in a message (``parameters.``)."""
+    named = f"{where}classes"
     return DetectOptions(
         score_threshold=threshold(f"{where}score_threshold", score_threshold),
         iou_threshold=threshold(f"{where}iou_threshold", iou_threshold),
         max_detections=integer(
             f"{where}max_detections", max_detections, 1, f"an integer from 1 to {MAX_DETECTIONS}", MAX_DETECTIONS
         ),
-        classes=None if classes is None else class_indices(f"{where}classes", classes, labels),
+        classes=None if classes is None else class_indices(named, class_list(named, classes), labels),
         class_agnostic=flag(f"{where}class_agnostic", class_agnostic),
         box_format=box_format(f"{where}box_format", box_format_),
         normalized=flag(f"{where}normalized", normalized),

@@ -9,8 +9,9 @@ priority of 2**64 used to reach the transport and fail there, a 500). A boolean 
 number for a boolean.
 
 JSON has no NaN or Infinity (RFC 8259), yet Python's ``json`` writes them, and a number past float64's range
-(``1e400``) decodes to nothing finite; msgspec refuses both with its position only. :func:`json_number_error`
-finds such a value and says where it sits and what that place takes.
+(``1e400``) decodes to nothing finite; an integer of more than 4300 digits is JSON but neither Python's ``int`` nor
+msgspec reads it. msgspec refuses each with its position only; :func:`json_number_error` finds such a value and
+says where it sits and what that place takes.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from service.core.errors import BadInputError
+from service.core.errors import BadInputError, shown
 
 T = TypeVar("T")
 MAX_INT = 2**63 - 1
+MAX_TOP_K = 1000  # the most predictions an image's answer lists (the classify route, streams and sources)
 MAX_TIMEOUT_MS = MAX_INT / 1000  # the image API's timeout_ms: what parameters.timeout takes in microseconds
 TIMEOUT = f"a number of microseconds from 0 to {MAX_INT} (0: no timeout)"
 PRIORITY = f"an integer from 0 to {MAX_INT} (lower is served first; 0: the default level)"
@@ -43,13 +46,6 @@ ALLOWED = {
 # say which value it was: a second, slower parse of a large body is not worth a better message.
 _LENIENT_MAX_BYTES = 1 << 20
 _NOT_JSON = re.compile(rb"NaN|Infinity|[0-9][eE][+-]?[0-9]{3,}|[0-9]{300,}")
-
-
-def shown(value: Any) -> str:
-    """``value`` as the message quotes it: JSON's spelling for the numbers JSON lacks, ``repr`` otherwise."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    return repr(value)
 
 
 def integer(name: str, value: Any, low: int, allowed: str, high: int = MAX_INT) -> int:
@@ -100,11 +96,12 @@ def version_number(version: int | str | None) -> int | None:
 
 def json_number_error(text: bytes) -> str | None:
     """Why a JSON body msgspec refused is wrong, when the cause is a number JSON cannot hold (NaN, Infinity, or past
-    float64's range): the first such value's place and, for a known parameter, what it takes. None otherwise."""
+    float64's range) or an integer too long to read: the first such value's place and, for a known parameter, what
+    it takes. None otherwise."""
     if len(text) > _LENIENT_MAX_BYTES or not _NOT_JSON.search(text):
         return None
     try:
-        doc = json.loads(text, parse_float=_float, parse_constant=_Token)
+        doc = json.loads(text, parse_float=_float, parse_int=_int, parse_constant=_Token)
     except (ValueError, RecursionError):
         return None
     found = _first_token(doc, "")
@@ -113,17 +110,27 @@ def json_number_error(text: bytes) -> str | None:
     path, token = found
     name = path.rsplit(".", 1)[-1]
     allowed = ALLOWED.get(name) if ".parameters." in f".{path}" else None
+    if token.isdigit():  # an integer past what int() reads
+        what = allowed or f"an integer of at most {sys.get_int_max_str_digits()} digits"
+        return f"{path} must be {what}, got an integer of {len(token)} digits"
     said = f"{path} must be {allowed}" if allowed else f"{path} must be a number JSON can hold"
     return f"{said}, got {token} (JSON has no NaN or Infinity, and no number past float64's range: RFC 8259)"
 
 
 class _Token(str):
-    """A number that JSON cannot hold, as it was written (``NaN``, ``1e400``)."""
+    """A number that JSON cannot hold, as it was written (``NaN``, ``1e400``), or the digits of an integer too long
+    to read."""
 
 
 def _float(text: str) -> float | _Token:
     value = float(text)
     return value if math.isfinite(value) else _Token(text)
+
+
+def _int(text: str) -> int | _Token:
+    """An integer, or a token for one that Python's ``int`` will not read (0: this interpreter reads any)."""
+    digits, limit = text.lstrip("-"), sys.get_int_max_str_digits()
+    return _Token(digits) if limit and len(digits) > limit else int(text)
 
 
 def _first_token(value: Any, path: str) -> tuple[str, str] | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,10 +27,11 @@ from typing import Any
 import numpy as np
 
 from service.core.boxes import Transform
-from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError
+from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError, shown
 from service.core.spec import ModelSpec
 from service.core.stream_metrics import STREAM_OUTCOMES
 from service.frontend.detect_options import detect_options
+from service.frontend.parameters import MAX_TOP_K
 from service.frontend.request import Answer, Ask, Expired, Target, run
 from service.frontend.state import ModelSlot
 from service.frontend.tasks import Detect, Want
@@ -39,6 +42,7 @@ log = logging.getLogger("visionserve.stream")
 DEFAULT_MAX_AGE_MS = 500.0
 MAX_AGE_LIMIT_MS = 60_000.0
 DEFAULT_TOP_K = 5
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]{1,19}")  # int() of longer text is slow, or a ValueError past 4300 digits
 OUTCOMES = STREAM_OUTCOMES  # a frame's fate: every frame gets exactly one
 
 
@@ -238,13 +242,16 @@ def _itself(answer: Answer) -> Answer:
 
 
 def stream_max_age(value: Any) -> float:
-    """A stream's ``max_age_ms``, checked (BadInputError names it): default 500, in (0, 60000]."""
+    """A stream's ``max_age_ms``, checked (BadInputError names it): default 500, in (0, 60000]; a number, or its
+    text (a query's)."""
+    if value is None or value == "":
+        return DEFAULT_MAX_AGE_MS
     try:
-        age = DEFAULT_MAX_AGE_MS if value in (None, "") else float(value)
-    except (TypeError, ValueError):
-        age = float("nan")
-    if not 0 < age <= MAX_AGE_LIMIT_MS:
-        raise BadInputError(f"max_age_ms must be a number in (0, {MAX_AGE_LIMIT_MS:g}], got {value!r}")
+        age = float(value) if not isinstance(value, bool) and isinstance(value, int | float | str) else math.nan
+    except (ValueError, OverflowError):  # not a number's text; an integer past float64's range
+        age = math.nan
+    if not 0 < age <= MAX_AGE_LIMIT_MS:  # False for NaN
+        raise BadInputError(f"max_age_ms must be a number in (0, {MAX_AGE_LIMIT_MS:g}], got {shown(value)}")
     return age
 
 
@@ -266,11 +273,12 @@ def stream_want(slot: ModelSlot, options: Mapping[str, Any]) -> Want:
 
 
 def stream_top_k(value: Any) -> int:
-    """A classifier's stream's ``top_k``, checked (BadInputError names it): default 5, at least 1."""
-    try:
-        k = DEFAULT_TOP_K if value in (None, "") else int(value)
-    except (TypeError, ValueError):
-        k = 0
-    if k < 1:
-        raise BadInputError(f"top_k must be an integer >= 1, got {value!r}")
+    """A classifier's stream's (or source's) ``top_k``, checked (BadInputError names it): default 5, an integer from
+    1 to :data:`MAX_TOP_K` (the classify route's bound), or its text (a query's); a float only where it is whole."""
+    if value is None or value == "":
+        return DEFAULT_TOP_K
+    whole = isinstance(value, float) and value.is_integer()  # False for NaN and the infinities
+    k = int(value) if whole or (isinstance(value, str) and _INTEGER_TEXT.fullmatch(value.strip())) else value
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_TOP_K:
+        raise BadInputError(f"top_k must be an integer from 1 to {MAX_TOP_K}, got {shown(value)}")
     return k

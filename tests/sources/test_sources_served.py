@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import shutil
 import time
 from collections.abc import Iterator
@@ -67,7 +68,10 @@ def events(url: str, id: str, limit: int = 1000) -> list[dict[str, Any]]:
 def test_a_file_is_answered_frame_by_frame_to_a_subscriber_and_every_frame_is_accounted_for(
     served: RunningServer, media: Path
 ) -> None:
-    body = {"url": f"file://{media / 'clip.mp4'}", "model": "digits", "pace": "answered", "top_k": 2, "id": "clip"}
+    # max_age_ms: its limit, 60 s: the point is that every frame is answered, not how old one may grow on a slow
+    # machine (the default 500 ms would let a frame that waited on a busy core expire).
+    body = {"url": f"file://{media / 'clip.mp4'}", "model": "digits", "pace": "answered", "top_k": 2, "id": "clip",
+            "max_age_ms": 60_000}  # fmt: skip
     created = httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10)
     assert created.status_code == 201, created.text
     doc = wait_for(served.url, "clip", ("ended", "failed"))
@@ -169,20 +173,34 @@ def test_a_subscriber_that_shows_frames_gets_each_answered_frame_as_a_jpeg(serve
 
 
 def test_the_sources_listed_at_start_run_with_the_server(media: Path, tmp_path: Path) -> None:
+    """A row that cannot start is logged with its reason and the others start: a wrong scheme, and options whose
+    values no check expected (``"classes": 0``, ``"top_k": Infinity``: each was a TypeError or an OverflowError that
+    stopped the front end starting, exit 3, again every 30 s)."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "examples" / "model_repository" / "digits", repo / "digits")
+    for name in ("digits", "digits-detect"):
+        shutil.copytree(ROOT / "examples" / "model_repository" / name, repo / name)
+    clip = f"file://{media / 'clip.mp4'}"
     listed = tmp_path / "sources.json"
-    listed.write_text(json.dumps([{"id": "bad", "url": "ftp://x/y", "model": "digits"},  # logged; the rest start
-                                  {"id": "door", "url": f"file://{media / 'clip.mp4'}", "model": "digits",
-                                   "pace": "answered", "top_k": 1}]))  # fmt: skip
+    rows = [
+        {"id": "bad", "url": "ftp://x/y", "model": "digits"},  # logged; the rest start
+        {"id": "nolist", "url": clip, "model": "digits-detect", "classes": 0},
+        {"id": "endless", "url": clip, "model": "digits", "top_k": math.inf},  # json writes Infinity
+        {"id": "door", "url": clip, "model": "digits", "pace": "answered", "top_k": 1, "max_age_ms": 60_000},
+    ]
+    listed.write_text(json.dumps(rows))
     running = start_server(repo, tmp_path / "server.log", "--admin-token", ADMIN_TOKEN, "--source-root", str(media),
-                           "--sources", str(listed))  # fmt: skip
+                           "--sources", str(listed), real_models=("digits", "digits-detect"))  # fmt: skip
     try:
         doc = wait_for(running.url, "door", ("ended", "failed"))
         assert doc["state"] == "ended" and doc["frames"]["answered"] == 30, doc
         assert doc["options"] == {"top_k": 1}
+        every = httpx.get(f"{running.url}/v1/sources", headers=AUTH, timeout=10).json()["sources"]
+        assert [s["id"] for s in every] == ["door"]
     finally:
         stop_server(running)
+    log = (tmp_path / "server.log").read_text()
+    assert f"--sources {listed}, source 1 not started: classes must be a list of class labels or indices, got 0" in log
+    assert f"--sources {listed}, source 2 not started: top_k must be an integer from 1 to 1000, got Infinity" in log
 
 
 def test_a_source_whose_frames_are_over_the_pixel_cap_fails_saying_so(media: Path, tmp_path: Path) -> None:
@@ -206,7 +224,9 @@ def test_a_file_with_a_corrupt_frame_plays_to_its_end_past_it(served: RunningSer
     pictures = [jpeg(moving_picture(i, 160, 120)) for i in range(10)]
     pictures[4] = b"\xff\xd8\xff\xdb" + bytes(range(256)) * 8 + b"\xff\xd9"  # a JPEG's markers around garbage
     (media / "broken.mjpeg").write_bytes(b"".join(pictures))
-    body = {"url": f"file://{media / 'broken.mjpeg'}", "model": "digits", "pace": "answered", "id": "broken"}
+    # Every frame answered however slow the machine: no frame old enough to expire (max_age_ms at its limit).
+    body = {"url": f"file://{media / 'broken.mjpeg'}", "model": "digits", "pace": "answered", "id": "broken",
+            "max_age_ms": 60_000}  # fmt: skip
     assert httpx.post(f"{served.url}/v1/sources", json=body, headers=AUTH, timeout=10).status_code == 201
     doc = wait_for(served.url, "broken", ("ended", "failed"))
     # Read once through, never again from the start: the bad frame passed over, the nine others answered.

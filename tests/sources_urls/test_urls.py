@@ -140,11 +140,20 @@ def refused(url: object, **kwargs: object) -> str:
         ("rtsp://admin@cam/live", "rtsp://***@cam/live"),
         ("rtsp://u:pa/ss@cam/x", "rtsp://***@cam/x"),  # an unencoded '/' in the password
         ("rtsp:u:pass@cam/x", "rtsp:***@cam/x"),
-        ("http://cam/mjpeg?token=abc&fps=5&api_key=k1&Signature=zz#f", "http://cam/mjpeg?token=***&fps=5&api_key=***&Signature=***#f"),
-        ("https://cam/x?password=p&auth=a&user=u", "https://cam/x?password=***&auth=***&user=u"),
+        ("http://cam/mjpeg?token=abc&fps=5&api_key=k1&Signature=zz#f", "http://cam/mjpeg?token=***&fps=***&api_key=***&Signature=***#f"),
+        ("https://cam/x?password=p&auth=a&user=u", "https://cam/x?password=***&auth=***&user=***"),
         ("rtsp://cam:554/live", "rtsp://cam:554/live"),
-        ("http://cam/x?fps=5", "http://cam/x?fps=5"),
+        ("http://cam/x?fps=5", "http://cam/x?fps=***"),  # every query value: a secret need not be named like one
+        ("http://cam/x?SECRET&a=", "http://cam/x?***&a=***"),  # a parameter without '=' is a value
         ("file:///videos/a.mp4", "file:///videos/a.mp4"),
+        # An '@' past the authority separates nothing: the host stays, the query's values go.
+        ("http://cam/x?user=a@b.com&token=SECRET", "http://cam/x?user=***&token=***"),
+        ("http://u:p@cam:8080/x@2x.jpg?t=a@b", "http://***@cam:8080/x@2x.jpg?t=***"),
+        ("http://a@b:pw@cam/x", "http://***@cam/x"),  # the last '@' of the authority
+        ("rtsp://u:p#ss@cam/x", "rtsp://***@cam/x"),  # an unencoded '#' in the password (a port that is no number)
+        ("http://u:p?ss@cam/x?t=1", "http://***@cam/x?t=***"),  # an unencoded '?'
+        ("http://[::1]:8554/x?t=1", "http://[::1]:8554/x?t=***"),
+        ("user:pw@host/x", "***@host/x"),  # no scheme: 'user' is no scheme but a user name
     ],
 )  # fmt: skip
 def test_mask(url: str, shown: str) -> None:
@@ -155,6 +164,15 @@ def test_shown_is_masked_and_given_kept() -> None:
     url = check_url(f"rtsp://user:{SECRET}@cam.local:554/live?token={SECRET}", source_root=None)
     assert url.shown == "rtsp://***@cam.local:554/live?token=***"
     assert SECRET in url.given and SECRET in url.target  # av.open needs them; only shown is ever displayed
+
+
+def test_a_message_naming_the_url_or_its_secrets_is_redacted() -> None:
+    url = check_url(f"http://camuser:{SECRET}%21@127.0.0.1:9/x?token={SECRET}", source_root=None)
+    said = f"Connection refused: '{url.given}' (user camuser, password {SECRET}!)"
+    redacted = url.redact(said)
+    assert SECRET not in redacted and "camuser" not in redacted
+    assert url.shown == "http://***@127.0.0.1:9/x?token=***"
+    assert redacted.startswith(f"Connection refused: '{url.shown}'")
 
 
 # Refusals

@@ -19,7 +19,7 @@ from service.core.answers import ClassifyResponse, ImageResult, Prediction
 from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
 from service.frontend import request as path
 from service.frontend.http.validation import integer_queries
-from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS
+from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS, MAX_TOP_K
 from service.frontend.state import ModelSlot, ServerState
 from service.frontend.tasks import Want
 from service.frontend.timing import Timing
@@ -142,7 +142,7 @@ async def classify(
     request: Request[Any, Any, Any],
     model: FromPath[str],
     version: Annotated[str | None, PathParameter()] = None,
-    top_k: Annotated[int, Parameter(ge=1, le=1000, description="classes per image")] = 5,
+    top_k: Annotated[int, Parameter(ge=1, le=MAX_TOP_K, description="classes per image")] = 5,
     priority: PriorityQuery = 0,
     timeout_ms: TimeoutQuery = None,
 ) -> ClassifyResponse:

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 from urllib.parse import quote
 
+import msgspec
 from litestar import Request, Response, Router, WebSocket, delete, get, patch, post, websocket
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
@@ -26,6 +27,7 @@ from litestar.response import ServerSentEvent
 
 from service.core.errors import BadInputError, ForbiddenError, OverloadedError
 from service.frontend.http.image_api import ERROR_RESPONSES
+from service.frontend.parameters import json_number_error
 from service.frontend.sources.forward import Owner
 from service.frontend.sources.registry import Sources
 from service.frontend.state import ServerState
@@ -55,11 +57,13 @@ def sources_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Sources:
 
 
 async def _body(request: Request[Any, Any, Any]) -> Any:
+    """The body as JSON, strictly: a number JSON cannot hold (``NaN``, ``Infinity``, ``1e999``, which Python's
+    ``json`` takes) or an integer too long to read is refused naming its field (``top_k: Infinity`` was a 500)."""
     raw = await request.body()
     try:
-        return json.loads(raw or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        raise BadInputError("the body must be a JSON object") from None
+        return msgspec.json.decode(raw or b"{}")
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        raise BadInputError(json_number_error(raw) or "the body must be a JSON object") from None
 
 
 def _owner(connection: ASGIConnection[Any, Any, Any, Any]) -> Owner | None:

@@ -85,20 +85,21 @@ class Session(StreamSession[str]):
             stopped.cancel()
 
     def _frame(self, message: dict[str, Any]) -> None:
+        """One message: a frame offered, or, for one that is not a frame, an error answered for it alone."""
         stream = self.stream
         assert stream is not None
         data, text = message.get("bytes"), message.get("text")
         try:
             if data is not None:
                 (length,) = struct.unpack(">I", data[:4])
-                header = json.loads(data[4 : 4 + length])
-                image = data[4 + length :]
+                header, image = json.loads(data[4 : 4 + length]), data[4 + length :]
             else:
-                header = json.loads(text or "")
+                header, image = json.loads(text or ""), None
+            if not isinstance(header, dict):  # ``[]`` or ``5``: JSON, but no header ("[]".get was an AttributeError)
+                raise ValueError(f"the header is not a JSON object but {type(header).__name__}")
+            if image is None:
                 image = base64.b64decode(header.get("image_b64") or "", validate=True)
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-        except (struct.error, ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+        except (struct.error, ValueError, TypeError, binascii.Error, UnicodeDecodeError, RecursionError) as exc:
             stream.reject(None, None, f"not a frame: {exc} ({FRAME_FORMAT})")
             return
         frame_id, ts = header.get("id"), header.get("ts")
@@ -144,7 +145,7 @@ DETECT_QUERIES = {
     "box_format": "text",
     "normalized": "flag",
 }
-_INTEGER = re.compile(r"[+-]?[0-9]+")
+_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
 _FLAGS = {"true": True, "1": True, "false": False, "0": False}
 
 
@@ -167,7 +168,7 @@ def _typed(kind: str, text: str) -> Any:
             return float(text)
         except ValueError:
             return text
-    if kind == "integer":
+    if kind == "integer":  # longer text goes on as text: int() refuses past 4300 digits, a ValueError
         return int(text) if _INTEGER.fullmatch(text) else text
     if kind == "flag":
         return _FLAGS.get(text.lower(), text)

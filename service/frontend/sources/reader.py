@@ -155,9 +155,7 @@ class Reader:
         """What went wrong, the URL in it masked (FFmpeg's messages name the URL, credentials and all)."""
         text = str(exc) or type(exc).__name__
         text = text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
-        for secret in {self.url.given, self.url.target} - {self.url.shown}:
-            text = text.replace(secret, self.url.shown)
-        return text
+        return self.url.redact(text)
 
     def _open(self) -> Any:
         import av  # PyAV: imported where a source starts (the serving install without it still serves images)

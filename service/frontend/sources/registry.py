@@ -25,9 +25,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError
+from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError, shown
 from service.core.source_metrics import SourceState
 from service.frontend import request as path
+from service.frontend.parameters import MAX_INT
 from service.frontend.sources.source import Source, SourceOptions
 from service.frontend.sources.urls import check_url
 from service.frontend.state import ModelSlot, ServerState
@@ -94,6 +95,8 @@ class Sources:
         if running >= settings.max_sources:
             raise OverloadedError(f"{running} sources are running, the most this server runs (--max-sources)")
         version = body.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and not 1 <= version <= MAX_INT:
+            raise BadInputError(f"version must be an integer from 1 to {MAX_INT}, got {shown(version)}")
         where = path.target(self.server, body["model"], None if version is None else str(version), {}, aliases=False)
         options = source_options(where.slot, body, None)
         source = Source(
@@ -162,8 +165,10 @@ class Sources:
         for i, row in enumerate(rows):
             try:
                 started.append(self.create(row))
-            except (BadInputError, NotFoundError, OverloadedError) as exc:
+            except VisionServeError as exc:
                 log.error("--sources %s, source %d not started: %s", file, i, exc)
+            except Exception as exc:  # a fault of ours: one row must not stop the server (nor the other rows)
+                log.exception("--sources %s, source %d not started: %s: %s", file, i, type(exc).__name__, exc)
         return started
 
     # ---- internals --------------------------------------------------------------------------------------------
@@ -198,12 +203,12 @@ def source_options(slot: ModelSlot, body: Mapping[str, Any], before: SourceOptio
     ``before`` had it (a change), else the default."""
     max_fps = body.get("max_fps", before.max_fps if before else 0.0)
     if isinstance(max_fps, bool) or not isinstance(max_fps, int | float) or not 0 <= max_fps <= MAX_FPS_LIMIT:
-        raise BadInputError(f"max_fps must be a number from 0 (every frame) to {MAX_FPS_LIMIT:g}, got {max_fps!r}")
+        raise BadInputError(f"max_fps must be a number from 0 (every frame) to {MAX_FPS_LIMIT:g}, got {shown(max_fps)}")
     max_age_ms = stream_max_age(body["max_age_ms"]) if "max_age_ms" in body else (
         before.max_age_ms if before else stream_max_age(None))  # fmt: skip
     pace = body.get("pace", ("realtime" if before.realtime else "answered") if before else "realtime")
     if pace not in ("realtime", "answered"):
-        raise BadInputError(f"pace must be 'realtime' (a file at its own rate) or 'answered', got {pace!r}")
+        raise BadInputError(f"pace must be 'realtime' (a file at its own rate) or 'answered', got {shown(pace)}")
     keys = DETECT_KEYS if slot.spec.task == "detect" else CLASSIFY_KEYS
     wrong = sorted(k for k in body if k in (*CLASSIFY_KEYS, *DETECT_KEYS) and k not in keys)
     if wrong:

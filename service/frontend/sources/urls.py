@@ -60,11 +60,13 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from service.core.errors import BadInputError, ConfigError
+from service.core.errors import shown as quoted
 
 ALLOWED_SCHEMES = ("rtsp", "rtsps", "http", "https", "file")
 MAX_URL_CHARS = 2048
 ANALYZE_US = 300_000  # a live stream's probe, microseconds
 RTSP_TRANSPORTS = ("tcp", "udp")
+NAME_MAX_BYTES, PATH_MAX_BYTES = 255, 4096  # Linux's NAME_MAX and PATH_MAX, for the message only
 
 # Demuxers a local file may be read with: containers and elementary streams that open no other file or URL (no
 # hls, dash, concat, image2 sequences). FFmpeg matches a demuxer if any of its names is listed ("mov" covers mp4).
@@ -93,31 +95,71 @@ class SourceUrl:
     scheme: str
     target: str  # what av.open opens: the URL (scheme lower-cased), or the resolved local path for file://
     live: bool  # True for rtsp/rtsps/http(s) streams; False for files (they end, they play at their own rate)
-    shown: str  # for display, logs and API answers: credentials masked
+    shown: str  # for display, logs and API answers: its secrets masked (mask)
     format: str | None  # an av.open format where one must be forced, else None
     options: dict[str, str] = field(default_factory=dict)  # FFmpeg options for av.open
 
+    def redact(self, text: str) -> str:
+        """``text`` (FFmpeg's message, which names the URL, credentials and all) with the URL in it shown masked,
+        and any secret of it left elsewhere in the text (a password, a query value of 4 characters or more: a
+        shorter one would mask the digits of an errno) replaced by ``***``."""
+        for form in sorted({self.given, self.target} - {self.shown}, key=len, reverse=True):
+            text = text.replace(form, self.shown)
+        for secret in sorted(_secrets(self.given), key=len, reverse=True):
+            if len(secret) >= 4:
+                text = text.replace(secret, "***")
+        return text
+
 
 def mask(url: str) -> str:
-    """``url`` with its credentials replaced by ``***``: the user information (``rtsp://***@host:554/x``) and the
-    values of query parameters named like a secret (password, token, key, auth, sig, ...). A URL without
-    credentials comes back unchanged; text that is no URL at all comes back unchanged too."""
+    """``url`` as an answer, a log line or a message may show it, its secrets replaced by ``***``: the user
+    information (``rtsp://***@host:554/x``) and every query value (``?token=***&fps=***``; a query parameter
+    without ``=`` is one value). The one function that shows a source's URL; text that is no URL comes back with
+    the same done where it can be.
+
+    The user information is what precedes the last ``@`` of the authority (``urlsplit``'s netloc, which ends at the
+    first ``/``, ``?`` or ``#``, as FFmpeg splits it): an ``@`` in the path or the query is no separator
+    (``http://cam/x?user=a@b.com`` keeps its host). One case reads further: an authority without ``@`` whose port is
+    no number (``rtsp://u:pa/ss@cam/x``: a password holding an unencoded ``/``, ``?`` or ``#``, which check_url
+    refuses) is masked up to the last ``@``, so the refusal does not show the password's tail."""
     found = _HEAD.match(url)
     head = found.group(0) if found else ""
+    if not head.endswith("//") and head[:-1].lower() not in ALLOWED_SCHEMES:
+        head = ""  # in 'user:password@host' the "scheme" is a user name
     rest = url[len(head) :]
-    if "@" in rest:
-        # Up to the last '@', not the end of the authority: a password with an unencoded '/', '?' or '#' (or a URL
-        # without '//') would otherwise show its tail. Showing less of a path with an '@' in it is the price.
-        rest = "***@" + rest.rpartition("@")[2]
-    before, question, query = rest.partition("?")
+    # The authority ends at the first '/', '?' or '#' (without '//' urlsplit finds none; the same text is read so).
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    if "@" in authority:
+        authority = "***@" + authority.rpartition("@")[2]
+    elif "@" in tail and _odd_port(authority):
+        authority, tail = "***", "@" + tail.rpartition("@")[2]
+    before, question, query = tail.partition("?")
     if question:
         query, hash_, fragment = query.partition("#")
-        params = []
-        for param in query.split("&"):
-            name, equals, value = param.partition("=")
-            params.append(f"{name}=***" if equals and value and _SECRET_NAME.search(name) else param)
-        rest = before + question + "&".join(params) + hash_ + fragment
-    return head + rest
+        params = (p.partition("=") for p in query.split("&"))
+        query = "&".join(f"{name}=***" if equals else ("***" if name else "") for name, equals, _ in params)
+        tail = before + question + query + hash_ + fragment
+    return head + authority + tail
+
+
+def _secrets(url: str) -> set[str]:
+    """What :func:`mask` hides of an admitted URL, written as given and percent-decoded: its user information (and
+    the user name and password apart) and each query value."""
+    parts = urlsplit(url)
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = {userinfo, *userinfo.split(":", 1)}
+    for param in parts.query.split("&"):
+        name, equals, value = param.partition("=")
+        found.add(value if equals else name)
+    return {text for secret in found for text in (secret, unquote(secret)) if text}
+
+
+def _odd_port(authority: str) -> bool:
+    """An authority that is ``name:text`` with text no port number (IPv6's brackets left aside)."""
+    host_port = authority.rpartition("]")[2]
+    _, colon, port = host_port.rpartition(":")
+    return bool(colon) and not port.isdigit()
 
 
 def check_url(
@@ -196,15 +238,21 @@ def _check_file(url: str, shown: str, source_root: Path | None) -> SourceUrl:
     root = source_root.resolve()
     if not root.is_dir():
         raise ConfigError(f"the source root {source_root} is not a directory (--source-root)")
-    path = Path(path_text).resolve()  # follows every symlink that exists, '..' included
-    if not path.is_relative_to(root):
-        raise BadInputError(f"file {path_text} is outside the source root {root}; only files under it are read")
-    if not path.exists():
-        raise BadInputError(f"file {path_text} does not exist under the source root {root}")
-    if path.is_dir():
-        raise BadInputError(f"file {path_text} is a directory; a file source names one video file")
-    if not path.is_file():
-        raise BadInputError(f"file {path_text} is not a regular file (a device, socket or pipe); name a video file")
+    try:
+        path = Path(path_text).resolve()  # follows every symlink that exists, '..' included
+        if not path.is_relative_to(root):
+            raise BadInputError(f"file {path_text} is outside the source root {root}; only files under it are read")
+        if not path.exists():
+            raise BadInputError(f"file {path_text} does not exist under the source root {root}")
+        if path.is_dir():
+            raise BadInputError(f"file {path_text} is a directory; a file source names one video file")
+        if not path.is_file():
+            raise BadInputError(f"file {path_text} is not a regular file (a device, socket or pipe); name a video file")
+    except OSError as exc:  # a name past NAME_MAX (ENAMETOOLONG), a path past PATH_MAX, a folder not searchable
+        raise BadInputError(
+            f"url: file {quoted(path_text)} cannot be looked up: {exc.strerror or exc} (each name in a path is at most "
+            f"{NAME_MAX_BYTES} bytes, the whole path at most {PATH_MAX_BYTES})"
+        ) from None
     options = {"protocol_whitelist": "file", "format_whitelist": FILE_FORMATS}
     return SourceUrl(given=url, scheme="file", target=str(path), live=False, shown=shown, format=None, options=options)
 
