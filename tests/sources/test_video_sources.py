@@ -198,3 +198,41 @@ def test_install_video_is_quiet_when_everything_is_there() -> None:
     )
     assert done.returncode == 0 and done.stdout == done.stderr == "", (done.stdout, done.stderr)
     assert os.access(ROOT / "scripts" / "install-video.sh", os.X_OK)
+
+
+def test_a_realtime_files_frame_is_aged_from_its_play_time_not_from_its_decode(tmp_path: Path) -> None:
+    """At 2 fps the reader decodes each frame up to half a second before it plays: its age starts when it is handed
+    on (at its play time), so a frame is not old before anyone could have seen it (every frame of a 1 fps file was
+    past the default 500 ms age limit once)."""
+    from service.frontend.sources.reader import Pace, Picture, Reader
+    from service.frontend.sources.urls import check_url
+
+    clip = write_mp4(tmp_path / "slow.mp4", frames=4, fps=2, width=160, height=120)
+    url = check_url(f"file://{clip}", source_root=tmp_path)
+    handed: list[tuple[Picture, float]] = []
+    states: list[str] = []
+    ended = threading.Event()
+
+    def on_state(state: str, _reason: str) -> None:
+        states.append(state)
+        if state in ("ended", "failed"):
+            ended.set()
+
+    reader = Reader(url, name="slow", hand=lambda p: handed.append((p, time.perf_counter())), on_state=on_state,
+                    on_skip=lambda: None, pace=Pace(realtime=True), max_pixels=10**7, connect_timeout_s=5,
+                    read_timeout_s=5)  # fmt: skip
+    reader.start()
+    try:
+        assert ended.wait(DEADLINE_S), states
+    finally:
+        reader.stop()
+        assert reader.join(DEADLINE_S)
+    assert states[-1] == "ended" and len(handed) == 4, (states, handed)
+    first = handed[0][0]
+    for picture, at in handed:
+        assert picture.pts is not None and first.pts is not None
+        # nothing runs between reading the clock and handing the frame on but a comparison: no machine makes
+        # this a quarter of a frame's 500 ms interval, while decoding ahead made it most of it
+        assert at - picture.decoded < 0.125, (picture.index, at - picture.decoded)
+        # and the frame was handed on no earlier than its play time
+        assert picture.decoded - first.decoded >= picture.pts - first.pts - 0.01, picture.index

@@ -32,8 +32,9 @@ BACKOFF_START_S = 0.1
 @dataclass(slots=True)
 class Picture:
     """A decoded frame as the reader hands it on: its index in the source (from 0, across reconnects), its
-    presentation time in seconds (None where the stream gives none), when it was decoded (``time.perf_counter()``:
-    a frame's age runs from here) and the frame itself (a PyAV ``VideoFrame``)."""
+    presentation time in seconds (None where the stream gives none), when it was decoded (``time.perf_counter()``;
+    a file's frame at realtime pace: when its play time came; a frame's age runs from here) and the frame itself (a
+    PyAV ``VideoFrame``)."""
 
     index: int
     pts: float | None
@@ -208,6 +209,9 @@ class Reader:
                     wait = started_wall + (pts - first_pts) - clock()
                     if wait > 0 and self._stop.wait(wait):
                         return False
+                    # Its age runs from its play time: decoding runs ahead of it (up to a frame's interval, more
+                    # with reordering), and at 1 fps every frame was past a 500 ms max_age_ms before it was handed on.
+                    decoded = clock()
                 if pace.max_fps > 0 and decoded - last_handed < 1.0 / pace.max_fps:
                     self.on_skip()
                     continue
