@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=ints, default=None, help="bench batch sizes; None: 1,8,...,256 (dry 1,4)")
     p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.05)")
     p.add_argument("--concurrency", type=ints, default=None, help="served clients; None: 1,4,...,256 (dry 1,2)")
-    p.add_argument("--loadtest-s", type=float, default=None, help="measured seconds per load step; None: 3 (dry 1)")
+    p.add_argument("--loadtest-s", type=float, default=None, help="measured seconds per load step; None: 3 (dry 0.5)")
     p.add_argument("--client-cores", type=int, default=None, help="cores for the load generator; None: 4 (dry 1)")
     p.add_argument("--slo-p99-ms", type=float, default=15.0, help="the p99 target at 70%% of the best throughput")
     return p
@@ -319,7 +319,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.concurrency = args.concurrency or ([1, 2] if dry else [1, 4, 16, 32, 64, 128, 256])
     args.litserve_concurrency = [1, 2] if dry else [64, 256]  # its batches are 64: 256 saturates 8 workers
     args.litserve_workers = [1] if dry else [8, 4, 2, 1]  # the likeliest best first, should the share run out
-    args.loadtest_s = args.loadtest_s or (1.0 if dry else 3.0)
+    # dry: 0.5 s, as gpu_check's dry run: eight load steps, each with the server and its client busy on the same
+    # cores the whole window; the figures are only checked to be there and positive
+    args.loadtest_s = args.loadtest_s or (0.5 if dry else 3.0)
     args.warmup_s = 0.2 if dry else 1.0
     args.load_processes = 1 if dry else 4
     args.client_cores = args.client_cores or (1 if dry else 4)
