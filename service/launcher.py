@@ -246,16 +246,29 @@ def _check_alive(server: RunningServer) -> None:
 def stop(server: RunningServer, timeout_s: float = 30.0) -> int:
     """SIGTERM (the server drains, then exits), then the whole process group killed if it has not exited within
     ``timeout_s``; its exit status."""
-    process = server.process
-    if process.poll() is not None:  # it ended before: its pid (and group id) may be another process's by now
+    return stop_process(server.process, timeout_s=timeout_s, group=server.own_group)
+
+
+def stop_process(
+    process: subprocess.Popen[Any], *, timeout_s: float = 30.0, group: bool = True, term_group: bool = False
+) -> int:
+    """The one way to stop a process this code started: SIGTERM (to its whole process group with ``term_group``:
+    a server whose workers each need the signal), SIGKILL past ``timeout_s``, then, with ``group`` (it leads a
+    session of its own), SIGKILL to what is left of its group. Nothing is sent to a process that had ended before:
+    its pid and group id may be another process's by now (9563c8c). Its exit status."""
+    if process.poll() is not None:
         return int(process.returncode)
-    process.send_signal(signal.SIGTERM)
+    if term_group:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGTERM)
+    else:
+        process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout_s)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    if server.own_group:  # children left by a supervisor that had to be killed (its group id is not reused yet)
+    if group:  # children left by a leader that had to be killed (its group id is not reused while they live)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
     return int(process.returncode)

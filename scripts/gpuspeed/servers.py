@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Collection, Iterator
@@ -58,16 +57,11 @@ def litserve(cmd: list[str], *, cwd: Path, env: dict[str, str], cpus: Collection
 
 
 def stop_group(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM to the process's session, then SIGKILL to what is left of it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """SIGTERM to the process's session, then SIGKILL to what is left of it (the launcher's one stop: nothing is
+    sent to a process that had already ended, whose pid may be another's by now)."""
+    from service.launcher import stop_process
+
+    stop_process(proc, timeout_s=timeout_s, term_group=True)
 
 
 class CpuUse:

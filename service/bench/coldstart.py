@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -156,11 +155,7 @@ def triton_load(args: argparse.Namespace, version: Path, work: Path) -> dict[str
         figures = dict(kv.split("=") for kv in parts[-1].split()[1:]) if parts else {}
         return {"ran": True, "load_ms": load_ms, **{k: float(v) for k, v in figures.items()}}
     finally:
-        process.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # the stub, its child, with it
+        launcher.stop_process(process, timeout_s=10)  # the stub, its child, with it
         log.close()
 
 
