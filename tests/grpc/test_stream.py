@@ -221,6 +221,28 @@ def test_a_corrupt_frame_fails_alone(paced: RunningServer) -> None:
     assert "a stream of its own" in errors[3]
 
 
+def test_the_streams_top_k_answers_each_frame_that_names_no_output_with_its_k_best(paced: RunningServer) -> None:
+    calls = Callbacks()
+    client = tgrpc.InferenceServerClient(paced.grpc_target)
+    client.start_stream(calls)
+    try:
+        params = {"top_k": 3, "max_age_ms": 5000}  # the stream's, from its first frame
+        client.async_stream_infer("digits", [images_input([DIGIT])], request_id="first", parameters=params)
+        calls.wait_for(("first", "result"))
+        client.async_stream_infer("digits", [images_input([DIGIT])], request_id="second")
+        calls.wait_for(("second", "result"))
+        send(client, "named")  # a frame that names LOGITS gets the logits themselves
+        calls.wait_for(("named", "result"))
+    finally:
+        client.stop_stream()
+        client.close()
+    answers = {fate(*call)[0]: call[0] for call in calls.got}
+    for frame in ("first", "second"):
+        best = [s.decode().split(":") for s in answers[frame].as_numpy("LOGITS").ravel()]
+        assert len(best) == 3 and best[0][1:] == ["3", "3"], (frame, best)  # "score:index:label", best first
+    assert answers["named"].as_numpy("LOGITS").shape == (1, 10)
+
+
 @pytest.mark.parametrize(
     ("model", "params", "status", "words"),
     [

@@ -39,6 +39,7 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
         self.context = context
         self.refused: VisionServeError | None = None
         self._model = ("", "")
+        self._top_k: int | None = None  # the first frame's top_k, when it gave one (a classifier's)
         self._open = contextlib.ExitStack()
 
     async def serve(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
@@ -75,7 +76,10 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
                     f"{_named(request.model_name, request.model_version)} needs a stream of its own"
                 )
             task, params = stream.slot.task, wire.parameter_values(request.parameters)
-            want = Want(task.wanted(wire.wanted(request)), detect=task.options(params))
+            named = wire.wanted(request)
+            if not named and self._top_k is not None:  # the stream's top_k: the k best of each output
+                named = [(output.name, {"classification": self._top_k}) for output in task.outputs()]
+            want = Want(task.wanted(named), detect=task.options(params))
             image = _frame_image(request)
         except VisionServeError as exc:
             stream.reject(request.id, client_ts, str(exc))
@@ -88,6 +92,9 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
         # Each frame says what its answer holds (its outputs, a detector's thresholds): the stream's want is only
         # a classifier's top_k, checked as the WebSocket checks it.
         want = None if where.slot.task.name == "detect" else Want(top_k=stream_top_k(params.get("top_k")))
+        # Given, it is what a frame naming no output is answered with: the classification extension's k best, as
+        # "score:index:label" strings (it was checked here and then left unused: each frame answered LOGITS).
+        self._top_k = want.top_k if want is not None and "top_k" in params else None
         stream = FrameStream(
             where, self.emit, max_age_ms=max_age_ms, want=want, on_outcome=self.server.stream_outcome(where.slot.name)
         )
