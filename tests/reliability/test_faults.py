@@ -169,7 +169,9 @@ def huge_png(side: int = 6000) -> bytes:
     return buf.getvalue()
 
 
-async def _saturate_decoding(url: str, huge: bytes, *, clients: int, duration_s: float) -> dict[str, Any]:
+async def _saturate_decoding(
+    url: str, huge: bytes, *, clients: int, duration_s: float, deadline_ms: int
+) -> dict[str, Any]:
     import asyncio
     from collections import Counter
 
@@ -194,7 +196,7 @@ async def _saturate_decoding(url: str, huge: bytes, *, clients: int, duration_s:
         await asyncio.sleep(1.0)  # the flood has filled the pool
         while time.perf_counter() < end - 1.0:
             started = time.perf_counter()
-            status = await prober.post("/v1/models/digits/classify?timeout_ms=1000", DIGIT, PNG)
+            status = await prober.post(f"/v1/models/digits/classify?timeout_ms={deadline_ms}", DIGIT, PNG)
             small_latency.append(time.perf_counter() - started)
             small_outcomes[str(status)] += 1
             await asyncio.sleep(0.05)
@@ -217,18 +219,29 @@ def test_huge_images_saturating_the_decoders_do_not_hold_up_small_ones(repo_copy
     huge = huge_png()
     server = start_server(repo_copy, tmp_path / "server.log")
     try:
+        # What one huge image costs alone on this machine (the quicker of two: the first also warms the decoders):
+        # the small requests' deadline and bounds are that and a share of it, so a slower machine loosens them in
+        # step (a fixed 1000 ms was this machine's figure). A small request queued behind huge decodes would wait for
+        # a decoder, and with eight clients keeping the decoders full, most would wait a whole decode or more.
+        alone_s = []
         with server.client() as client:
-            started = time.monotonic()
-            assert classify_bytes(client, huge).status_code == 200
-            one_huge_s = time.monotonic() - started
-        seen = asyncio.run(_saturate_decoding(server.url, huge, clients=8, duration_s=12))
+            for _ in range(2):
+                started = time.monotonic()
+                assert classify_bytes(client, huge).status_code == 200
+                alone_s.append(time.monotonic() - started)
+        one_huge_s = min(alone_s)
+        deadline_ms = max(1, round(one_huge_s * 1000))
+        seen = asyncio.run(_saturate_decoding(server.url, huge, clients=8, duration_s=12, deadline_ms=deadline_ms))
         print(
             f"\nhuge images: one 36 MP PNG takes {one_huge_s * 1e3:.0f} ms alone; 8 clients sending them for 12 s: "
-            f"huge {seen['huge']}; small (deadline 1000 ms) {seen['small']}, p50 {seen['p50_ms']:.0f} ms, "
+            f"huge {seen['huge']}; small (deadline {deadline_ms} ms) {seen['small']}, p50 {seen['p50_ms']:.0f} ms, "
             f"p99 {seen['p99_ms']:.0f} ms, max {seen['max_ms']:.0f} ms"
         )
         assert seen["small"] == {"200": sum(seen["small"].values())} and sum(seen["small"].values()) >= 20
-        assert seen["max_ms"] < 1000  # every small request answered within its deadline
+        # Typically far quicker than a huge decode (pinned to one shared core: p50 34 ms against 419 ms alone), and
+        # every one within the deadline, one huge image's time alone (there, max 261 ms: one scheduler stall).
+        assert seen["p50_ms"] < one_huge_s * 1e3 / 4
+        assert seen["max_ms"] < one_huge_s * 1e3
         assert seen["huge"].get("200", 0) > 0  # huge images are still served, at their own pace
         assert set(seen["huge"]) <= {"200", "503"}
     finally:
