@@ -1,58 +1,3 @@
-"""The demo page's sources view (``demo.py`` puts these in the page): the cameras and files the server pulls
-(docs/sources.md), listed, and one of them watched frame by frame.
-
-Every sources route is admin-only, so the view starts with a field for the admin token. The token stays in the page:
-in the field and the tab's ``sessionStorage`` (so a reload keeps it and closing the tab forgets it), sent only to this
-server, as ``Authorization: Bearer`` on ``GET /v1/sources`` and as ``?token=`` on the results WebSocket (a browser's
-WebSocket cannot send a header). Refresh lists the sources: id, model, state (a finished one's reason beside it),
-frames answered per second and the answers' p99 age. Watching one opens ``/v1/sources/{id}/results?frames=1``: each
-result carries its frame as a JPEG (at most 640 pixels wide, the answer's ``width`` x ``height`` aspect), shown with
-a detector's boxes drawn over it by ``demo_boxes.py`` (the page's score threshold filters them, as everywhere on the
-page) or a classifier's top class over its top edge, and a line of counts below. When the source finishes, the
-socket's last message says how (``ended``, ``failed`` or ``stopped``) and why, and the view shows it. The view's
-``data-`` attributes (``data-frame``, ``data-detections``, ``data-drawn``, ``data-state``) say what it shows, for
-a test to read. Ids, labels, reasons and errors from the server are inserted as text, never as HTML.
-"""
-
-from __future__ import annotations
-
-SOURCES_STYLE = """ #sources td { white-space: nowrap; }
- #sources td.state { white-space: normal; }
- #sources tr[aria-current="true"] { background: #eef; }
- #sources-picture { width: 32rem; max-width: 100%; margin-top: .5rem; }
- #sources-frame { display: block; width: 100%; height: auto; background: #f4f4f4; }
- #sources-top { position: absolute; top: 0; left: 0; margin: 0; padding: .1rem .4rem; background: rgba(0, 0, 0, .7);
-                color: #fff; font-size: .9rem; }
- #sources-counts, #sources-end { font-size: .9rem; }
-"""
-
-SOURCES_SECTION = """<section id="sources-section" aria-labelledby="sources-title">
-<h2 id="sources-title">Sources</h2>
-<p id="sources-help">The cameras and files the server pulls and answers by itself. Managing or watching them needs the
- server's admin token: it stays in this tab (forgotten when the tab closes) and is sent to this server only.</p>
-<div class="controls">
- <label for="sources-token">Admin token</label>
- <input id="sources-token" type="password" autocomplete="off" spellcheck="false" aria-describedby="sources-help">
- <button id="sources-refresh" type="button" aria-label="Refresh the sources">Refresh</button>
-</div>
-<p id="sources-status" role="status">Enter the admin token and refresh to list the sources.</p>
-<table id="sources" aria-labelledby="sources-title"><thead><tr><th scope="col">Source</th><th scope="col">Model</th>
- <th scope="col">State</th><th scope="col">Answered per second</th><th scope="col">Age p99</th>
- <th scope="col"><span hidden>Watch</span></th></tr></thead><tbody></tbody></table>
-<div id="sources-view" hidden>
- <h3 id="sources-watching"></h3>
- <div id="sources-picture" class="view" hidden>
-  <img id="sources-frame" alt="The source's last answered frame">
-  <svg id="sources-boxes" class="boxes" aria-hidden="true"></svg>
-  <p id="sources-top" hidden></p>
- </div>
- <p id="sources-counts"></p>
- <p id="sources-end" role="status"></p>
-</div>
-</section>
-"""
-
-SOURCES_SCRIPT = r"""
 // ---- Sources: the server's own cameras and files (docs/sources.md), listed and watched frame by frame ----
 const SOURCES_TOKEN_KEY = 'visionserve-admin-token';  // sessionStorage: this tab only
 const SOURCES_FINAL = ['ended', 'failed', 'stopped'];
@@ -191,4 +136,3 @@ $('sources-token').addEventListener('input', () => sessionStorage.setItem(SOURCE
 $('sources-token').addEventListener('keydown', (e) => { if (e.key === 'Enter') sourcesRefresh(); });
 $('sources-refresh').addEventListener('click', sourcesRefresh);
 $('score').addEventListener('input', () => { if (watch.id) sourcesPaint(); });
-"""

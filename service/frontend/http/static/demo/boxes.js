@@ -1,47 +1,5 @@
-"""The demo page's detector view (``demo.py`` puts these in the page): each image's boxes and labels drawn over it,
-and over the live mode's frame, with a score-threshold slider.
-
-The page asks a detector for every box down to :data:`REQUEST_SCORE_THRESHOLD` once, and the slider (default 0.25,
-the API's default) filters the boxes drawn and listed in the browser, so moving it sends no request. Boxes come in
-the image's own pixels as a viewer shows it (EXIF orientation applied), as the browser shows the image too. Each
-overlay is an SVG over the shown image whose ``viewBox`` is those pixels: its default ``preserveAspectRatio``
-(``xMidYMid meet``) places them exactly as ``object-fit: contain`` places the image, so a box lands on its pixels
-at any size; strokes and labels are drawn at a fixed screen size, redrawn when the image's size changes. Labels come
-from the model's ``spec.json`` and are inserted as text, never as HTML.
-"""
-
-from __future__ import annotations
-
-# The lowest score a detector is asked for: the slider's range starts here. The parity gate's threshold
-# (examples/model_repository/digits-detect/1/spec.json) is 0.05 too: below it scores are noise.
-REQUEST_SCORE_THRESHOLD = 0.05
-# Magenta: far from the grey canvases, photos' common colours and the page's own; the browser test looks for it.
-BOX_COLOUR = "#ff00ff"
-
-BOXES_STYLE = f""" .view {{ position: relative; }}
- svg.boxes {{ position: absolute; inset: 0; width: 100%; height: 100%; pointer-events: none; overflow: hidden; }}
- svg.boxes .outline {{ fill: none; stroke: {BOX_COLOUR}; stroke-width: 3px; vector-effect: non-scaling-stroke; }}
- svg.boxes .tag-bg {{ fill: {BOX_COLOUR}; }}
- svg.boxes text {{ fill: #000; font-family: system-ui, sans-serif; }}
- #grid.detect {{ grid-template-columns: repeat(auto-fill, minmax(20rem, 1fr)); }}
- #grid.detect .card img {{ height: 16rem; }}
- td.box {{ font-size: .8rem; color: #555; white-space: nowrap; }}
- .found {{ font-size: .85rem; margin: .25rem 0; }}
- #score {{ vertical-align: middle; }}
-"""
-
-# Beside the model picker; shown for a detector, in top-k's place.
-SCORE_CONTROL = """ <span id="score-control" hidden>
-  <label for="score">Score threshold</label>
-  <input id="score" type="range" min="@LOW@" max="1" step="0.01" value="0.25" aria-describedby="score-help">
-  <output id="score-value" for="score">0.25</output>
-  <span id="score-help" hidden>Boxes scoring less are neither drawn nor listed.</span>
- </span>
-""".replace("@LOW@", str(REQUEST_SCORE_THRESHOLD))
-
-BOXES_SCRIPT = r"""
-// ---- Boxes: a detector's answer drawn over its image (demo_boxes.py) ----
-const BOX_REQUEST_THRESHOLD = @LOW@;  // asked of the server once; the slider filters above it, here
+// ---- Boxes: a detector's answer drawn over its image (boxes.js) ----
+const BOX_REQUEST_THRESHOLD = @REQUEST_SCORE_THRESHOLD@;  // asked of the server once; the slider filters above it, here
 const BOX_FONT_PX = 12;                 // label size on screen, whatever the image's scale
 const SVG_NS = 'http://www.w3.org/2000/svg';
 const modelTasks = {};                  // model name -> 'classify' | 'detect', from /v1/models
@@ -137,4 +95,3 @@ function thresholdChanged() {
 
 $('score').addEventListener('input', thresholdChanged);
 $('model').addEventListener('change', taskControls);
-""".replace("@LOW@", str(REQUEST_SCORE_THRESHOLD))

@@ -1,68 +1,3 @@
-"""The demo page's live mode (``demo.py`` puts these in the page): the browser's camera (``getUserMedia``), or a
-video file, streamed to ``/v1/models/{m}/stream`` (docs/streams.md) at a set rate.
-
-Each tick draws the video's frame to a canvas (what was sent stays on screen) and sends it as JPEG
-(``canvas.toBlob``) in the binary frame format: the header's length (4 bytes, big-endian), the JSON header
-``{"id", "ts"}`` (``ts``: the page's ``performance.now()``, echoed back, so the round trip is measured), the image.
-A tick is skipped while the previous frame is still being encoded, or while the socket holds more than a megabyte
-unsent (counted as skipped: the page never queues frames the server will only supersede). Each answer is shown as
-it arrives: the frame's status and age, its round trip, the top classes of the last result (a detector's boxes:
-listed, and drawn over the frame on screen, filtered by the page's score-threshold slider), and running counts of
-frames sent, answered, superseded, expired and failed. Stopping waits (a few seconds at most) for the answers to
-the frames already sent, so the counts add up: answered + superseded + expired + errors = sent. Changing the model,
-top-k or max age while live opens a new stream (its counts start again). Labels, reasons and errors from the server
-are inserted as text, never as HTML.
-"""
-
-from __future__ import annotations
-
-LIVE_STYLE = """ #live-view { display: flex; flex-wrap: wrap; gap: 1rem; align-items: flex-start; margin-top: .5rem; }
- #live-picture { width: 20rem; max-width: 100%; border: 1px solid #ddd; }
- #live-canvas { display: block; width: 100%; background: #f4f4f4; }  /* no border: the boxes' overlay covers it */
- #live-answer { flex: 1; min-width: 14rem; }
- #live-toggle[aria-pressed="true"] { background: #b00; color: #fff; }
- #live-counts, #live-last { font-size: .9rem; }
-"""
-
-LIVE_SECTION = """<section id="live-section" aria-labelledby="live-title">
-<h2 id="live-title">Live</h2>
-<p id="live-help">Stream the camera, or a video file, to the model: a frame at each tick of the rate, each answered
- with its classes (a detector's boxes, drawn over the frame) and its age. Frames that come faster than the model
- answers are superseded by newer ones, and a frame older than the max age is dropped (expired).</p>
-<div class="controls">
- <label for="live-source">Source</label>
- <select id="live-source"><option value="camera">Camera</option><option value="video">Video file</option></select>
- <label for="live-file">Video file</label> <input id="live-file" type="file" accept="video/*">
- <label for="live-fps">Frames per second</label>
- <input id="live-fps" type="number" value="5" min="0.1" max="30" step="0.1" inputmode="decimal">
- <label for="live-max-age">Max age (ms)</label>
- <input id="live-max-age" type="number" value="500" min="1" max="60000" inputmode="numeric">
- <button id="live-toggle" type="button" aria-pressed="false" aria-label="Live" aria-describedby="live-help">Live
- </button>
-</div>
-<p id="live-status" role="status">Not streaming.</p>
-<div id="live-view">
- <video id="live-video" muted playsinline hidden></video>
- <div id="live-picture" class="view">
-  <canvas id="live-canvas" width="320" height="240" role="img" aria-label="The frame sent last"></canvas>
-  <svg id="live-boxes" class="boxes" aria-hidden="true"></svg>
- </div>
- <div id="live-answer">
-  <p id="live-last">Frame <span id="live-frame">none</span>: <span id="live-result">no answer yet</span>,
-   age <span id="live-age">-</span>, round trip <span id="live-rtt">-</span>.
-   <span id="live-detail" class="error"></span></p>
-  <table id="live-predictions" class="predictions" aria-label="Classes or boxes of the last answered frame"><tbody>
-  </tbody>
-  </table>
-  <p id="live-counts">Sent <span id="live-sent">0</span>, answered <span id="live-answered">0</span>,
-   superseded <span id="live-superseded">0</span>, expired <span id="live-expired">0</span>,
-   errors <span id="live-errors">0</span>, skipped <span id="live-skipped">0</span>.</p>
- </div>
-</div>
-</section>
-"""
-
-LIVE_SCRIPT = r"""
 // ---- Live: the camera or a video file, a frame per tick to /v1/models/{m}/stream (docs/streams.md) ----
 const LIVE_MAX_SIDE = 640;          // frames are scaled down to this many pixels on their longer side
 const LIVE_MAX_BUFFERED = 1 << 20;  // bytes the socket may hold unsent before a tick is skipped
@@ -255,4 +190,3 @@ for (const id of ['model', 'topk', 'live-max-age']) {
   });
 }
 liveCounts(true);
-"""
