@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ SCRIPTS = ROOT / "scripts"
 # What runs each script for real: a test below, or another file.
 SMOKE_TESTED = {
     "default_model.py": "test_the_shipped_default_model_is_what_train_and_export_make_again",
+    "detect_cost.py": "test_detect_cost_prints_what_one_request_costs",
     "first_answer.py": "test_first_answer_measures_a_fresh_make_serve",
     "gen_protocol.py": "test_gen_protocol_regenerates_the_committed_modules",
     "gpu_check.py": "tests/test_gpu_check.py",
@@ -147,3 +149,12 @@ def test_first_answer_measures_a_fresh_make_serve() -> None:
     assert positive(figures["first_answer_s"]) and positive(figures["engine_start_s"])
     assert figures["torch_imports"] is False and 0 < figures["environment_mb"] < 1000
     assert "first answer to the README's curl" in done.stdout
+
+
+def test_detect_cost_prints_what_one_request_costs() -> None:
+    """docs/detection.md's figures, small: every head kind postprocessed and encoded, its detections counted."""
+    for kind in ("grid", "random", "blank"):
+        done = run("scripts/detect_cost.py", "--head", kind, "--images", "2", "--anchors", "64", "--classes", "3")
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = re.search(rf"^{kind}: postprocess \d+ ms, JSON \d+ ms, (\d+) detections, answer ", done.stdout, re.M)
+        assert found and 0 < int(found.group(1)) <= 2 * 64, done.stdout

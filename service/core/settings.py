@@ -86,6 +86,13 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
         None
     )
     max_sources: Annotated[int, flag("most sources running at once")] = 32
+    state_dir: Annotated[
+        str | None,
+        flag(
+            "where the server keeps its state (the sources it runs, in sources.db, mode 0600: it holds their URLs); "
+            "none: <repository>/.visionserve-state"
+        ),
+    ] = None
     source_connect_timeout_s: Annotated[float, flag("a source's connect timeout")] = 5.0
     source_read_timeout_s: Annotated[float, flag("a source that sends nothing this long has dropped")] = 5.0
     source_max_pixels: Annotated[int, flag("most pixels in a source's frame (the source fails past it)")] = 3840 * 2160

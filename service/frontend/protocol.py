@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hmac
 import logging
 import math
 import re
@@ -381,13 +382,17 @@ async def unload(server: ServerState, name: str) -> None:
         log.info("unload of %r, which the repository does not hold: nothing to do", name)
 
 
-def require_admin(server: ServerState, authorization: str) -> None:
-    """Repository control is off unless an admin token is configured, and then needs ``Bearer <token>``."""
+def require_admin(server: ServerState, authorization: str, *, what: str = "repository control", hint: str = "") -> None:
+    """The one admin check of every protocol: HTTP's guards (the control routes' and the sources') and gRPC's admin
+    RPCs all call it. Off unless an admin token is configured, and then needs ``Bearer <token>``, compared in
+    constant time (:func:`hmac.compare_digest`: a wrong token is refused in the same time whatever prefix of the
+    right one it shares, so the answer's timing does not spell the token out byte by byte). ``what`` names what
+    was refused in the message, ``hint`` adds where else the token may be given."""
     token = server.settings.admin_token
     if not token:
-        raise ForbiddenError("repository control is off: start the server with --admin-token to enable it")
-    if authorization != f"Bearer {token}":
-        raise ForbiddenError("repository control needs 'Authorization: Bearer <admin token>'")
+        raise ForbiddenError(f"{what} needs the admin token, and this server has none: start it with --admin-token")
+    if not hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode()):
+        raise ForbiddenError(f"{what} needs 'Authorization: Bearer <admin token>'{hint}")
 
 
 async def rollout(server: ServerState, name: str, *, action: str | None = None, **args: Any) -> dict[str, Any]:

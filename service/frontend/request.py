@@ -10,6 +10,7 @@ parse, observed from the engine step on (a stream's request is a frame that reac
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -151,11 +152,32 @@ async def run(where: Target, ask: Ask, timing: Timing, encode: Callable[[Answer]
         result = await _infer(slot, batch, ask, timing, where.route, observe)
         _row_errors(result, ask, errors, good)
     started = time.perf_counter()
-    done = postprocess(slot, ask, result, errors, good)
+    if result is not None and sum(out.size for out in result.outputs.values()) > OFF_LOOP_VALUES:
+        done, encoded = await asyncio.to_thread(_finish, slot, ask, result, errors, good, encode)
+    else:
+        done, encoded = _finish(slot, ask, result, errors, good, encode)
     timing.detections = done.detections  # recorded with the request (ModelSlot.observe)
-    encoded = encode(done)
     timing.postprocess_s += time.perf_counter() - started
     return encoded
+
+
+# Past this many output values, postprocessing and encoding run on a worker thread, not the event loop: 64 images
+# of an 8,400-anchor, 80-class YOLO head (45M values) at score_threshold 0 and max_detections 10,000 took about 3 s
+# there (docs/detection.md, "What one request may cost"), and every other request waited for it. Under it (a
+# classifier's 64 x 1,000, a trained detector's few rows) the thread's hop would cost more than the work.
+OFF_LOOP_VALUES = 1 << 18
+
+
+def _finish(
+    slot: ModelSlot,
+    ask: Ask,
+    result: InferResult | None,
+    errors: list[VisionServeError | None],
+    good: list[int] | None,
+    encode: Callable[[Answer], T],
+) -> tuple[Answer, T]:
+    done = postprocess(slot, ask, result, errors, good)
+    return done, encode(done)
 
 
 def postprocess(

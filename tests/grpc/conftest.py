@@ -48,13 +48,13 @@ def wait_for_grpc(target: str, timeout_s: float = 60) -> None:
 
 
 @pytest.fixture(scope="session")
-def both(served_repo: Path) -> Iterator[GrpcServer]:
+def both(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
     """One server for the gRPC and conformance tests (admin on, 4 images and 1 MiB per request at most): the front
     end and its engine in this process, with HTTP and gRPC on free ports, so tritonclient's three clients talk to
     it unchanged. The gRPC tests that are about processes start ``visionserve serve`` (tests/grpc/test_stages.py)."""
     settings = ServerSettings(
         repository=str(served_repo), port=0, grpc_port=0, admin_token=ADMIN_TOKEN, max_images_per_request=4,
-        max_body_bytes=1024 * 1024,
+        max_body_bytes=1024 * 1024, state_dir=str(tmp_path_factory.mktemp("state")),
     )  # fmt: skip
     with InProcessServer(settings, grpc=True) as running:
         wait_for_grpc(running.grpc_target)

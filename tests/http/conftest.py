@@ -71,6 +71,8 @@ def start_server(
     fast-model switch; stopped when the test that started it ends."""
     if fast_models():
         _serve_noop(repo, real_models)
+    if "--state-dir" not in extra:  # its sources kept beside its log, never in a repository other tests share
+        extra = (*extra, "--state-dir", str(log.parent / f"{log.stem}.state"))
     running = launcher.start(repo, *extra, log=log, port=port, grpc_port=grpc_port, ready_timeout_s=ready_timeout_s)
     _STARTED.append(running)
     return running
@@ -121,14 +123,14 @@ def busy_model(url: str, model: str, request: Callable[[], Any]) -> Iterator[con
 
 
 @pytest.fixture(scope="session")
-def server(served_repo: Path) -> Iterator[InProcessServer]:
+def server(served_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     """The server of the API-semantics tests (routes, shapes, errors, parameters, metrics' names): the front end
     and its engine in this process, behind real HTTP (uvicorn as ``serve`` configures it), so tritonclient, KServe's
     client and httpx talk to it unchanged and a failure can be stepped through here. What is about processes
     (start, drain, kill, shared memory, overload) starts ``visionserve serve`` with :func:`start_server`."""
     settings = ServerSettings(
         repository=str(served_repo), port=0, grpc_port=0, admin_token=ADMIN_TOKEN, max_images_per_request=4,
-        max_body_bytes=1024 * 1024, max_pixels=20_000_000,
+        max_body_bytes=1024 * 1024, max_pixels=20_000_000, state_dir=str(tmp_path_factory.mktemp("state")),
     )  # fmt: skip
     if fast_models():
         _serve_noop(served_repo, ("digits",))

@@ -30,6 +30,7 @@ from service.frontend.http.v2 import ROUTES, SERVER_VERSION
 from service.frontend.link import Linker
 from service.frontend.sources.forward import Owner
 from service.frontend.sources.registry import Sources
+from service.frontend.sources.store import SourceStore, store_path
 from service.frontend.state import ServerState
 
 log = logging.getLogger("visionserve.server")
@@ -50,15 +51,24 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 
 def start_sources(server: ServerState) -> None:
-    """The sources' registry, and those of ``--sources FILE`` started (a row that cannot start is logged with the
-    reason; the server serves on)."""
-    server.sources = Sources(server)
-    if server.settings.sources:
+    """The sources' registry over its store, and the sources of ``--sources FILE`` and of the store started (a row
+    that cannot start is logged with the reason; the server serves on). A store that cannot be opened is logged:
+    the sources then run without being kept across restarts."""
+    settings, path = server.settings, store_path(server.settings)
+    store: SourceStore | None = None
+    # Created only for a server that can have sources (a repository served without them is left as it is).
+    if settings.admin_token or settings.sources or path.exists():
         try:
-            started = server.sources.start_listed(server.settings.sources)
-            log.info("started %d source(s) from %s", len(started), server.settings.sources)
+            store = SourceStore(path)
         except ConfigError as exc:
-            log.error("%s", exc)
+            log.error("%s: sources will not be kept across restarts", exc)
+    server.sources = Sources(server, store)
+    try:
+        started = server.sources.start_stored(settings.sources)
+        if started:
+            log.info("started %d source(s) (--sources and the store)", len(started))
+    except ConfigError as exc:
+        log.error("%s", exc)
 
 
 def create_app(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -25,11 +24,14 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.params import FromPath
 from litestar.response import ServerSentEvent
 
-from service.core.errors import BadInputError, ForbiddenError, OverloadedError
+from service.core.errors import BadInputError, OverloadedError
+from service.frontend import protocol
 from service.frontend.http.image_api import ERROR_RESPONSES
+from service.frontend.http.stream_ws import close_reason
 from service.frontend.parameters import json_number_error
 from service.frontend.sources.forward import Owner
 from service.frontend.sources.registry import Sources
+from service.frontend.sources.store import document, read_rows, store_path
 from service.frontend.state import ServerState
 
 GOING_AWAY, NOT_READING, UNKNOWN = 1001, 1008, 4404
@@ -37,16 +39,13 @@ RESULTS = "/v1/sources/{id:str}/results"
 
 
 def sources_admin(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-    """Every sources route needs the admin token: a server that fetches URLs must not be an open proxy."""
-    server: ServerState = connection.app.state.server
-    token = server.settings.admin_token
-    if not token:
-        raise ForbiddenError("sources are off: start the server with --admin-token to manage them")
+    """Every sources route needs the admin token (:func:`protocol.require_admin`, the one check of every admin
+    route): a server that fetches URLs must not be an open proxy."""
     given = connection.headers.get("authorization", "")
     if not given and handler.handler_name in ("source_events", "source_results"):
         given = f"Bearer {connection.query_params.get('token', '')}"
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        raise ForbiddenError("sources need 'Authorization: Bearer <admin token>' (or ?token= on the results routes)")
+    protocol.require_admin(connection.app.state.server, given, what="a sources route",
+                           hint=" (or ?token= on the results routes)")  # fmt: skip
 
 
 def sources_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Sources:
@@ -64,6 +63,8 @@ async def _body(request: Request[Any, Any, Any]) -> Any:
         return msgspec.json.decode(raw or b"{}")
     except (msgspec.DecodeError, UnicodeDecodeError):
         raise BadInputError(json_number_error(raw) or "the body must be a JSON object") from None
+    except RecursionError:  # arrays or objects nested past msgspec's depth ('[' * 1000 was a 500)
+        raise BadInputError("the body must be a JSON object, nested less deeply than this one") from None
 
 
 def _owner(connection: ASGIConnection[Any, Any, Any, Any]) -> Owner | None:
@@ -78,6 +79,22 @@ async def _forwarded(request: Request[Any, Any, Any], owner: Owner) -> Response[
     return Response(answer.body, status_code=answer.status)
 
 
+async def _stored(request: Request[Any, Any, Any], owner: Owner, id: str | None) -> Any:
+    """The owner's answer; where it cannot be reached (``fe0`` restarting past the forward's timeouts), the sources
+    as stored, read here (docs/sources.md, "One owner"): a listing never loses a source while its owner is away."""
+    try:
+        return await _forwarded(request, owner)
+    except OverloadedError:
+        server: ServerState = request.app.state.server
+        rows = await asyncio.to_thread(read_rows, store_path(server.settings))
+        docs = [document(row_id, body) for row_id, body in rows if id is None or row_id == id]
+        if id is None:
+            return {"sources": docs}
+        if not docs:
+            raise
+        return docs[0]
+
+
 @post("/v1/sources", summary="Start a source (admin)", status_code=201, responses=ERROR_RESPONSES)
 async def create_source(request: Request[Any, Any, Any]) -> Any:
     """Start pulling ``url`` into ``model``: docs/sources.md."""
@@ -89,14 +106,14 @@ async def create_source(request: Request[Any, Any, Any]) -> Any:
 @get("/v1/sources", summary="Every source (admin)", responses=ERROR_RESPONSES)
 async def list_sources(request: Request[Any, Any, Any]) -> Any:
     if (owner := _owner(request)) is not None:
-        return await _forwarded(request, owner)
+        return await _stored(request, owner, None)
     return {"sources": sources_of(request).describe()}
 
 
 @get("/v1/sources/{id:str}", summary="One source (admin)", responses=ERROR_RESPONSES)
 async def show_source(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
     if (owner := _owner(request)) is not None:
-        return await _forwarded(request, owner)
+        return await _stored(request, owner, id)
     return sources_of(request).get(id).describe()
 
 
@@ -161,7 +178,7 @@ async def source_results(socket: WebSocket[Any, Any, Any], id: FromPath[str]) ->
             sources_of(socket).get(id)
         except Exception as exc:
             await socket.send_text(json.dumps({"status": "error", "error": str(exc)}))
-            await socket.close(code=UNKNOWN, reason=str(exc)[:120])
+            await socket.close(code=UNKNOWN, reason=close_reason(str(exc)))
             return
     code, why = GOING_AWAY, "the source ended"
     texts = _texts(socket, id)

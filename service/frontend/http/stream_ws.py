@@ -37,6 +37,13 @@ from service.frontend.tasks import Want
 FRAME_FORMAT = 'docs/streams.md: a binary message is a 4-byte header length, a JSON header {"id", "ts"}, then the image'
 CLOSE_TIMEOUT_S = 2.0
 NOT_READING, GOING_AWAY, POLICY, INTERNAL, UNKNOWN_MODEL = 1008, 1001, 1008, 1011, 4404
+MAX_REASON_BYTES = 123  # a close frame's payload is at most 125 bytes, 2 of them the code
+
+
+def close_reason(text: str) -> str:
+    """``text`` cut to what a close frame holds: 123 bytes of UTF-8 (RFC 6455, 5.5.1), not 120 characters (a query's
+    unicode echoed in the refusal made the close a protocol error, and the socket ended 4500 instead of 1008)."""
+    return text.encode("utf-8", "replace")[:MAX_REASON_BYTES].decode("utf-8", "ignore")
 
 
 class Session(StreamSession[str]):
@@ -64,7 +71,7 @@ class Session(StreamSession[str]):
             read = self.frames_read()
             code, why = (NOT_READING, f"{read}; {self.cut_off}") if self.cut_off else (GOING_AWAY, f"{read}; draining")
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.socket.close(code=code, reason=why[:120]), CLOSE_TIMEOUT_S)
+                await asyncio.wait_for(self.socket.close(code=code, reason=close_reason(why)), CLOSE_TIMEOUT_S)
 
     async def _read(self) -> None:
         stopped = asyncio.get_running_loop().create_task(self.stop.wait())
@@ -124,7 +131,7 @@ async def stream(
     except VisionServeError as exc:
         code = UNKNOWN_MODEL if exc.http_status == 404 else POLICY if exc.http_status == 400 else INTERNAL
         await socket.send_text(json.dumps({"id": None, "status": "error", "error": str(exc)}))
-        await socket.close(code=code, reason=str(exc)[:120])
+        await socket.close(code=code, reason=close_reason(str(exc)))
         return
     name = where.slot.name
     stream_args = {"where": where, "max_age_ms": max_age_ms, "want": want, "on_outcome": server.stream_outcome(name)}

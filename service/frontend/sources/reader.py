@@ -175,6 +175,7 @@ class Reader:
         if not container.streams.video:
             raise _Refused(f"{self.url.shown} has no video stream")
         stream = container.streams.video[0]
+        self._check_size(stream.codec_context.width, stream.codec_context.height, "the stream's header gives frames of")
         stream.thread_count = 1  # one thread a source: many sources share the cores
         started_wall: float | None = None
         first_pts: float | None = None
@@ -194,10 +195,7 @@ class Reader:
             for frame in frames:
                 decoded = clock()
                 self.decoded += 1
-                if frame.width * frame.height > self.max_pixels:
-                    raise _Refused(
-                        f"a frame of {frame.width}x{frame.height} is over the {self.max_pixels} pixels a frame may have"
-                    )
+                self._check_size(frame.width, frame.height, "a decoded frame is")  # a stream may change size
                 if not running:
                     running = True
                     self.on_state("running", "")
@@ -223,6 +221,16 @@ class Reader:
                     if self._stop.is_set():
                         return False
         return True
+
+    def _check_size(self, width: int, height: int, said: str) -> None:
+        """Refuse a frame over the pixel cap. The stream's header (what FFmpeg's probe read at open: H.264's SPS, a
+        JPEG's frame header) is checked before any frame is decoded, so an oversized stream costs no decode and no
+        frame buffer; each decoded frame is checked again, as a stream may change its size mid-way (a header that
+        gives no size, 0x0, is left to that check)."""
+        if width * height > self.max_pixels:
+            raise _Refused(
+                f"{said} {width}x{height}, over the {self.max_pixels} pixels a frame may have (--source-max-pixels)"
+            )
 
 
 class _Refused(Exception):

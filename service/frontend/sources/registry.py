@@ -11,16 +11,22 @@ is made), and the task's options as the stream routes take them: a classifier's 
 A running source counts as an open stream of its model (``visionserve_streams_open``): told to end when the server
 drains. A finished one (ended, failed, stopped) stays listed with its reason and counts until it is deleted; the
 oldest finished are forgotten past :data:`FINISHED_KEPT`.
+
+Every source is kept in the store (:mod:`service.frontend.sources.store`) from its start until it is deleted: its
+row is committed before ``POST`` is answered, and when the server (or its front end ``fe0``) starts again it starts
+every row again, once (:meth:`Sources.start_stored`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import json
 import logging
 import re
 import secrets
+import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +36,7 @@ from service.core.source_metrics import SourceState
 from service.frontend import request as path
 from service.frontend.parameters import MAX_INT
 from service.frontend.sources.source import Source, SourceOptions
+from service.frontend.sources.store import SourceStore
 from service.frontend.sources.urls import check_url
 from service.frontend.state import ModelSlot, ServerState
 from service.frontend.stream import DETECT_OPTIONS, stream_max_age, stream_want
@@ -48,16 +55,18 @@ CHANGEABLE = ("max_fps", "max_age_ms", "pace", *CLASSIFY_KEYS, *DETECT_KEYS)
 class Sources:
     """Every source of this server, by id."""
 
-    def __init__(self, server: ServerState) -> None:
+    def __init__(self, server: ServerState, store: SourceStore | None = None) -> None:
         self.server = server
         self.settings = server.settings
+        self.store = store  # None: nothing is kept across restarts (the store could not be opened: logged)
         self.sources: dict[str, Source] = {}
         self._telling: set[asyncio.Task[None]] = set()
 
     # ---- the routes' calls --------------------------------------------------------------------------------------
-    def create(self, body: Any) -> Source:
-        """Check ``body`` and start its source; BadInputError (400) naming what is wrong, NotFoundError for an
-        unknown model, OverloadedError (503) at ``--max-sources`` running."""
+    def create(self, body: Any, *, keep: bool = True) -> Source:
+        """Check ``body`` and start its source, its row stored first (``keep``: false for a row started again from
+        the store); BadInputError (400) naming what is wrong, NotFoundError for an unknown model, OverloadedError
+        (503) at ``--max-sources`` running or when the store cannot be written."""
         if self.server.draining:
             raise OverloadedError("the server is draining: no new sources")
         if not isinstance(body, Mapping):
@@ -75,7 +84,7 @@ class Sources:
         if id is None:
             id = secrets.token_hex(4)
         elif not isinstance(id, str) or not _ID.fullmatch(id):
-            raise BadInputError(f"a source's id is 1-64 letters, digits, '_' or '-', got {id!r}")
+            raise BadInputError(f"a source's id is 1-64 letters, digits, '_' or '-', got {shown(id)}")
         if id in self.sources:
             old = self.sources[id]
             if not old.finished:
@@ -104,6 +113,8 @@ class Sources:
             connect_timeout_s=settings.source_connect_timeout_s, read_timeout_s=settings.source_read_timeout_s,
             backoff_cap_s=1.0, on_outcome=self.server.stream_outcome(where.slot.name), on_final=self._finished,
         )  # fmt: skip
+        if keep:
+            self._write(lambda store: store.put(id, {**body, "id": id}))
         self.sources[id] = source
         self.server.streams.add(source)
         self.server.streams_open[source.model] = self.server.streams_open.get(source.model, 0) + 1
@@ -137,12 +148,23 @@ class Sources:
                                 f"POST it again); changeable: {', '.join(CHANGEABLE)}")  # fmt: skip
         if source.finished:
             raise BadInputError(f"source {id!r} has {source.state}: nothing to change")
-        source.change(source_options(source.where.slot, body, source.options))
+        options = source_options(source.where.slot, body, source.options)
+        self._write(lambda store: store.change(id, dict(body)))
+        source.change(options)
         return source
 
     async def delete(self, id: str) -> dict[str, Any]:
-        """Stop the source (the frame computing is answered, its reader and decoder freed) and forget it."""
-        source = self.get(id)
+        """Stop the source (the frame computing is answered, its reader and decoder freed) and forget it, its row
+        removed first. A row that is stored but did not start again (logged why) is removed alone."""
+        source = self.sources.get(id)
+        removed = False
+        if self.store is not None:
+            store = self.store
+            removed = self._write(lambda _: store.remove(id))
+        if source is None:
+            if removed:
+                return {"id": id, "state": "stopped", "reason": "deleted", "reader_alive": False}
+            raise NotFoundError(f"no source {id!r}")
         await source.stop("deleted", timeout_s=self.settings.drain_timeout_s)
         if self.sources.get(id) is source:
             del self.sources[id]
@@ -150,26 +172,48 @@ class Sources:
 
     async def close(self) -> None:
         await asyncio.gather(*(s.stop("the server stopped", timeout_s=1.0) for s in list(self.sources.values())))
+        if self.store is not None:
+            self.store.close()
 
-    # ---- the sources file ---------------------------------------------------------------------------------------
-    def start_listed(self, file: str) -> list[Source]:
-        """Start every source in ``file`` (a JSON list of POST bodies): the ones started. A row that cannot start is
-        logged with the reason and the others start; ConfigError for a file that is not such a list."""
-        try:
-            rows = json.loads(Path(file).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"--sources {file}: {exc}") from exc
-        if not isinstance(rows, list):
-            raise ConfigError(f"--sources {file}: a JSON list of sources, each as POST /v1/sources takes it")
-        started = []
-        for i, row in enumerate(rows):
+    # ---- the sources file and the store ---------------------------------------------------------------------
+    def start_stored(self, file: str | None) -> list[Source]:
+        """Start the sources of ``file`` (a JSON list of POST bodies; their rows stored in place of the stored rows
+        of the same ids), then every other stored row, each once: the ones started. A row that cannot start is
+        logged with the reason and the others start (a stored one is kept until it is deleted); ConfigError for a
+        file that is not such a list, once the stored rows have started."""
+        started: list[Source] = []
+        problem: ConfigError | None = None
+        if file:
             try:
-                started.append(self.create(row))
-            except VisionServeError as exc:
-                log.error("--sources %s, source %d not started: %s", file, i, exc)
-            except Exception as exc:  # a fault of ours: one row must not stop the server (nor the other rows)
-                log.exception("--sources %s, source %d not started: %s: %s", file, i, type(exc).__name__, exc)
+                rows = json.loads(Path(file).read_text())
+                if not isinstance(rows, list):
+                    raise ConfigError(f"--sources {file}: a JSON list of sources, each as POST /v1/sources takes it")
+            except (OSError, ValueError, ConfigError) as exc:
+                problem = exc if isinstance(exc, ConfigError) else ConfigError(f"--sources {file}: {exc}")
+                rows = []
+            for i, row in enumerate(rows):
+                if isinstance(row, Mapping) and "id" not in row:
+                    row = {**row, "id": file_row_id(row)}  # the same row the same id at each start: stored once
+                self._start_row(started, row, True, f"--sources {file}, source {i}")
+        done = {s.id for s in started}
+        for id, body in self.store.rows() if self.store is not None else []:
+            if id not in done and id not in self.sources:
+                self._start_row(started, body, False, f"stored source {id}")
+        if problem is not None:
+            raise problem
         return started
+
+    def start_listed(self, file: str) -> list[Source]:
+        """The sources of ``file`` started (:meth:`start_stored` without the stored rows' part)."""
+        return self.start_stored(file)
+
+    def _start_row(self, started: list[Source], row: Any, keep: bool, what: str) -> None:
+        try:
+            started.append(self.create(row, keep=keep))
+        except VisionServeError as exc:
+            log.error("%s not started: %s", what, exc)
+        except Exception as exc:  # a fault of ours: one row must not stop the server (nor the other rows)
+            log.exception("%s not started: %s: %s", what, type(exc).__name__, exc)
 
     # ---- internals --------------------------------------------------------------------------------------------
     def _finished(self, source: Source) -> None:
@@ -178,6 +222,17 @@ class Sources:
             self.server.streams_open[source.model] -= 1
             self._hold(source, False)
         log.info("source %s %s: %s", source.id, source.state, source.reason)
+
+    def _write(self, write: Any) -> Any:
+        """``write(store)`` (committed on return; a few ms on the event loop: admin routes only), or OverloadedError
+        when the store cannot be written; nothing without a store."""
+        if self.store is None:
+            return None
+        try:
+            return write(self.store)
+        except sqlite3.Error as exc:
+            log.error("the sources' store %s could not be written: %s", self.store.path, exc)
+            raise OverloadedError(f"the sources' store could not be written: {exc}") from None
 
     def _hold(self, source: Source, hold: bool) -> None:
         """Tell the model's engine that the source holds it resident (never evicted under it), or no longer."""
@@ -216,3 +271,10 @@ def source_options(slot: ModelSlot, body: Mapping[str, Any], before: SourceOptio
     task_options = {**(before.task_options if before else {}), **{k: body[k] for k in keys if k in body}}
     want = stream_want(slot, task_options)
     return SourceOptions(float(max_fps), max_age_ms, pace == "realtime", want, task_options)
+
+
+def file_row_id(row: Mapping[str, Any]) -> str:
+    """The id of a ``--sources`` row that names none: from its content, so the row is the same source at every
+    start (stored once, never once more per restart)."""
+    text = json.dumps(row, sort_keys=True, separators=(",", ":"), default=str)
+    return "file-" + hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -241,13 +241,17 @@ def _check_file(url: str, shown: str, source_root: Path | None) -> SourceUrl:
     try:
         path = Path(path_text).resolve()  # follows every symlink that exists, '..' included
         if not path.is_relative_to(root):
-            raise BadInputError(f"file {path_text} is outside the source root {root}; only files under it are read")
+            raise BadInputError(
+                f"url: file {path_text} is outside the source root {root}; only files under it are read"
+            )
         if not path.exists():
-            raise BadInputError(f"file {path_text} does not exist under the source root {root}")
+            raise BadInputError(f"url: file {path_text} does not exist under the source root {root}")
         if path.is_dir():
-            raise BadInputError(f"file {path_text} is a directory; a file source names one video file")
+            raise BadInputError(f"url: file {path_text} is a directory; a file source names one video file")
         if not path.is_file():
-            raise BadInputError(f"file {path_text} is not a regular file (a device, socket or pipe); name a video file")
+            raise BadInputError(
+                f"url: file {path_text} is not a regular file (a device, socket or pipe); name a video file"
+            )
     except OSError as exc:  # a name past NAME_MAX (ENAMETOOLONG), a path past PATH_MAX, a folder not searchable
         raise BadInputError(
             f"url: file {quoted(path_text)} cannot be looked up: {exc.strerror or exc} (each name in a path is at most "
