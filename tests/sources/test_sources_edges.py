@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,3 +133,41 @@ def test_a_urls_secrets_are_in_no_answer_log_or_metric(
             assert not any(secret in text for secret in secrets), text
     finally:
         send(server, "DELETE", "/v1/sources/secret", "")
+
+
+def test_a_reader_stuck_in_a_call_it_cannot_leave_counts_against_max_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deleted source whose reader is still inside ``av.open`` (a DNS lookup FFmpeg cannot interrupt, held here by
+    a gate) still holds its thread: it counts against ``--max-sources`` until the call returns and the thread ends."""
+    import av
+
+    gate = threading.Event()
+    opened = threading.Event()
+
+    def stuck_open(*args: Any, **kwargs: Any) -> Any:
+        opened.set()
+        gate.wait(60)
+        raise OSError("the lookup ended")
+
+    monkeypatch.setattr(av, "open", stuck_open)
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "examples" / "model_repository" / "digits", repo / "digits")
+    settings = ServerSettings(repository=str(repo), port=0, grpc_port=0, admin_token=TOKEN, max_sources=1,
+                              drain_timeout_s=0.5, state_dir=str(tmp_path / "state"))  # fmt: skip
+    body = {"url": "http://camera.invalid/x", "model": "digits"}
+    with InProcessServer(settings) as server:
+        url = f"{server.url}/v1/sources"
+        assert httpx.post(url, json={**body, "id": "stuck"}, headers=AUTH, timeout=30).status_code == 201
+        assert opened.wait(30)  # its reader is in the call, and stays there until the gate opens
+        deleted = httpx.delete(f"{url}/stuck", headers=AUTH, timeout=30)
+        assert deleted.status_code == 200 and deleted.json()["reader_alive"] is True, deleted.text
+        refused = httpx.post(url, json={**body, "id": "next"}, headers=AUTH, timeout=30)
+        assert refused.status_code == 503 and "readers still ending" in refused.json()["error"], refused.text
+        gate.set()  # the lookup returns: the thread ends, and its place is free
+        deadline = time.monotonic() + 30
+        while (answer := httpx.post(url, json={**body, "id": "next"}, headers=AUTH, timeout=30)).status_code == 503:
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.05)
+        assert answer.status_code == 201, answer.text
+        httpx.delete(f"{url}/next", headers=AUTH, timeout=30)

@@ -61,6 +61,9 @@ class Sources:
         self.store = store  # None: nothing is kept across restarts (the store could not be opened: logged)
         self.sources: dict[str, Source] = {}
         self._telling: set[asyncio.Task[None]] = set()
+        # Sources deleted or forgotten whose reader thread has not ended yet (stuck in a DNS lookup or a connect
+        # FFmpeg cannot interrupt): each still holds a thread, so each counts against --max-sources until it ends.
+        self._lingering: set[Source] = set()
 
     # ---- the routes' calls --------------------------------------------------------------------------------------
     def create(self, body: Any, *, keep: bool = True) -> Source:
@@ -92,6 +95,8 @@ class Sources:
             if not old.done.is_set():
                 raise OverloadedError(f"source {id!r} is still stopping; try again in a moment")
             del self.sources[id]
+            if old.reader.alive:
+                self._lingering.add(old)
         settings = self.settings
         url = check_url(
             body["url"],
@@ -101,8 +106,13 @@ class Sources:
             rtsp_transport=body.get("rtsp_transport", "tcp"),
         )
         running = sum(1 for s in self.sources.values() if not s.finished)
-        if running >= settings.max_sources:
-            raise OverloadedError(f"{running} sources are running, the most this server runs (--max-sources)")
+        self._lingering = {s for s in self._lingering if s.reader.alive}
+        ending = len(self._lingering) + sum(1 for s in self.sources.values() if s.finished and s.reader.alive)
+        if running + ending >= settings.max_sources:
+            still = f" ({ending} of them stopped, their readers still ending)" if ending else ""
+            raise OverloadedError(
+                f"{running + ending} sources are running{still}, the most this server runs (--max-sources)"
+            )
         version = body.get("version")
         if isinstance(version, int) and not isinstance(version, bool) and not 1 <= version <= MAX_INT:
             raise BadInputError(f"version must be an integer from 1 to {MAX_INT}, got {shown(version)}")
@@ -168,6 +178,8 @@ class Sources:
         await source.stop("deleted", timeout_s=self.settings.drain_timeout_s)
         if self.sources.get(id) is source:
             del self.sources[id]
+        if source.reader.alive:  # stopped, but its thread is still in a call that cannot be interrupted
+            self._lingering.add(source)
         return source.describe()
 
     async def close(self) -> None:
@@ -251,6 +263,8 @@ class Sources:
         finished = [s for s in self.sources.values() if s.finished]
         for source in finished[: max(0, len(finished) - FINISHED_KEPT)]:
             self.sources.pop(source.id, None)
+            if source.reader.alive:
+                self._lingering.add(source)
 
 
 def source_options(slot: ModelSlot, body: Mapping[str, Any], before: SourceOptions | None) -> SourceOptions:
