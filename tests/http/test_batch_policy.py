@@ -91,18 +91,21 @@ def load(url: str, model: str) -> None:
     assert codes == [200] * REQUESTS
 
 
-def measured_knee(url: str, model: str) -> int:
-    """The knee (:class:`CostModel`) of the mean cost of each batch size ``model`` ran, from the server's batch
-    statistics: the knee the adaptive policy cut at, give or take its moving averages."""
+def overhead_knee(url: str, model: str) -> tuple[int, float]:
+    """The knee (:class:`CostModel`) of ``model``'s costs as this server measured them: IMAGE_MS an image plus its
+    own overhead a batch, the overhead fitted from the batch statistics (mean cost of each size ran, weighted by its
+    count); (knee, overhead ms). The adaptive policy cuts at this knee, give or take its moving averages' noise."""
     stats = httpx.get(f"{url}/v2/models/{model}/stats", timeout=10).json()["model_stats"]
-    costs: dict[int, float] = {}
+    spent_ms, batches = 0.0, 0
     for row in (b for version in stats for b in version["batch_stats"]):
         infer = row["compute_infer"]
-        if infer["count"]:
-            costs[row["batch_size"]] = infer["ns"] / infer["count"] / 1e9
+        spent_ms += infer["ns"] / 1e6 - infer["count"] * row["batch_size"] * IMAGE_MS
+        batches += infer["count"]
+    overhead_ms = max(0.0, spent_ms / batches)
+    costs = {n: (n * IMAGE_MS + overhead_ms) / 1000 for n in range(1, MAX_BATCH + 1)}
     knee = CostModel(costs).knee(MAX_BATCH)
     assert knee is not None, costs
-    return knee
+    return knee, overhead_ms
 
 
 def test_the_batch_policy_changes_the_batch_size_histogram_under_load(policies: RunningServer) -> None:
@@ -113,7 +116,12 @@ def test_the_batch_policy_changes_the_batch_size_histogram_under_load(policies: 
     assert delay >= 7, delay
     # the adaptive one stops at the knee of a cost that grows with the batch (3-4 images here, the rest of a batch's
     # cost being the server's own overhead; the policy takes one more in EXPLORE_EVERY batches it cuts)
-    knee = measured_knee(policies.url, "per_image_adaptive")
-    assert adaptive <= knee + 0.5 and adaptive < delay - 0.5, (adaptive, knee, delay)  # 2.0-3.9 seen
+    knee, overhead_ms = overhead_knee(policies.url, "per_image_adaptive")
+    print(
+        f"\nbatch policy: delay {delay:.2f}, adaptive {adaptive:.2f} (knee {knee} at {overhead_ms:.1f} ms of "
+        f"overhead a batch), per batch {per_batch:.2f}"
+    )
+    # the knee moves by one either way with the moving averages' noise, and one cut in EXPLORE_EVERY takes one more
+    assert adaptive <= knee + 1.5 and adaptive < delay - 0.5, (adaptive, knee, overhead_ms, delay)  # 2.0-3.9 seen
     # where a batch costs the same at any size, the knee is the maximum: the adaptive policy fills its batches too
     assert per_batch >= 5, per_batch  # 6.4 seen
