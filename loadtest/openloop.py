@@ -110,11 +110,3 @@ async def run_open_loop(
         await asyncio.wait(tasks)
     await client.aclose()
     return [r for r in records if r is not None]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by nearest rank; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]

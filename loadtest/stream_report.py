@@ -20,8 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.openloop import percentile
 from loadtest.streams import STAGES, STATUSES, FrameRecord, StreamRun
+from service.core.percentile import percentile
 
 
 def _q(values: Sequence[float], q: float) -> float:

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from loadtest.inputs import Payload, payloads
-from loadtest.openloop import Record, Request, percentile, run_open_loop
+from loadtest.openloop import Record, Request, run_open_loop
 from loadtest.pool import WorkerPool
 from loadtest.slo import SloSearch, search
 from loadtest.step import StepBounds, StepResult, StepSpec, run_step
 from service.core.arguments import integer_in, number_in
 from service.core.config import toml_value
+from service.core.percentile import percentile
 
 __all__ = ["VERDICT", "Sampler", "add_flags", "closed_loop", "config_toml", "json_safe", "ms", "percentile"]
 

@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.inputs import payloads
-from loadtest.openloop import percentile
 from loadtest.plots import streams_over_time
 from loadtest.pool import WorkerPool
 from loadtest.step import StepSpec, run_step
@@ -71,6 +70,7 @@ from service.bench.kit import (
     workspace,
 )
 from service.core.arguments import integer_in, size_pair
+from service.core.percentile import percentile
 from service.core.samples import image_files, photo_like_jpegs
 
 EXAMPLE = EXAMPLES / "model_repository" / "digits"

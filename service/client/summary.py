@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
+
+from service.core.percentile import percentile
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -30,13 +30,6 @@ class Tally(msgspec.Struct, kw_only=True):
 def reason_of(error: str) -> str:
     """The kind of a failure, for counting: an image's message up to its detail, e.g. "not a recognised image"."""
     return error.split(":", 1)[0].strip()[:80] or "unknown"
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of ``values`` (q in 0..100)."""
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[rank]
 
 
 def progress_bar(command: str, enabled: bool, console: Console) -> Progress:
@@ -89,7 +82,7 @@ def print_summary(
         for reason, count in Counter(tally.reasons).most_common():
             console.print(f"  {count:>6}  {reason}", highlight=False, markup=False)
     if tally.latencies_s:
-        p50, p90, p99 = (percentile(tally.latencies_s, q) * 1000 for q in (50, 90, 99))
+        p50, p90, p99 = (percentile(tally.latencies_s, q) * 1000 for q in (0.5, 0.9, 0.99))
         console.print(
             f"requests: {tally.requests} ({tally.retries} retries); latency per request p50 {p50:.1f} ms, "
             f"p90 {p90:.1f} ms, p99 {p99:.1f} ms",

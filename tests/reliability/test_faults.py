@@ -176,7 +176,7 @@ async def _saturate_decoding(
     from collections import Counter
 
     from loadtest.http1 import ConnectionFailed, Http1Client
-    from loadtest.openloop import percentile
+    from service.core.percentile import percentile
 
     hostile = Http1Client(url, timeout_s=60)
     prober = Http1Client(url, timeout_s=60)

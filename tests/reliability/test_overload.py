@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 
 from loadtest.http1 import Http1Client
-from loadtest.openloop import Record, Request, percentile, run_open_loop
+from loadtest.openloop import Record, Request, run_open_loop
+from service.core.percentile import percentile
 from service.launcher import children
 from tests.http.conftest import wait_for_metric
 from tests.reliability.clients import rss_mb
