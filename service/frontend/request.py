@@ -11,6 +11,8 @@ parse, observed from the engine step on (a stream's request is a frame that reac
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -153,10 +155,10 @@ async def run(where: Target, ask: Ask, timing: Timing, encode: Callable[[Answer]
         _row_errors(result, ask, errors, good)
     started = time.perf_counter()
     if result is not None and sum(out.size for out in result.outputs.values()) > OFF_LOOP_VALUES:
-        done, encoded = await asyncio.to_thread(_finish, slot, ask, result, errors, good, encode)
+        detections, encoded = await asyncio.to_thread(_uncollected, _finish, slot, ask, result, errors, good, encode)
     else:
-        done, encoded = _finish(slot, ask, result, errors, good, encode)
-    timing.detections = done.detections  # recorded with the request (ModelSlot.observe)
+        detections, encoded = _finish(slot, ask, result, errors, good, encode)
+    timing.detections = detections  # recorded with the request (ModelSlot.observe)
     timing.postprocess_s += time.perf_counter() - started
     return encoded
 
@@ -175,9 +177,37 @@ def _finish(
     errors: list[VisionServeError | None],
     good: list[int] | None,
     encode: Callable[[Answer], T],
-) -> tuple[Answer, T]:
+) -> tuple[list[int] | None, T]:
+    """The answer encoded, and its detections counted; the answer itself is let go here (off the loop, its objects
+    die in the worker thread)."""
     done = postprocess(slot, ask, result, errors, good)
-    return done, encode(done)
+    return done.detections, encode(done)
+
+
+_COLLECTOR = threading.Lock()
+_uncollected_runs = 0
+_collector_was_on = True
+
+
+def _uncollected(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with CPython's cyclic collector paused; reference counting still frees everything. A heavy
+    answer makes half a million short-lived objects that are in no cycle (a dict and a list a box); each full
+    collection they set off walks every object of the process holding the GIL, and so the event loop, about 250 ms
+    at a time (2-core VM). Counted, so overlapping runs turn it back on once, at the last one's end (and only if it
+    was on)."""
+    global _uncollected_runs, _collector_was_on
+    with _COLLECTOR:
+        _uncollected_runs += 1
+        if _uncollected_runs == 1:
+            _collector_was_on = gc.isenabled()
+            gc.disable()
+    try:
+        return fn(*args)
+    finally:
+        with _COLLECTOR:
+            _uncollected_runs -= 1
+            if _uncollected_runs == 0 and _collector_was_on:
+                gc.enable()
 
 
 def postprocess(
