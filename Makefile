@@ -107,19 +107,19 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
 gpu-check:
-	$(GPU_PYTHON) scripts/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m service.bench.gpu_check $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
 # The GPU's own speed figures in one command of at most 8 minutes (docs/gpu-check.md, "make gpu-speed"): resnet50
 # served from JPEG bytes beside its in-process limit and LitServe; `make gpu-speed DRY_RUN=1` on the CPU.
 GPU_SPEED_ARGS ?=
 .PHONY: gpu-speed
 gpu-speed:
-	$(GPU_PYTHON) scripts/gpu_speed.py $(if $(DRY_RUN),--dry-run) $(GPU_SPEED_ARGS)
+	$(GPU_PYTHON) -m service.bench.gpu_speed $(if $(DRY_RUN),--dry-run) $(GPU_SPEED_ARGS)
 
 # The wheels the GPU machine lacks, for its Python (GPU_PY_VERSION), into .whl/ (kept out of git): the list is
-# scripts/gpucheck/wheels.py's, which tests/test_gpu_check.py checks against every import of the serving path.
+# service/bench/wheels.py's, which tests/test_gpu_check.py checks against every import of the serving path.
 GPU_PY_VERSION ?= 3.12
 .PHONY: gpu-wheels
 gpu-wheels:
 	grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-	$$($(GPU_PYTHON) scripts/gpu_check.py --list-wheels $(GPU_PY_VERSION))
+	$$($(GPU_PYTHON) -m service.bench.gpu_check --list-wheels $(GPU_PY_VERSION))

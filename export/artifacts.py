@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from service.core.tasks import task_named
+
 DEFAULT_OPSET = 20
 MAX_EXPORT_BATCH = 4096  # the dynamic batch dimension's upper bound in the exported ONNX graph
 
@@ -40,7 +42,7 @@ def example_input(channels: int, height: int, width: int, batch: int = 2) -> tor
 
 def output_name(task: str) -> str:
     """The ONNX graph's output: ``logits`` for a classifier, ``candidates`` for a detector (its ``output_layout``)."""
-    return "candidates" if task == "detect" else "logits"
+    return task_named(task).output_name
 
 
 def to_onnx(

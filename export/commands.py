@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from service.core.layouts import LAYOUTS
+from service.core.tasks import TASKS, task_named
 
 if TYPE_CHECKING:
     from export.exporter import ExportReport, Int8Source
@@ -80,7 +81,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="nchw", choices=["nchw", "nhwc"], help="outside models: float input layout")
     p.add_argument("--resize-size", type=int, default=None, help="outside models: shorter side before the crop")
     p.add_argument(
-        "--task", default="classify", choices=["classify", "detect"], help="outside models: what the outputs mean; "
+        "--task", default="classify", choices=list(TASKS), help="outside models: what the outputs mean; "
         "default: classify",
     )  # fmt: skip
     p.add_argument(
@@ -172,10 +173,11 @@ def _check_outside(args: argparse.Namespace) -> None:
         raise ConfigError("--labels is required with --onnx or --torchscript")
     if args.input_size is None:
         raise ConfigError("--input-size is required with --onnx or --torchscript (e.g. 224 or 224x224)")
-    if args.task == "detect" and args.output_layout is None:
-        raise ConfigError(f"--task detect needs --output-layout ({', '.join(LAYOUTS)})")
-    if args.task != "detect" and args.output_layout is not None:
-        raise ConfigError("--output-layout is for detectors: add --task detect")
+    if task_named(args.task).layouts and args.output_layout is None:
+        raise ConfigError(f"--task {args.task} needs --output-layout ({', '.join(LAYOUTS)})")
+    if not task_named(args.task).layouts and args.output_layout is not None:
+        readers = " or ".join(name for name, task in TASKS.items() if task.layouts)
+        raise ConfigError(f"--output-layout is for detectors: add --task {readers}")
 
 
 def print_report(report: ExportReport) -> None:

@@ -33,6 +33,7 @@ from export.parity import FP16, FP32, ParityResult, compare
 from service.core.errors import ConfigError
 from service.core.layouts import image_rows, top_rows
 from service.core.spec import DetectionParity, ModelSpec
+from service.core.tasks import task_named
 
 SCORE_THRESHOLD = 0.05  # models/detection_eval.py's: below it candidates add nothing measurable to AP
 EMPTY_BOX_PX = 1e-3  # two empty boxes are the same box when their corners agree this closely, in input pixels
@@ -209,7 +210,7 @@ def parity_rows(spec: ModelSpec, outputs: Mapping[str, np.ndarray]) -> np.ndarra
     """What the gate compares of a computed batch: a classifier's logits; a detector's candidate rows ``[N, K, 6]``
     (the graph's own for ``candidates``; for other layouts each image's :data:`PARITY_ROWS` best rows as the server
     reads them, :mod:`service.core.layouts`)."""
-    if spec.task != "detect" or spec.output_layout == "candidates":
+    if task_named(spec.task).gate != "boxes" or spec.output_layout == "candidates":
         return np.asarray(next(iter(outputs.values())), dtype=np.float32)
     rows = image_rows(spec.output_layout, outputs, spec.num_classes, SCORE_THRESHOLD)
     return top_rows(rows, PARITY_ROWS)
@@ -228,14 +229,14 @@ def check_parity(
     def rows(batch: np.ndarray) -> np.ndarray:
         return parity_rows(spec, run(batch))
 
-    if spec.task == "detect":
+    if task_named(spec.task).gate == "boxes":
         return compare_detections(reference, rows, batches, DETECT_FP32 if precision == "fp32" else DETECT_FP16)
     return compare(reference, rows, batches, FP32 if precision == "fp32" else FP16)
 
 
 def refuse_unproved(spec: ModelSpec, *, formats: Sequence[str]) -> None:
     """Refuse what the detection gate does not prove yet, with the reason, before any work (a classifier passes)."""
-    if spec.task != "detect":
+    if task_named(spec.task).gate != "boxes":
         return
     if "aoti" in formats:
         raise ConfigError(

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from service.core.boxes import DetectOptions
-from service.core.layouts import image_rows, keep
 from service.core.spec import Int8Record, Int8Speed, ModelSpec
+from service.core.status import InferResult
+from service.core.tasks import Detect, DetectOptions, task_named
 
 MIN_BOX_MAP = 0.95
 TRUTH_SCORE = 0.25  # fp32's detections at the served default threshold are the reference's boxes
@@ -80,12 +80,8 @@ class BoxJudge:
         from models.detection_eval import Detections
 
         options = DetectOptions(score_threshold=threshold, max_detections=self.spec.max_detections)
-        layout, classes = self.spec.output_layout, self.spec.num_classes
-        out = []
-        for rows in image_rows(layout, {"output": outputs}, classes, threshold):
-            kept = keep(layout, rows, options)
-            out.append(Detections(kept[:, :4], kept[:, 4], kept[:, 5].astype(np.int64)))
-        return out
+        found = Detect(self.spec).kept(InferResult({"output": outputs}, [None] * len(outputs)), options)
+        return [Detections(kept[:, :4], kept[:, 4], kept[:, 5].astype(np.int64)) for kept in found]
 
     def _map(self, outputs: np.ndarray, truth: Truth) -> float:
         from models.detection_eval import average_precision
@@ -108,7 +104,7 @@ class BoxJudge:
 
 def judge_for(spec: ModelSpec | None, *, min_top1: float, max_drop: float, min_box_map: float) -> Judge:
     """The judge of ``spec``'s task (a classifier's where no spec is given)."""
-    if spec is not None and spec.task == "detect":
+    if spec is not None and task_named(spec.task).gate == "boxes":
         return BoxJudge(spec, min_box_map, max_drop)
     return Top1Judge(min_top1, max_drop)
 

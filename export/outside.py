@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -40,7 +40,8 @@ from models.normalize import Uint8Classifier
 from service.core.errors import ConfigError
 from service.core.layouts import Layout, check_outputs
 from service.core.repository import onnx_single_input
-from service.core.spec import InputSpec, ModelSpec, Resize, Task
+from service.core.spec import InputSpec, ModelSpec, Resize
+from service.core.tasks import task_named
 from service.runtime import load_torchscript
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -77,7 +78,7 @@ class InputDescription:
     std: tuple[float, ...] = IMAGENET_STD
     layout: str = "nchw"  # the outside model's float input layout: nchw or nhwc
     resize_size: int | None = None
-    task: Task = "classify"
+    task: str = "classify"
     output_layout: Layout | None = None  # a detector's (service/core/layouts.py)
     resize: Resize = "center_crop"
     pad_value: int = 114
@@ -86,17 +87,17 @@ class InputDescription:
 def described(args: Any) -> InputDescription:
     """The input description of ``export --onnx/--torchscript``'s arguments: a detector takes x / 255 (mean 0, std
     1) and is letterboxed by default, as YOLO exports are; a classifier ImageNet's normalisation and a centre crop."""
-    detect = args.task == "detect"
+    task = task_named(args.task)
     return InputDescription(
         height=args.input_size[0],
         width=args.input_size[1],
-        mean=args.mean or (UNIT_MEAN if detect else IMAGENET_MEAN),
-        std=args.std or (UNIT_STD if detect else IMAGENET_STD),
+        mean=args.mean or (UNIT_MEAN if task.unit_input else IMAGENET_MEAN),
+        std=args.std or (UNIT_STD if task.unit_input else IMAGENET_STD),
         layout=args.layout,
         resize_size=args.resize_size,
         task=args.task,
         output_layout=args.output_layout,
-        resize=args.resize or ("letterbox" if detect else "center_crop"),
+        resize=args.resize or cast(Resize, task.resize),
         pad_value=args.pad_value,
     )
 
@@ -327,7 +328,7 @@ def place_outside_model(
                 notes=notes,
                 int8_data=int8_data,
             )
-    if spec.task == "detect":
+    if task_named(spec.task).layouts:
         raise ConfigError(
             "an outside detector is placed from ONNX (--onnx): its outputs are checked against --output-layout by "
             "name and shape there; export it to ONNX first (ultralytics: yolo export model=M.pt format=onnx)"

@@ -43,6 +43,7 @@ from export.int8_gate import MIN_BOX_MAP, Int8Verdict, Judge, Truth, describe_sp
 from service.core.cpu import describe_cpu
 from service.core.errors import ConfigError
 from service.core.spec import Int8Record, Int8Speed, ModelSpec
+from service.core.tasks import task_named
 
 __all__ = ["Int8Verdict", "describe_speed"]  # the verdict and its words live in export/int8_gate.py
 
@@ -217,7 +218,7 @@ def quantize_model(
     calibration = data.calibration[:MAX_CALIBRATION]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="int8-") as tmp:
-        graph = _prepare(fp32_path, Path(tmp), options, float_tail=spec is not None and spec.task == "detect")
+        graph = _prepare(fp32_path, Path(tmp), options, float_tail=spec is not None and task_named(spec.task).layouts)
         fp32 = _session(fp32_path)
         best, tried = _calibrate(graph, fp32, calibration, options, judge, say)
         (Path(tmp) / f"{best}.onnx").replace(target)

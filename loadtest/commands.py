@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from loadtest.stream_command import add_stream_arguments
 from service.core.arguments import comma_floats, comma_ints, size_pair
+from service.core.tasks import TASKS, task_named
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -101,7 +102,7 @@ def _add_answer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
         default="auto",
-        choices=["auto", "classify", "detect"],
+        choices=["auto", *TASKS],
         help="the image API's route: classify, detect, or auto (the model's, from its v2 metadata)",
     )
     p.add_argument(
@@ -260,7 +261,7 @@ def _task(url: str, model: str, protocol: str) -> str:
         outputs = {o.get("name") for o in meta.get("outputs", [])}
     except (httpx.HTTPError, ValueError, AttributeError):
         return "classify"
-    return "detect" if "DETECTIONS" in outputs else "classify"
+    return next((name for name, task in TASKS.items() if set(task.output_names) == outputs), "classify")
 
 
 def _mix(args: argparse.Namespace, url: str) -> ModelMix | None:
@@ -318,7 +319,7 @@ def _payloads(
         err.print(f"--images or --reference: {exc}")
         return None
     task = _task(url, names[0], args.protocol) if args.task == "auto" else args.task
-    if reference is not None and task != "detect":
+    if reference is not None and task_named(task).gate != "boxes":
         err.print(f"--reference checks a detector's answers; {names[0]} is served as a {task} model")
         return None
     bodies = model_payloads(

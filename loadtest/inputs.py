@@ -10,13 +10,20 @@ from __future__ import annotations
 import json
 import struct
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from service.core.tasks import TASKS, fields, task_named
 
 MEDIA = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp"}
 PROTOCOLS = ("image", "v2", "grpc")
-TASKS = ("classify", "detect")
+# The options each request sends, where its task takes them: the lightest answer (one class), since the load, not
+# the answer's size, is what a load test measures.
+Options = Mapping[str, Any]
+LIGHTEST: Options = {"top_k": 1}
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
@@ -58,48 +65,72 @@ def _multipart(images: list[bytes]) -> tuple[str, bytes]:
     return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
 
 
-def model_path(protocol: str, model: str, top_k: int = 1, task: str = "classify") -> str:
+def model_path(protocol: str, model: str, task: str = "classify", options: Options = LIGHTEST) -> str:
     """The HTTP path a request for ``model`` goes to (``image`` or ``v2``; gRPC names its model in the body)."""
     if protocol == "image":
-        return f"/v1/models/{model}/detect" if task == "detect" else f"/v1/models/{model}/classify?top_k={top_k}"
+        query = urlencode(_given(task, options), doseq=True)
+        return f"/v1/models/{model}/{task}" + (f"?{query}" if query else "")
     if protocol == "v2":
         return f"/v2/models/{model}/infer"
     raise ValueError(f"only the image and v2 protocols name the model in the path, not {protocol!r}")
 
 
-def image_payload(model: str, images: list[bytes], top_k: int = 1, task: str = "classify") -> Payload:
-    path = model_path("image", model, top_k, task)
+def _given(task: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Those of ``options`` that ``task`` takes."""
+    names = {f.name for f in fields(task_named(task).Options)}
+    return {k: v for k, v in options.items() if k in names}
+
+
+def _outputs(task: str, options: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The v2 outputs ``options`` ask of ``task`` (a classifier's top_k: the classification extension's k best)."""
+    kind, given = task_named(task), _given(task, options)
+    return kind.named_outputs(kind.Options(**given), given)
+
+
+def image_payload(
+    model: str, images: list[bytes], task: str = "classify", options: Mapping[str, Any] = LIGHTEST
+) -> Payload:
+    path = model_path("image", model, task, options)
     if len(images) == 1:
         return Payload(path, {"content-type": media_type(images[0])}, images[0], 1)
     ctype, body = _multipart(images)
     return Payload(path, {"content-type": ctype}, body, len(images))
 
 
-def v2_payload(model: str, images: list[bytes], top_k: int = 1, task: str = "classify") -> Payload:
-    """v2 infer: the ``IMAGE`` BYTES input in the binary extension, the classification extension on the output
-    (a detector's: its default outputs, in the binary extension)."""
+def v2_payload(
+    model: str, images: list[bytes], task: str = "classify", options: Mapping[str, Any] = LIGHTEST
+) -> Payload:
+    """v2 infer: the ``IMAGE`` BYTES input in the binary extension; the outputs the options ask for in JSON (a
+    classifier's classification extension), or the task's default outputs in the binary extension."""
     blob = b"".join(struct.pack("<I", len(d)) + d for d in images)
     request: dict[str, object] = {
         "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [len(images)],
                     "parameters": {"binary_data_size": len(blob)}}],
-        "outputs": [{"name": "LOGITS", "parameters": {"classification": top_k, "binary_data": False}}],
     }  # fmt: skip
-    if task == "detect":
+    named = _outputs(task, options)
+    if named:
+        request["outputs"] = [{"name": name, "parameters": {**params, "binary_data": False}} for name, params in named]
+    else:
         request["outputs"], request["parameters"] = [], {"binary_data_output": True}
     header = json.dumps(request).encode()
     headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(len(header))}
     return Payload(model_path("v2", model), headers, header + blob, len(images))
 
 
-def grpc_payload(model: str, images: list[bytes], top_k: int = 1, task: str = "classify") -> Payload:
-    """gRPC ModelInfer: the ``IMAGE`` BYTES input in ``raw_input_contents``, the classification extension on the
-    output (a detector's: its default outputs); the body is the serialised request and the path the RPC's."""
+def grpc_payload(
+    model: str, images: list[bytes], task: str = "classify", options: Mapping[str, Any] = LIGHTEST
+) -> Payload:
+    """gRPC ModelInfer: the ``IMAGE`` BYTES input in ``raw_input_contents``, the outputs the options ask for (a
+    classifier's classification extension; else the task's default outputs); the body is the serialised request
+    and the path the RPC's."""
     from service.core.protocol import method_path, pb
 
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="IMAGE", datatype="BYTES", shape=[len(images)])
-    if task != "detect":
-        request.outputs.add(name="LOGITS").parameters["classification"].int64_param = top_k
+    for name, params in _outputs(task, options):
+        output = request.outputs.add(name=name)
+        for key, value in params.items():
+            output.parameters[key].int64_param = value
     request.raw_input_contents.append(b"".join(struct.pack("<I", len(d)) + d for d in images))
     return Payload(method_path("ModelInfer"), {}, request.SerializeToString(), len(images))
 

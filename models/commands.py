@@ -209,12 +209,13 @@ TASK_DEFAULTS = {"classify": (15, 32, 0.05), "detect": (14, 64, 3e-3)}
 def train_from_args(args: argparse.Namespace) -> TrainResult:
     """Run training as the flags say, with progress bars; rank 0 prints the summary."""
     from models.registry import get_architecture
-    from models.train import BatchProgress, TrainConfig, train
+    from models.train import TrainConfig
 
     task = get_architecture(args.arch).task
-    if task == "classify" and args.dataset == "canvases":
-        raise ConfigError("--dataset canvases trains a detector: choose --arch digitdet (see `visionserve models`)")
     epochs, batch_size, lr = TASK_DEFAULTS[task]
+    train_task = TRAINERS.get(task, _train_classifier)
+    if args.dataset == "canvases" and train_task is _train_classifier:
+        raise ConfigError("--dataset canvases trains a detector: choose --arch digitdet (see `visionserve models`)")
     config = TrainConfig(
         arch=args.arch,
         dataset=args.dataset,
@@ -233,9 +234,13 @@ def train_from_args(args: argparse.Namespace) -> TrainResult:
         resume=args.resume,
         limit_batches=args.limit_batches,
     )
-    if task == "detect":
-        return _train_detector(config, enabled=not args.no_progress)
-    with _RichProgress(config.epochs, enabled=not args.no_progress) as bar:
+    return train_task(config, enabled=not args.no_progress)
+
+
+def _train_classifier(config: TrainConfig, *, enabled: bool) -> TrainResult:
+    from models.train import BatchProgress, train
+
+    with _RichProgress(config.epochs, enabled=enabled) as bar:
         progress: BatchProgress = bar  # type: ignore[assignment]
         result = train(config, progress=progress)
     if result.rank != 0:
@@ -284,6 +289,10 @@ def _train_detector(config: TrainConfig, *, enabled: bool) -> TrainResult:
     if result.path:
         print(f"checkpoint written to {result.path}")
     return result
+
+
+# Each architecture's task is trained by its own loop.
+TRAINERS = {"classify": _train_classifier, "detect": _train_detector}
 
 
 ExportStep = Callable[[str], int]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 from torch import nn
@@ -17,7 +16,6 @@ from service.core.errors import ConfigError, UnknownNameError
 from service.core.spec import InputSpec, ModelSpec
 
 Builder = Callable[..., nn.Module]
-Task = Literal["classify", "detect"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class Architecture:
     # What its forward answers: classifiers logits [N, classes]; detectors [N, K, 6] rows, candidates before
     # suppression (models/detector.py) or torchvision's suppressed ones (models/tv_detectors.py: its spec's
     # output_layout says which). `train` picks its loop by it.
-    task: Task = "classify"
+    task: str = "classify"  # a name of service.core.tasks
 
     def build(self, *, num_classes: int | None = None) -> nn.Module:
         """A fresh model with initial weights (never downloaded)."""
@@ -53,7 +51,7 @@ def with_input_size(spec: ModelSpec, size: int) -> ModelSpec:
 _REGISTRY: dict[str, Architecture] = {}
 
 
-def register(name: str, *, spec: ModelSpec, description: str, task: Task = "classify") -> Callable[[Builder], Builder]:
+def register(name: str, *, spec: ModelSpec, description: str, task: str = "classify") -> Callable[[Builder], Builder]:
     """Decorator that registers a builder under ``name``; a duplicate name raises ``ValueError``."""
 
     def wrap(builder: Builder) -> Builder:

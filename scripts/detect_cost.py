@@ -20,9 +20,8 @@ from types import SimpleNamespace
 import msgspec
 import numpy as np
 
-from service.core.boxes import DetectOptions
 from service.core.status import InferResult
-from service.frontend.tasks import Detect, Want
+from service.core.tasks import Detect, DetectOptions, Want
 
 
 def head(kind: str, images: int, anchors: int, classes: int) -> np.ndarray:
@@ -57,8 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = head(args.head, args.images, args.anchors, args.classes)
     spec = SimpleNamespace(labels=tuple(f"c{i}" for i in range(args.classes)), max_detections=100,
                            input=SimpleNamespace(width=640, height=640), output_layout="yolo")  # fmt: skip
-    task = Detect(spec)  # type: ignore[arg-type]
-    want = Want(detect=DetectOptions(score_threshold=0.0, max_detections=10_000))
+    task = Detect(spec)
+    want = Want(options=DetectOptions(score_threshold=0.0, max_detections=10_000))
     if args.trace:
         tracemalloc.start()
     started = time.perf_counter()

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from service.launcher import free_port  # noqa: E402  (the checkout first on the path)
+from service.launcher import free_port, stop_process  # noqa: E402  (the checkout first on the path)
 
 
 def copy_checkout(target: Path) -> None:
@@ -82,8 +81,7 @@ def measure(work: Path, *, timeout_s: float, pip_cache: bool) -> dict[str, Any]:
             time.sleep(0.1)
         first_answer_s = time.perf_counter() - started
     finally:
-        os.killpg(make.pid, signal.SIGTERM)
-        make.wait(60)
+        stop_process(make, timeout_s=60, term_group=True)  # make and the server it started
     venv = work / ".venv-serve"
     torch = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"], capture_output=True)
     engine = re.search(r"engine engine0 serving after ([\d.]+) s", log.read_text())

@@ -6,14 +6,12 @@ and within its share of the time, and the report is written whatever fails."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata as metadata
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,22 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("environment", "install", "gpu_tests", "export", "bench", "decode", "serve_loadtest", "train")
 
 
-def load(script: str) -> ModuleType:
-    """``scripts/SCRIPT.py`` imported as when run: beside its packages (gpucheck, gpuspeed), which it imports."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        return importlib.import_module(script)
-    finally:
-        sys.path.pop(0)
-
-
 def undocumented(parser: argparse.ArgumentParser) -> list[str]:
     """The flags whose help does not state them (the help formatter adds each default)."""
     return [a.dest for a in parser._actions if not isinstance(a, argparse._HelpAction) and not a.help]
 
 
-gpu_check = load("gpu_check")
-from gpucheck import wheels  # noqa: E402 (importable once the script's folder was on the path)
+from service.bench import gpu_check, wheels  # noqa: E402
 
 # ---- the wheels ------------------------------------------------------------------------------------------------
 CP312 = {"cp312-cp312-manylinux_2_28_x86_64", "py3-none-any"}
@@ -60,7 +48,7 @@ def test_the_download_command_is_for_the_python_asked_and_names_every_carried_wh
     cmd = wheels.download_command("3.13")
     assert cmd[cmd.index("--python-version") + 1] == "3.13" and "--no-deps" in cmd
     assert set(cmd[cmd.index("-d") + 2 :]) == set(wheels.carried_distributions())
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--list-wheels", "3.12"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "service.bench.gpu_check", "--list-wheels", "3.12"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 0 and "--python-version 3.12" in proc.stdout and "swagger-ui-bundle-v2" in proc.stdout
 
@@ -84,9 +72,8 @@ def test_every_carried_wheels_own_requirements_are_on_the_machine_or_carried() -
 # hidden): what fails here would fail there.
 ONLY_THE_MACHINES = """
 import importlib, pkgutil, sys
-sys.path.insert(0, "scripts")
-from gpucheck.wheels import hide_all_but_the_machines
-hide_all_but_the_machines({"service", "export", "models", "loadtest", "tests", "gpucheck"})
+from service.bench.wheels import hide_all_but_the_machines
+hide_all_but_the_machines({"service", "export", "models", "loadtest", "tests"})
 names = [m for pkg in ("service", "export", "models", "loadtest")
          for m in [pkg] + [i.name for i in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + ".")]]
 names += [p.removesuffix(".py").replace("/", ".") for p in sys.argv[1:]]
@@ -149,11 +136,12 @@ DRY_RUN_TIMEOUT_S = 580
 
 
 def dry_run(script: str, tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], Path]:
-    """``scripts/SCRIPT.py --dry-run`` with no carried wheels, as CI runs it: (the run, its report.json, its folder)."""
+    """``python -m service.bench.SCRIPT --dry-run`` (what `make` runs) with no carried wheels, as CI runs it: (the
+    run, its report.json, its folder)."""
     out = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, f"scripts/{script}.py", "--dry-run", "--out", str(out), "--wheels", str(tmp_path / "none"),
-         "--site", str(tmp_path / "site"), *flags],
+        [sys.executable, "-m", f"service.bench.{script}", "--dry-run", "--out", str(out),
+         "--wheels", str(tmp_path / "none"), "--site", str(tmp_path / "site"), *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S,
     )  # fmt: skip
     return proc, json.loads((out / "report.json").read_text()), out
@@ -174,7 +162,7 @@ def test_a_step_past_its_share_is_stopped_and_the_later_steps_keep_theirs(
         return {}
 
     # 2 s each for the first two steps of a 100 s budget: install may use what environment left, about 4 s.
-    monkeypatch.setattr(gpu_check, "STEP_SHARE_S", {name: 5 if name in SECTIONS[:2] else 40 for name in SECTIONS})
+    monkeypatch.setattr(gpu_check.Check, "steps", {name: 5 if name in SECTIONS[:2] else 40 for name in SECTIONS})
     check = check_with(tmp_path, ["--budget-s", "100"], install=install)
     started = time.monotonic()
     assert check.main() == 1
@@ -257,4 +245,9 @@ def test_the_dry_run_runs_every_step_and_reports_each(tmp_path: Path) -> None:
 
 
 def test_the_parser_states_every_default() -> None:
-    assert not undocumented(gpu_check.build_parser())
+    """Also as `visionserve bench gpu-check` (tests/test_cli_help.py); here the parser `make gpu-check` runs."""
+    parser = gpu_check.build_parser()
+    assert not undocumented(parser)
+    formatter = parser._get_formatter()
+    actions = [a for a in parser._actions if a.dest != "help"]
+    assert [a.dest for a in actions if "default" not in (formatter._get_help_string(a) or "")] == []

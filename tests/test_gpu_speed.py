@@ -14,15 +14,12 @@ from typing import Any
 
 import pytest
 
-from tests.test_gpu_check import dry_run, load, undocumented
+from service.bench import drive, gpu_speed, litserve_app
+from service.bench.gpu_speed import verdicts
+from tests.test_gpu_check import dry_run, undocumented
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("environment", "install", "export", "bench", "litserve", "serve", "detector")
-
-
-gpu_speed = load("gpu_speed")
-from gpuspeed import drive, litserve_app  # noqa: E402 (importable once the script's folder was on the path)
-from gpuspeed.report import verdicts  # noqa: E402
 
 
 def speed(tmp_path: Path, *argv: str) -> Any:
@@ -48,12 +45,12 @@ def test_the_dry_run_issues_the_real_runs_commands_and_each_command_line_accepts
 
     real, dry = speed(tmp_path / "real"), speed(tmp_path / "dry", "--dry-run")
     real_commands, dry_commands = commands(real), commands(dry)
-    scripts = {"scripts/gpuspeed/litserve_app.py": litserve_app.build_parser(),
-               "scripts/gpuspeed/drive.py": drive.build_parser()}  # fmt: skip
+    scripts = {"service.bench.litserve_app": litserve_app.build_parser(),
+               "service.bench.drive": drive.build_parser()}  # fmt: skip
     for key, args in real_commands.items():
         for run in (args, dry_commands[key]):
             if run[0] == sys.executable:
-                scripts[run[1]].parse_args(run[2:])  # argparse exits on an unknown or bad flag
+                scripts[run[2]].parse_args(run[3:])  # argparse exits on an unknown or bad flag
             elif key != "loadtest detect" or real.detector_refused() is None:  # else the step says why it skips
                 build_parser(only=run[0]).parse_args(run)
         flags = {a for a in args if a.startswith("--")}
@@ -73,9 +70,9 @@ def test_the_dry_run_issues_the_real_runs_commands_and_each_command_line_accepts
 
 
 def test_the_load_generator_and_every_server_get_the_same_split_of_the_cores() -> None:
-    assert gpu_speed.servers.split_cores(list(range(16)), 3) == ([0, 1, 2], list(range(3, 16)))
-    assert gpu_speed.servers.split_cores([0, 1], 1) == ([0], [1])
-    assert gpu_speed.servers.split_cores([5], 1) == ([5], [5])  # one core: shared, and the run still works
+    assert gpu_speed.split_cores(list(range(16)), 3) == ([0, 1, 2], list(range(3, 16)))
+    assert gpu_speed.split_cores([0, 1], 1) == ([0], [1])
+    assert gpu_speed.split_cores([5], 1) == ([5], [5])  # one core: shared, and the run still works
 
 
 def test_a_step_made_to_fail_fails_alone_and_the_report_is_written(tmp_path: Path) -> None:
@@ -113,10 +110,10 @@ def test_the_targets_are_judged_from_the_figures() -> None:
 # packages and the carried wheels can be found (as tests/test_gpu_check.py does for the serving path).
 ONLY_THE_MACHINES = """
 import importlib, sys
-sys.path[:0] = ["scripts", "scripts/gpuspeed"]
-from gpucheck.wheels import hide_all_but_the_machines
-hide_all_but_the_machines({"service", "export", "models", "loadtest", "gpucheck", "gpuspeed", "gpu_check", "gpu_speed"})
-for name in ("gpu_speed", "gpuspeed.litserve_app", "gpuspeed.drive", "litserve", "fastapi", "pydantic"):
+from service.bench.wheels import hide_all_but_the_machines
+hide_all_but_the_machines({"service", "export", "models", "loadtest"})
+for name in ("service.bench.gpu_speed", "service.bench.litserve_app", "service.bench.drive", "litserve", "fastapi",
+             "pydantic"):
     try:
         importlib.import_module(name)
     except Exception as exc:

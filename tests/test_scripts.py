@@ -1,6 +1,6 @@
 """Every tool in scripts/ runs: its parser states each flag's default, and one real run does what it promises.
-scripts/gpu_check.py has its own file, tests/test_gpu_check.py; the benchmarks are ``visionserve bench``'s
-(tests/bench/)."""
+The benchmarks, `make gpu-check` and `make gpu-speed` among them, are ``visionserve bench``'s (tests/bench/,
+tests/test_gpu_check.py, tests/test_gpu_speed.py)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,6 @@ SMOKE_TESTED = {
     "detect_cost.py": "test_detect_cost_prints_what_one_request_costs",
     "first_answer.py": "test_first_answer_measures_a_fresh_make_serve",
     "gen_protocol.py": "test_gen_protocol_regenerates_the_committed_modules",
-    "gpu_check.py": "tests/test_gpu_check.py",
-    "gpu_speed.py": "tests/test_gpu_speed.py",
     "install-video.sh": "tests/sources/test_video_sources.py",
     "install-browser.sh": "test_install_browser_is_quiet_when_both_are_there",
     "make_folder_dataset.py": "test_make_folder_dataset_writes_its_classes",

@@ -33,13 +33,15 @@ import numpy as np
 from PIL import Image
 
 from loadtest.answers import Known
-from service.core.boxes import DetectOptions, Transform, suppress, to_original
+from service.core.boxes import Transform, suppress, to_original
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
 from service.core.errors import VisionServeError
 from service.core.layouts import image_rows, keep
 from service.core.repository import ModelVersion
 from service.core.spec import ModelSpec
+from service.core.status import InferResult
+from service.core.tasks import Detect, DetectOptions
 from service.runtime import RuntimeLike, choose_backend, make_runtime, warm_up
 
 THOUSAND = 1000
@@ -103,7 +105,7 @@ def in_process_answers(
     config = msgspec.structs.replace(entry.config, device="cpu")
     runtime = make_runtime(version, config, choose_backend(version, config, "cpu"), "cpu")
     pool = Preprocessor(spec)
-    options = DetectOptions(max_detections=spec.max_detections)
+    task = Detect(spec)
     out: dict[str, list[Known]] = {}
     try:
         for name, data in zip(names, images, strict=True):
@@ -111,8 +113,7 @@ def in_process_answers(
             pixels = decoding.result()
             assert decoding.transform is not None
             outputs = runtime.submit_outputs(pixels[np.newaxis]).result()
-            rows = image_rows(spec.output_layout, outputs, len(spec.labels), options.score_threshold)[0]
-            kept = to_original(keep(spec.output_layout, rows, options), decoding.transform)
+            kept = task.kept(InferResult(outputs, [None]), task.default, [decoding.transform])[0]
             out[name] = [_known(row[:4], spec.labels[int(row[5])], 1) for row in kept]
     finally:
         pool.close()

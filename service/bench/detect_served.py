@@ -85,10 +85,11 @@ def served_step(args: argparse.Namespace, url: str, bodies: list[Any], reference
 def main(args: argparse.Namespace) -> int:
     from service.bench.detect import canvas_corpus, in_process_answers
     from service.core.repository import ModelRepository
+    from service.core.tasks import Detect, task_for
 
     began = time.perf_counter()
     entry = ModelRepository(args.repository).model(args.model)
-    if entry.latest.spec.task != "detect":
+    if not isinstance(task_for(entry.latest.spec), Detect):
         print(f"{args.model} is not a detector (task {entry.latest.spec.task!r})", file=sys.stderr)
         return 2
     scratch = Path(tempfile.mkdtemp(prefix="vs-detect-bench-"))

@@ -41,6 +41,7 @@ from service.core.errors import ConfigError
 from service.core.repository import ModelRepository, ModelVersion, random_batch
 from service.core.samples import image_files, photo_like_jpegs
 from service.core.spec import ModelSpec
+from service.core.tasks import Detect, task_for
 from service.engine.batcher import Batcher, InferRequest
 from service.engine.model import batcher_config, cuda_devices, plan_devices, serving_precision
 from service.runtime import FakeRuntime, RuntimeLike, choose_backend, make_runtime, warm_up
@@ -125,7 +126,7 @@ def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
     concurrency = options.concurrency or 2 * largest
     if options.images:
         jpegs, described = load_images(options.images), options.images
-    elif spec.task == "detect":
+    elif isinstance(task_for(spec), Detect):
         jpegs, described = default_images()
     else:
         jpegs = photo_like_jpegs()
@@ -197,7 +198,7 @@ def _measure(
         result.update(_decode_figures(jpegs, largest, spec, device, pool, options, say))
     # A detector's pipeline reads its output layout as the server does: suppressed, or only selected where the graph
     # suppressed its rows itself (the 1,000-candidate figure needs a "candidates" graph: service/bench/detect.py).
-    if spec.task == "detect" and ("pipeline" in figures or "batcher" in figures):
+    if isinstance(task_for(spec), Detect) and ("pipeline" in figures or "batcher" in figures):
         say(f"pipeline: decode + resize + run + suppression (where the server does it) and mapping, batch {largest}")
         result.update(detect.pipeline_figures(_timed, jpegs, largest, runtime, pool, options.seconds))
         if "candidates" in figures:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -24,11 +24,13 @@ from loadtest.openloop import Record, Request, run_open_loop
 from loadtest.pool import WorkerPool
 from loadtest.slo import SloSearch, search
 from loadtest.step import StepBounds, StepResult, StepSpec, run_step
+from service.bench.flags import Flag, add_flags, refused, settle, sized
 from service.core.arguments import integer_in, number_in
 from service.core.config import toml_value
 from service.core.percentile import percentile
 
-__all__ = ["VERDICT", "Sampler", "add_flags", "closed_loop", "config_toml", "json_safe", "ms", "percentile"]
+__all__ = ["VERDICT", "Flag", "Sampler", "add_flags", "closed_loop", "config_toml", "json_safe", "ms", "percentile",
+           "refused", "settle", "sized"]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -38,44 +40,6 @@ T = TypeVar("T")
 COUNT = integer_in(1, 10**9)
 POSITIVE = number_in(0, 1e12, above=True)
 SHARE = number_in(0, 1, above=True)
-Flag = tuple[Any, ...]  # (flag, default, help[, type, or a tuple of choices])
-
-
-def add_flags(p: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
-    """Each ``(flag, default, help[, kind])`` as an argument: the default's type unless ``kind`` names one (a tuple:
-    the choices); False makes a switch. The help states the default (service.core.arguments.HelpFormatter adds it
-    where the text does not say it)."""
-    for name, default, text, *kind in flags:
-        if default is False:
-            p.add_argument(name, action="store_true", help=f"{text} (default: off)")
-        elif kind and isinstance(kind[0], tuple):
-            p.add_argument(name, default=default, choices=kind[0], help=text)
-        else:
-            kind = kind or [str if default is None else type(default)]
-            p.add_argument(name, default=default, type=kind[0], help=text)
-
-
-def sized(sizes: Mapping[str, tuple[Any, Any, str]]) -> list[Flag]:
-    """Flags whose default depends on ``--quick``: ``key: (full, quick, help)``; :func:`settle` fills them in."""
-    return [
-        (f"--{key.replace('_', '-')}", None, f"{text} (default: {full}; {quick} with --quick)", type(full))
-        for key, (full, quick, text) in sizes.items()
-    ]
-
-
-def settle(args: argparse.Namespace, sizes: Mapping[str, tuple[Any, Any, str]]) -> argparse.Namespace:
-    for key, (full, quick, _) in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else full)
-    return args
-
-
-def refused(*checks: tuple[bool, str]) -> bool:
-    """Print what is wrong with the flags (each ``(wrong, why)``); whether anything is."""
-    wrong = [why for bad, why in checks if bad]
-    if wrong:
-        print("; ".join(wrong), file=sys.stderr)
-    return bool(wrong)
 
 
 def workspace(args: argparse.Namespace, error: str | None) -> Path | None:

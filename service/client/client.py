@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, Unpack
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -24,7 +24,7 @@ import msgspec
 
 from service.client.errors import ClientError
 from service.client.images import ImageInput, encode
-from service.client.kinds import CLASSIFY, DETECT, DetectedImage, DetectQuery, Kind, R, answer_of, detect_query
+from service.client.kinds import CLASSIFY, DETECT, DetectedImage, Kind, R, answer_of
 from service.client.retry import Attempts, RetryPolicy
 from service.core.answers import ImageResult
 
@@ -171,16 +171,18 @@ class Client(_Base[httpx.Client]):
         self,
         images: ImageInput | Sequence[ImageInput],
         *,
-        top_k: int = 5,
         model: str | None = None,
         version: int | None = None,
+        **options: Any,
     ) -> list[ImageResult]:
-        """One :class:`ImageResult` per image, in order. ``images``: a list or tuple of images, or one image; each a
+        """One :class:`ImageResult` per image, in order; ``options``: the classifier's
+        (:class:`~service.core.tasks.ClassifyOptions`: ``top_k``, 5 left out). ``images``: a list or tuple of
+        images, or one image; each a
         path, bytes of an encoded file, a PIL image or a uint8 numpy array (HxW or HxWxC).
 
         Raises :class:`ClientError` when a request is refused as a whole (an unknown model: 404) or the server
         cannot be reached within the retry policy; an image the server cannot use gets its own ``error``."""
-        return self._ask(self._call(CLASSIFY, {"top_k": top_k}, model, version), images)
+        return self._ask(self._call(CLASSIFY, CLASSIFY.query(options), model, version), images)
 
     def detect(
         self,
@@ -188,16 +190,15 @@ class Client(_Base[httpx.Client]):
         *,
         model: str | None = None,
         version: int | None = None,
-        **options: Unpack[DetectQuery],
+        **options: Any,
     ) -> list[DetectedImage]:
         """One :class:`DetectedImage` per image, in order, from a detector's ``/detect`` route: the image's ``width``
         and ``height`` (as a viewer shows it) and its ``detections`` (best first, boxes in its own pixels), or its
-        own ``error``. ``options``: the route's (:class:`~service.client.kinds.DetectQuery`: ``score_threshold``,
+        own ``error``. ``options``: the detector's (:class:`~service.core.tasks.DetectOptions`: ``score_threshold``,
         ``iou_threshold``, ``max_detections``, ``classes``, ``class_agnostic``, ``box_format``, ``normalized``),
-        each sent as given; ``iou_threshold`` and ``class_agnostic`` only when given (the server's defaults are 0.45
-        and false), since a detector whose graph suppresses its own boxes refuses them. ``images`` and the errors
+        each sent only when given: the model's defaults stand for the rest. ``images`` and the errors
         raised as :meth:`classify`'s."""
-        return self._ask(self._call(DETECT, detect_query(**options), model, version), images)
+        return self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
 
     def _ask(self, call: _Call[R], images: ImageInput | Sequence[ImageInput]) -> list[R]:
         return [r for chunk in self._chunks(self._files(images)) for r in self._send(call, chunk)]
@@ -264,12 +265,12 @@ class AsyncClient(_Base[httpx.AsyncClient]):
         self,
         images: ImageInput | Sequence[ImageInput],
         *,
-        top_k: int = 5,
         model: str | None = None,
         version: int | None = None,
+        **options: Any,
     ) -> list[ImageResult]:
         """As :meth:`Client.classify`."""
-        return await self._ask(self._call(CLASSIFY, {"top_k": top_k}, model, version), images)
+        return await self._ask(self._call(CLASSIFY, CLASSIFY.query(options), model, version), images)
 
     async def detect(
         self,
@@ -277,10 +278,16 @@ class AsyncClient(_Base[httpx.AsyncClient]):
         *,
         model: str | None = None,
         version: int | None = None,
-        **options: Unpack[DetectQuery],
+        **options: Any,
     ) -> list[DetectedImage]:
         """As :meth:`Client.detect`."""
-        return await self._ask(self._call(DETECT, detect_query(**options), model, version), images)
+        return await self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
+
+    async def ask(
+        self, kind: Kind[R], images: ImageInput | Sequence[ImageInput], options: dict[str, Any], **where: Any
+    ) -> list[R]:
+        """Any task's route (``kind``), with the task's ``options`` (``where``: ``model``, ``version``)."""
+        return await self._ask(self._call(kind, kind.query(options), where.get("model"), where.get("version")), images)
 
     async def _ask(self, call: _Call[R], images: ImageInput | Sequence[ImageInput]) -> list[R]:
         gate = asyncio.Semaphore(self.max_concurrency)

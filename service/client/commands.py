@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any, Generic
 from service.client.client import DEFAULT_MAX_IMAGES_PER_REQUEST
 from service.client.errors import ClientError
 from service.client.images import discover
-from service.client.kinds import DetectedImage, R
+from service.client.kinds import CLASSIFY, DETECT, DetectedImage, Kind, R
 from service.client.output import ClassifyTable, DetectTable, Output, Table
 from service.client.retry import RetryPolicy
 from service.client.summary import Tally, print_summary, progress_bar, reason_of
 from service.core.answers import ImageResult
-from service.core.arguments import integer_in, number_in
-from service.core.boxes import BOX_FORMATS, DetectOptions
+from service.core.arguments import add_option_flags, integer_in, number_in, option_flags
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -36,19 +35,17 @@ if TYPE_CHECKING:
 # The flags' ranges: argparse refuses anything else as a usage error naming the flag (exit status 2). The top-k
 # range is the server's (image API ``top_k``); the others bound what one run may hold at once or wait for.
 MAX_VERSION = 2**63 - 1
-MAX_TOP_K = 1000
 MAX_CONCURRENCY = 1024
 MAX_IMAGES_PER_REQUEST = 4096
 MAX_ATTEMPTS = 1000
 MAX_SECONDS = 86400  # a day
-MAX_DETECTIONS = 10_000  # the detect route's limit
 
 Chunk = Callable[[list[bytes], list[str]], Awaitable[list[R]]]
 
 
 def add_classify_arguments(p: argparse.ArgumentParser) -> None:
     _add_arguments(p, "classify", "Classify")
-    p.add_argument("--top-k", type=integer_in(1, MAX_TOP_K), default=5, help=f"classes per image, 1 to {MAX_TOP_K}")
+    add_option_flags(p, CLASSIFY.task.Options)
 
 
 def add_detect_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,20 +54,7 @@ def add_detect_arguments(p: argparse.ArgumentParser) -> None:
         "CSV: one row per box (path, model, version, width, height, label, index, score, the box's columns, "
         "error), one row with an empty label and box for an image with none; JSON Lines: one line per image."
     )
-    p.add_argument("--score-threshold", type=number_in(0, 1), default=0.25,
-                   help="boxes scoring less are dropped, 0 to 1")  # fmt: skip
-    p.add_argument("--iou-threshold", type=number_in(0, 1), default=None,
-                   help="of two boxes overlapping more, the lower scored goes, 0 to 1 (default: 0.45)")  # fmt: skip
-    p.add_argument("--max-detections", type=integer_in(1, MAX_DETECTIONS), default=100,
-                   help=f"at most this many boxes an image, 1 to {MAX_DETECTIONS}")  # fmt: skip
-    p.add_argument("--classes", nargs="+", default=None, metavar="CLASS",
-                   help="keep only these classes (labels or indices)")  # fmt: skip
-    p.add_argument("--class-agnostic", action="store_true", default=None,
-                   help="suppress across classes (default: per class)")  # fmt: skip
-    p.add_argument("--box-format", choices=BOX_FORMATS, default="xyxy",
-                   help="xyxy (x1, y1, x2, y2), xywh (corner, size), cxcywh (centre, size)")  # fmt: skip
-    p.add_argument("--normalized", action="store_true",
-                   help="boxes as fractions of the image's width and height (default: in pixels)")  # fmt: skip
+    add_option_flags(p, DETECT.task.Options)
 
 
 def _add_arguments(p: argparse.ArgumentParser, command: str, verb: str) -> None:
@@ -136,34 +120,32 @@ class Job(Generic[R]):
     local: Callable[[LocalModel, list[bytes], list[str]], list[R]]
 
 
+def task_job(args: argparse.Namespace, kind: Kind[R], done: str, table: Table[R]) -> Job[R]:
+    """The command of ``kind``'s task: its options from the flags, sent to a server (which checks them) or checked
+    once for the model loaded here."""
+    options = option_flags(args, kind.task.Options)
+    checked: dict[int, Any] = {}  # the options as the loaded model takes them
+
+    def local(model: LocalModel, datas: list[bytes], names: list[str]) -> list[R]:
+        if id(model) not in checked:
+            checked[id(model)] = model.options(options)
+        return model.answer(datas, checked[id(model)], kind.result, names=names)
+
+    async def remote(client: AsyncClient, datas: list[bytes]) -> list[R]:
+        return await client.ask(kind, datas, options)
+
+    return Job(kind.action, done, table, lambda error: kind.result(error=error), remote, local)
+
+
 def classify_job(args: argparse.Namespace) -> Job[ImageResult]:
-    return Job(
-        "classify", "classified", ClassifyTable(args.top_k), lambda error: ImageResult(error=error),
-        lambda client, datas: client.classify(datas, top_k=args.top_k),
-        lambda local, datas, names: local.classify(datas, top_k=args.top_k, names=names),
-    )  # fmt: skip
+    default: Any = CLASSIFY.task.Options()
+    top_k = args.top_k or default.top_k
+    return task_job(args, CLASSIFY, "classified", ClassifyTable(top_k))
 
 
 def detect_job(args: argparse.Namespace) -> Job[DetectedImage]:
-    options: dict[str, Any] = {
-        "score_threshold": args.score_threshold, "iou_threshold": args.iou_threshold,
-        "max_detections": args.max_detections, "class_agnostic": args.class_agnostic, "box_format": args.box_format,
-        "normalized": args.normalized,
-    }  # fmt: skip
-
-    checked: dict[int, DetectOptions] = {}  # the options as the loaded model takes them, checked once
-
-    def local(model: LocalModel, datas: list[bytes], names: list[str]) -> list[DetectedImage]:
-        from service.client.local import detect_options
-
-        if id(model) not in checked:
-            checked[id(model)] = detect_options(model, classes=args.classes, **options)
-        return model.detect(datas, checked[id(model)], names=names)
-
-    return Job(
-        "detect", "searched", DetectTable(args.box_format), lambda error: DetectedImage(error=error),
-        lambda client, datas: client.detect(datas, classes=args.classes, **options), local,
-    )  # fmt: skip
+    default: Any = DETECT.task.Options()
+    return task_job(args, DETECT, "searched", DetectTable(args.box_format or default.box_format))
 
 
 async def run_files(
@@ -267,7 +249,7 @@ def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:
         return 2
     output: Output[Any] = Output(args.out, job.table, resume=args.resume, overwrite=args.overwrite)
     todo = [f for f in files if str(f) not in output.done]
-    tally = Tally(boxes=0 if job.command == "detect" else None)
+    tally = Tally(boxes=0 if job.table.counts_boxes else None)
     interrupted = False
     try:
         if todo:

@@ -1,16 +1,17 @@
-"""What each image route is to the client: its route, its result type and its query (:class:`Kind`), so that
-``classify`` and ``detect`` share one path in the client and in ``visionserve classify`` / ``detect``."""
+"""What each image route is to the client: its task (the route, and the query generated from the task's options)
+and its result type (:class:`Kind`), so that ``classify`` and ``detect`` share one path in the client and in
+``visionserve classify`` / ``detect``."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypedDict, TypeVar, Unpack
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from service.core.answers import DetectResult, ImageResult
-from service.core.boxes import BoxFormat
+from service.core.tasks import Classify, Detect, Task
+from service.core.tasks.options import as_query
 
 
 class DetectedImage(DetectResult, kw_only=True, omit_defaults=True):
@@ -40,47 +41,23 @@ class _Answer(msgspec.Struct, Generic[R]):
 
 @dataclass(frozen=True, slots=True)
 class Kind(Generic[R]):
-    """What one image route is to the client: its ``action`` (the route's last part) and its result type."""
+    """What one image route is to the client: its task (the route's last part is its name), its result type."""
 
-    action: str
+    task: type[Task]
     result: type[R]
 
+    @property
+    def action(self) -> str:
+        return self.task.name
 
-CLASSIFY = Kind("classify", ImageResult)
-DETECT = Kind("detect", DetectedImage)
-
-
-class DetectQuery(TypedDict, total=False):
-    """The detect route's options, as keywords of ``detect()``: ``score_threshold`` (0.25), ``iou_threshold``,
-    ``max_detections`` (100), ``classes`` (labels or indices to keep), ``class_agnostic``, ``box_format``
-    (``"xyxy"``) and ``normalized`` (False). ``iou_threshold`` and ``class_agnostic`` go only when given (the
-    server's defaults are 0.45 and false), since a detector whose graph suppresses its own boxes refuses them."""
-
-    score_threshold: float
-    iou_threshold: float | None
-    max_detections: int
-    classes: Sequence[str | int] | None
-    class_agnostic: bool | None
-    box_format: BoxFormat
-    normalized: bool
+    def query(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The route's query for the keyword arguments ``options`` (the task's options; the server checks their
+        values): TypeError on a keyword that is none of them, as a misspelt keyword argument gets."""
+        return as_query(self.task.Options, options, self.action)
 
 
-def detect_query(**options: Unpack[DetectQuery]) -> dict[str, Any]:
-    """The detect route's query for these options (the server checks them: a bad one is its 400); TypeError on a
-    keyword that is none of them, as a misspelt keyword argument gets."""
-    unknown = sorted(options.keys() - DetectQuery.__optional_keys__)
-    if unknown:
-        raise TypeError(f"detect() got an unexpected keyword argument {unknown[0]!r}")
-    query: dict[str, Any] = {
-        "score_threshold": options.get("score_threshold", 0.25), "max_detections": options.get("max_detections", 100),
-        "box_format": options.get("box_format", "xyxy"), "normalized": options.get("normalized", False),
-    }  # fmt: skip
-    for key in ("iou_threshold", "class_agnostic"):
-        if options.get(key) is not None:
-            query[key] = options[key]
-    if (classes := options.get("classes")) is not None:
-        query["classes"] = [str(c) for c in classes]
-    return query
+CLASSIFY = Kind(Classify, ImageResult)
+DETECT = Kind(Detect, DetectedImage)
 
 
 def answer_of(body: bytes, kind: Kind[R]) -> _Answer[R]:

@@ -53,6 +53,8 @@ class Table(Protocol[R_contra]):
     """What one command's rows hold: the CSV header, an image's CSV rows and JSON line, and which lines of an
     earlier run hold a result (kept on ``--resume``; an error's line is dropped so that its image is tried again)."""
 
+    counts_boxes: bool  # the summary counts boxes
+
     def header(self) -> list[str]: ...
     def mismatch(self) -> str: ...
     def csv_rows(self, path: str, result: R_contra) -> list[list[object]]: ...
@@ -68,6 +70,8 @@ def csv_header(top_k: int) -> list[str]:
 
 class ClassifyTable:
     """``path, model, version, label_1, score_1, ..., label_k, score_k, error``: one row per image."""
+
+    counts_boxes = False
 
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k
@@ -103,6 +107,8 @@ class DetectTable:
     """``path, model, version, width, height, label, index, score, <box>, error``, the box's columns named for
     ``box_format`` (x1, y1, x2, y2; x, y, w, h; cx, cy, w, h): one row per box, best first; an image with no
     detections one row with its size and empty label and box; an image that failed one row with its error."""
+
+    counts_boxes = True
 
     def __init__(self, box_format: str = "xyxy") -> None:
         self.box_format = box_format

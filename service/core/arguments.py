@@ -8,6 +8,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from service.core.tasks.options import Options, fields
+
 # A help text that already states its default ("(default: ImageNet)", "default: the next free one").
 _STATES_DEFAULT = re.compile(r"\(default\b|\bdefault\s*:", re.IGNORECASE)
 
@@ -111,3 +113,25 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if shown is None:
             return text
         return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted by argparse
+
+
+def add_option_flags(p: argparse.ArgumentParser, options: type[Options]) -> None:
+    """A flag for each of a task's options (``--score-threshold``), its range and help from the declaration; left
+    out, a flag is None and the option is the model's default."""
+    for f in fields(options):
+        help = f.described
+        if f.kind == "flag":
+            p.add_argument(f.flag_name, action="store_true", default=None, help=help)
+        elif f.kind == "choice":
+            p.add_argument(f.flag_name, choices=f.choices, default=None, help=help)
+        elif f.kind == "classes":
+            p.add_argument(f.flag_name, nargs="+", default=None, metavar="CLASS", help=help)
+        else:
+            assert f.low is not None and f.high is not None  # every numeric option is declared with its range
+            kind = integer_in(int(f.low), int(f.high)) if f.kind == "integer" else number_in(f.low, f.high)
+            p.add_argument(f.flag_name, type=kind, default=None, help=help)
+
+
+def option_flags(args: argparse.Namespace, options: type[Options]) -> dict[str, Any]:
+    """The task's options the command line set (by :func:`add_option_flags`)."""
+    return {f.name: getattr(args, f.name) for f in fields(options) if getattr(args, f.name, None) is not None}

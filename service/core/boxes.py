@@ -15,13 +15,10 @@ numpy only: the serving install has no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 import numpy as np
-
-from service.core.errors import BadInputError, shown
 
 BoxFormat = Literal["xyxy", "xywh", "cxcywh"]
 BOX_FORMATS: Final = ("xyxy", "xywh", "cxcywh")
@@ -42,44 +39,26 @@ class Transform:
     pad_y: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class DetectOptions:
-    """A request's suppression: boxes scoring below ``score_threshold`` are dropped, then of two boxes (of one class,
-    or any two with ``class_agnostic``) overlapping by more than ``iou_threshold`` the lower scored one; at most
-    ``max_detections`` are kept, best first. ``classes``: class indices to keep (None: all)."""
+class Suppression(Protocol):
+    """What suppression and the answer's rows read of a request's options
+    (:class:`~service.core.tasks.detect.DetectOptions`): boxes scoring below ``score_threshold`` are dropped, then of
+    two boxes (of one class, or any two with ``class_agnostic``) overlapping by more than ``iou_threshold`` the lower
+    scored one; at most ``max_detections`` are kept, best first. ``classes``: class indices to keep (None: all)."""
 
-    score_threshold: float = 0.25
-    iou_threshold: float = 0.45
-    max_detections: int = 100
-    classes: tuple[int, ...] | None = None
-    class_agnostic: bool = False
-    box_format: BoxFormat = "xyxy"
-    normalized: bool = False
-
-
-def class_indices(name: str, values: Iterable[Any], labels: tuple[str, ...]) -> tuple[int, ...]:
-    """Each class named by its label or its index in ``labels`` (a request's ``classes``, the detect command's
-    ``--classes``); an unknown one is refused (BadInputError, naming ``name``), listing the labels. A number of any
-    length is refused as an index past the labels, never written out or read whole (Python's ``int`` and ``str``
-    refuse more than 4300 digits with a ValueError)."""
-    out = []
-    for value in values:
-        number = isinstance(value, int) and not isinstance(value, bool)
-        text = "" if number and value.bit_length() > 64 else str(value).strip()
-        digits = not isinstance(value, bool) and text.isascii() and text.isdigit() and len(text) <= 20
-        if text and text in labels:
-            out.append(labels.index(text))
-        elif number and 0 <= value < len(labels):
-            out.append(value)
-        elif digits and int(text) < len(labels):
-            out.append(int(text))
-        else:
-            shown_labels = ", ".join(labels[:20]) + (", ..." if len(labels) > 20 else "")
-            raise BadInputError(
-                f"{name}: unknown class {shown(value)}: name a label ({shown_labels}) or an index from 0 to "
-                f"{len(labels) - 1}"
-            )
-    return tuple(sorted(set(out)))
+    @property
+    def score_threshold(self) -> float: ...
+    @property
+    def iou_threshold(self) -> float: ...
+    @property
+    def max_detections(self) -> int: ...
+    @property
+    def classes(self) -> tuple[int, ...] | None: ...
+    @property
+    def class_agnostic(self) -> bool: ...
+    @property
+    def box_format(self) -> BoxFormat: ...
+    @property
+    def normalized(self) -> bool: ...
 
 
 def letterbox_geometry(width: int, height: int, in_w: int, in_h: int) -> tuple[int, int, int, int]:
@@ -126,7 +105,7 @@ def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 _TINY = np.finfo(np.float32).tiny
 
 
-def suppress(candidates: np.ndarray, options: DetectOptions) -> np.ndarray:
+def suppress(candidates: np.ndarray, options: Suppression) -> np.ndarray:
     """The detections kept of one image's candidates ``[K, 6]`` (x1, y1, x2, y2, score, class), best first:
     ``[M, 6]`` float32, M <= ``options.max_detections``.
 
@@ -276,7 +255,7 @@ def to_original(detections: np.ndarray, transform: Transform) -> np.ndarray:
     return out
 
 
-def listed(kept: np.ndarray, where: Transform, options: DetectOptions, labels: tuple[str, ...]) -> list[dict[str, Any]]:
+def listed(kept: np.ndarray, where: Transform, options: Suppression, labels: tuple[str, ...]) -> list[dict[str, Any]]:
     """One image's kept rows (in its own pixels) as answers list them, best first: ``{"box", "label", "index",
     "score"}``, the box in ``options``' format (a class past the labels is named by its index)."""
     boxes = formatted(kept[:, :4], options.box_format, where.width, where.height, options.normalized).tolist()

@@ -25,7 +25,7 @@ from typing import Final, Literal
 
 import numpy as np
 
-from service.core.boxes import DetectOptions, suppress
+from service.core.boxes import Suppression, suppress
 from service.core.errors import ConfigError
 
 Layout = Literal["candidates", "yolo", "yolov5", "end2end", "efficientnms"]
@@ -155,7 +155,7 @@ def select(rows: np.ndarray, score_threshold: float, classes: Sequence[int] | No
     return rows[np.argsort(-rows[:, 4], kind="stable")[:most]]
 
 
-def keep(layout: str | None, rows: np.ndarray, options: DetectOptions) -> np.ndarray:
+def keep(layout: str | None, rows: np.ndarray, options: Suppression) -> np.ndarray:
     """One image's rows as the server keeps them: suppressed with ``options``, or, where the graph suppressed them
     itself, only selected (every path: the image API, v2, streams, the in-process client)."""
     if suppresses(layout):

@@ -189,7 +189,7 @@ def _check_torchscript(path: Path, spec: ModelSpec, deep: bool) -> None:
     except Exception as exc:
         raise ConfigError(f"{path} does not run on a uint8 batch of the spec's shape: {exc}") from exc
     width = shape[-1]
-    if spec.task == "detect" and spec.output_layout is not None:  # a detector: its output held to its layout
+    if spec.output_layout is not None:  # a detector: its output held to its layout
         check_outputs(spec.output_layout, {"output": shape}, spec.num_classes)
     elif width != spec.num_classes:
         raise ConfigError(f"labels in spec.json count {spec.num_classes} classes but {path} outputs {width} logits")

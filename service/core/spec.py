@@ -14,12 +14,12 @@ import msgspec
 
 from service.core.errors import ConfigError
 from service.core.layouts import LAYOUTS, Layout
+from service.core.tasks import TASKS
 
 SPEC_FILE = "spec.json"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Interpolation = Literal["bilinear", "bicubic", "nearest"]
-Task = Literal["classify", "detect"]
 # How an image is brought to the input's size: ``center_crop`` resizes the shorter side to ``resize_size`` and crops
 # the centre (torchvision's classification transform); ``letterbox`` keeps the aspect, scales the image to fit the
 # input and centres it on ``pad_value``; ``stretch`` scales each axis to the input's, aspect not kept.
@@ -145,7 +145,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     labels: tuple[str, ...]
     exports: tuple[ExportRecord, ...] = ()
     format_version: Literal[1] = 1
-    task: Task = "classify"
+    task: str = "classify"
     resize: Resize = "center_crop"
     pad_value: Annotated[int, msgspec.Meta(ge=0, le=255)] = 114
     output_layout: OutputLayout | None = None  # a detector's; None for a classifier
@@ -161,10 +161,14 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError(f"std values must be > 0, got {list(self.std)}")
         if not self.labels:
             raise ValueError("labels must hold at least one class name")
-        if self.task == "detect" and self.output_layout is None:
-            raise ValueError(f'a detector (task "detect") needs output_layout: one of {", ".join(LAYOUTS)}')
-        if self.task != "detect" and self.output_layout is not None:
-            raise ValueError(f'output_layout is for detectors (task "detect"), got it on task {self.task!r}')
+        task = TASKS.get(self.task)
+        if task is None:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        readers = " or ".join(repr(name) for name, t in TASKS.items() if t.layouts)
+        if task.layouts and self.output_layout is None:
+            raise ValueError(f"a detector (task {self.task!r}) needs output_layout: one of {', '.join(LAYOUTS)}")
+        if not task.layouts and self.output_layout is not None:
+            raise ValueError(f"output_layout is for detectors (task {readers}), got it on task {self.task!r}")
         if self.resize == "center_crop" and self.resize_size < max(self.input.height, self.input.width):
             raise ValueError(
                 f"resize_size ({self.resize_size}) must be >= the crop "

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core.comparison import verdict
 from service.core.config import RolloutConfig
 from service.core.errors import (
     BadInputError,
@@ -37,9 +38,8 @@ from service.core.errors import (
     VisionServeError,
 )
 from service.core.repository import ModelEntry, ModelRepository
+from service.core.tasks import task_for
 from service.engine.batcher import InferRequest, InferResult
-from service.engine.box_comparison import BoxComparison
-from service.engine.comparison import Comparison, verdict
 from service.engine.model import ModelEngine
 from service.engine.ondemand import Residency
 from service.engine.residency import Charge
@@ -133,7 +133,7 @@ class Rollouts:
         engines = self.table.models[name]
         _check_judged(engines[primary], engines[candidate])
         spec = engines[primary].spec
-        rollout = Rollout(name, primary, candidate, config, list(spec.labels), comparison_for(spec, config))
+        rollout = Rollout(name, primary, candidate, config, list(spec.labels), task_for(spec).comparison(config))
         self.by_model[name] = rollout
         self.serving[name] = primary
         self._save(rollout)
@@ -392,14 +392,6 @@ class Rollouts:
         entry = self.table.configs.get(rollout.model)
         if entry is not None:
             write_state(rollout, entry.path)
-
-
-def comparison_for(spec: Any, config: RolloutConfig) -> Comparison:
-    """What a rollout of ``spec``'s model compares: top-1 classes, or a detector's boxes."""
-    if spec.task == "detect":
-        return BoxComparison(list(spec.labels), confidence=config.confidence, min_box_f1=config.min_box_f1,
-                             layout=spec.output_layout, max_detections=spec.max_detections)  # fmt: skip
-    return Comparison(list(spec.labels), confidence=config.confidence)
 
 
 def _check_judged(primary: ModelEngine, candidate: ModelEngine) -> None:

@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 
+from service.core.comparison import Comparison
 from service.core.config import RolloutConfig, parse_config
 from service.core.errors import BadInputError, ConfigError
-from service.engine.comparison import Comparison
 
 log = logging.getLogger("visionserve.rollout")
 

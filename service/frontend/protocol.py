@@ -44,12 +44,12 @@ import msgspec
 import numpy as np
 
 from service.core.errors import BadInputError, ForbiddenError, NotFoundError, PayloadTooLargeError
+from service.core.parameters import version_number
 from service.core.status import SERVING_STATES
-from service.frontend.parameters import version_number
+from service.core.tasks import Want, fields
 from service.frontend.request import IMAGE, IMAGE_SUFFIX, TENSOR, Ask, Named
 from service.frontend.request import resolve as resolve  # the path resolves; metadata and readiness too
 from service.frontend.state import ModelSlot, ServerState
-from service.frontend.tasks import Want
 
 log = logging.getLogger("visionserve.protocol")
 
@@ -142,6 +142,8 @@ def model_config(named: Named) -> dict[str, Any]:
         "max_batch_size": config.max_batch_size,
         "input": [tensor],
         "output": [{"name": o.name, "data_type": f"TYPE_{o.datatype}", "dims": o.dims} for o in slot.task.outputs()],
+        # The request parameters the model's task takes, each described (Triton's config has a place for them).
+        "parameters": {f.name: {"string_value": f.described} for f in fields(slot.task.Options) if f.v2},
         "dynamic_batching": {
             "preferred_batch_size": list(config.preferred_batch_sizes),
             "max_queue_delay_microseconds": int(config.max_queue_delay_ms * 1000),

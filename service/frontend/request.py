@@ -23,10 +23,10 @@ import numpy as np
 from service.core.boxes import Transform
 from service.core.decoding import Decoded
 from service.core.errors import VisionServeError
+from service.core.parameters import version_number
 from service.core.status import InferResult
-from service.frontend.parameters import version_number
+from service.core.tasks import OutputTensor, Want
 from service.frontend.state import ModelSlot, ServerState
-from service.frontend.tasks import OutputTensor, Want
 from service.frontend.timing import Timing
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ class Named:
 
 def resolve(server: ServerState, name: str, version: int | str | None = None) -> Named:
     """The slot behind ``name`` (``m`` or ``m.image``); NotFoundError as ``server.slot``, BadInputError for a version
-    that is not one (:func:`~service.frontend.parameters.version_number`)."""
+    that is not one (:func:`~service.core.parameters.version_number`)."""
     number = version_number(version)
     if name.endswith(IMAGE_SUFFIX) and name not in server.slots and name[: -len(IMAGE_SUFFIX)] in server.slots:
         return Named(server.slot(name[: -len(IMAGE_SUFFIX)], number), name, IMAGE)

@@ -38,9 +38,9 @@ from service.core.settings import ServerSettings
 from service.core.spec import ModelSpec, decode_spec
 from service.core.status import EngineState, InferResult
 from service.core.stream_metrics import STREAM_AGE_BUCKETS, StreamState, empty_ages
+from service.core.tasks import Task, task_for
 from service.frontend.exposition import merge_exposition
 from service.frontend.link import EngineLink, Linker
-from service.frontend.tasks import Task, task_for
 from service.frontend.timing import Timing
 from service.transport.client import UNAVAILABLE
 from service.transport.messages import Catalog, ModelInfo, Snapshot

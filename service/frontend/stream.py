@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,19 +29,15 @@ from service.core.boxes import Transform
 from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError, shown
 from service.core.spec import ModelSpec
 from service.core.stream_metrics import STREAM_OUTCOMES
-from service.frontend.detect_options import detect_options
-from service.frontend.parameters import MAX_TOP_K
+from service.core.tasks import Want
 from service.frontend.request import Answer, Ask, Expired, Target, run
 from service.frontend.state import ModelSlot
-from service.frontend.tasks import Detect, Want
 from service.frontend.timing import Timing
 
 log = logging.getLogger("visionserve.stream")
 
 DEFAULT_MAX_AGE_MS = 500.0
 MAX_AGE_LIMIT_MS = 60_000.0
-DEFAULT_TOP_K = 5
-_INTEGER_TEXT = re.compile(r"[+-]?[0-9]{1,19}")  # int() of longer text is slow, or a ValueError past 4300 digits
 OUTCOMES = STREAM_OUTCOMES  # a frame's fate: every frame gets exactly one
 
 
@@ -83,7 +78,7 @@ class FrameStream:
     (a dict, docs/streams.md): a result holds what the stream's ``want`` asks for (a classifier's ``predictions``,
     its ``top_k``; a detector's ``detections``, with its suppression options, and the frame's ``width`` and
     ``height``) or, for a frame that says what it wants (:attr:`Frame.want`), its v2 ``outputs``
-    (:class:`~service.frontend.tasks.OutputTensor`, never JSON); ``on_outcome(outcome, age_s)`` hears of each frame's
+    (:class:`~service.core.tasks.OutputTensor`, never JSON); ``on_outcome(outcome, age_s)`` hears of each frame's
     fate (the metrics)."""
 
     def __init__(
@@ -100,8 +95,7 @@ class FrameStream:
         self.slot = where.slot
         self.emit = emit
         self.max_age_ms = max_age_ms
-        self.want = want or Want(top_k=DEFAULT_TOP_K)
-        self.detects = self.slot.task.name == "detect"
+        self.want = want or Want()
         self.on_outcome = on_outcome
         self.protocol = protocol
         self.counts = StreamCounts()
@@ -215,15 +209,10 @@ class FrameStream:
             "queue": round(timing.queue_s * 1000.0, 3),
             "compute": round(timing.compute_s * 1000.0, 3),
         }
-        held: dict[str, Any] = {}
         if ask.want.outputs:
-            held["outputs"] = answer.tensors
-        elif self.detects:
-            shown = ask.transforms[0] if ask.transforms else None
-            assert shown is not None  # a frame that decoded has its transform (the boxes' image)
-            held.update(detections=answer.predictions[0] or [], width=shown.width, height=shown.height)
-        elif ask.want.top_k:
-            held["predictions"] = answer.predictions[0]
+            held: dict[str, Any] = {"outputs": answer.tensors}
+        else:
+            held = self.slot.task.fields(answer.predictions[0] or [], ask.transforms[0] if ask.transforms else None)
         self._answer(frame, "result", version=answer.version, **held, timings_ms=timings)
 
     # ---- answers ----------------------------------------------------------------------------------------------
@@ -255,30 +244,7 @@ def stream_max_age(value: Any) -> float:
     return age
 
 
-# A detector's stream options, as the detect route names them (a classifier's is ``top_k``).
-DETECT_OPTIONS = ("score_threshold", "iou_threshold", "max_detections", "classes", "class_agnostic", "box_format",
-                  "normalized")  # fmt: skip
-
-
-def stream_want(slot: ModelSlot, options: Mapping[str, Any]) -> Want:
-    """What each frame's answer holds, from a stream's (or a source's) options, each checked (BadInputError names
-    it): a classifier's ``top_k`` predictions, or a detector's detections under the detect route's options
-    (:func:`~service.frontend.detect_options.detect_options`), those of :data:`DETECT_OPTIONS` given."""
-    if slot.spec.task != "detect":
-        return Want(top_k=stream_top_k(options.get("top_k")))
-    if isinstance(slot.task, Detect):  # a graph that suppresses its own boxes refuses the suppression's options
-        slot.task.refuse_suppression([name for name in ("iou_threshold", "class_agnostic") if name in options])
-    found = {("box_format_" if k == "box_format" else k): v for k, v in options.items() if k in DETECT_OPTIONS}
-    return Want(detect=detect_options(slot.spec.labels, **found))
-
-
-def stream_top_k(value: Any) -> int:
-    """A classifier's stream's (or source's) ``top_k``, checked (BadInputError names it): default 5, an integer from
-    1 to :data:`MAX_TOP_K` (the classify route's bound), or its text (a query's); a float only where it is whole."""
-    if value is None or value == "":
-        return DEFAULT_TOP_K
-    whole = isinstance(value, float) and value.is_integer()  # False for NaN and the infinities
-    k = int(value) if whole or (isinstance(value, str) and _INTEGER_TEXT.fullmatch(value.strip())) else value
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_TOP_K:
-        raise BadInputError(f"top_k must be an integer from 1 to {MAX_TOP_K}, got {shown(value)}")
-    return k
+def stream_want(slot: ModelSlot, options: Mapping[str, Any], text: bool = False) -> Want:
+    """What each frame's answer holds, from a stream's (or a source's) options: the model's task's options, each
+    checked (BadInputError names it); ``text``: a query's text."""
+    return Want(options=slot.task.options(options, text=text))

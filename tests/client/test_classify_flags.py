@@ -52,5 +52,5 @@ def test_the_help_states_each_range(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["classify", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for said in ("classes per image, 1 to 1000", "1 to 1024", "1 to 4096", "at most 86400"):
+    for said in ("classes per image: an integer from 1 to 1000", "1 to 1024", "1 to 4096", "at most 86400"):
         assert said in text, text

@@ -31,12 +31,13 @@ import service.frontend.http  # noqa: F401  (before service.frontend.grpc, which
 from service.cli import build_parser
 from service.core.arguments import integer_in, number_in
 from service.core.errors import BadInputError, NotFoundError, VisionServeError
+from service.core.parameters import MAX_INT, MAX_TIMEOUT_MS, classification_k, request_options, version_number
 from service.core.protocol import pb
+from service.core.tasks import Classify
 from service.frontend.grpc.servicer import parameter_values
 from service.frontend.http.errors import handle_http, handle_ours, handle_unexpected
-from service.frontend.http.image_api import classify
+from service.frontend.http.image_api import image_route
 from service.frontend.http.v2 import parse_infer
-from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS, classification_k, request_options, version_number
 from tests.fuzz.conftest import FUZZ, outcome
 from tests.fuzz.test_multipart import AsgiClient
 
@@ -201,7 +202,7 @@ class NoModels:
 
 
 APP = Litestar(
-    route_handlers=[classify],
+    route_handlers=[image_route(Classify)],
     exception_handlers={VisionServeError: handle_ours, HTTPException: handle_http, Exception: handle_unexpected},
     state=State({"server": NoModels()}),
     debug=False,

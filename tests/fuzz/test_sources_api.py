@@ -19,13 +19,14 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from service.frontend.sources.registry import CHANGEABLE, CLASSIFY_KEYS, COMMON_KEYS, DETECT_KEYS
+from service.frontend.sources.registry import COMMON_KEYS, changeable, task_keys
 from service.inprocess import InProcessServer
 from tests.fuzz.conftest import AUTH, NO_SURROGATES, fewer
 
 pytest.importorskip("av", reason="sources need PyAV (the video extra)")
 
-FIELDS = (*COMMON_KEYS, *CLASSIFY_KEYS, *DETECT_KEYS)
+FIELDS = (*COMMON_KEYS, *task_keys())
+CHANGEABLE = changeable()
 HUGE = "1" * 4301  # one digit past what int() reads
 # JSON literals no number field takes, as Python's json and a hand write them.
 ODD_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-999", HUGE, "-" + HUGE, str(2**64), "-0",

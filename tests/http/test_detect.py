@@ -214,14 +214,14 @@ def test_a_heavy_answer_is_streamed_in_pieces_as_the_same_json(
 ) -> None:
     """Past ENCODED_HERE boxes the route writes its JSON itself, a piece an image (tests/http/test_event_loop.py:
     the heaviest answer off the event loop): the bytes a client reads are the ones litestar would have written."""
-    from service.frontend.http import detect_api
+    from service.frontend.http import image_api
 
     good = encoded(upright(50, 70, (10, 10, 30, 40)))
     files = [("a", ("a.png", good, "image/png")), ("b", ("b.png", b"no image", "image/png")),
              ("c", ("c.png", good, "image/png"))]  # fmt: skip
     with detector.client() as client:
         whole = client.post("/v1/models/bright/detect?score_threshold=0.05", files=files)
-        monkeypatch.setattr(detect_api, "ENCODED_HERE", 0)  # every answer with a box is "heavy"
+        monkeypatch.setattr(image_api, "ENCODED_HERE", 0)  # every answer with a box is "heavy"
         pieces = client.post("/v1/models/bright/detect?score_threshold=0.05", files=files)
     assert whole.status_code == pieces.status_code == 200, pieces.text
     assert pieces.content == whole.content and pieces.json()["results"][0]["detections"], pieces.text

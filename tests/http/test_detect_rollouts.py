@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from service import launcher
-from service.engine.box_comparison import box_f1
+from service.core.tasks.box_comparison import box_f1
 from tests.export.test_outside_detectors import BrightRows
 from tests.http.conftest import ADMIN_TOKEN, stop_server
 from tests.http.test_detect import IN_H, IN_W, LABELS, encoded, upright

@@ -122,9 +122,9 @@ def test_the_detect_routes_options_shape_each_frames_answer(served: RunningServe
 @pytest.mark.parametrize(
     ("query", "message"),
     [
-        ("score_threshold=2", "score_threshold must be a number from 0 to 1, got 2.0"),
+        ("score_threshold=2", "score_threshold must be a number from 0 to 1, got '2'"),
         ("score_threshold=high", "score_threshold must be a number from 0 to 1, got 'high'"),
-        ("max_detections=0", "max_detections must be an integer from 1 to 10000, got 0"),
+        ("max_detections=0", "max_detections must be an integer from 1 to 10000, got '0'"),
         ("classes=seven", "classes: unknown class 'seven'"),
         ("box_format=xxyy", "box_format must be one of xyxy, xywh, cxcywh"),
         ("class_agnostic=maybe", "class_agnostic must be true or false, got 'maybe'"),

@@ -21,11 +21,11 @@ import pytest
 from litestar.response import Stream
 
 from service.core.answers import DetectResponse
-from service.core.boxes import DetectOptions, Transform
+from service.core.boxes import Transform
 from service.core.status import InferResult
+from service.core.tasks import Detect, DetectOptions, Want
 from service.frontend import request
-from service.frontend.http.detect_api import detect_answer
-from service.frontend.tasks import Detect, Want
+from service.frontend.http.image_api import image_answer
 from service.frontend.timing import Timing
 
 IMAGES, ANCHORS, CLASSES = 64, 8400, 80
@@ -54,7 +54,7 @@ def heavy_request(monkeypatch: pytest.MonkeyPatch) -> tuple[request.Target, requ
         return result
 
     monkeypatch.setattr(request, "_infer", infer)
-    want = Want(detect=DetectOptions(score_threshold=0.0, max_detections=10_000))
+    want = Want(options=DetectOptions(score_threshold=0.0, max_detections=10_000))
     ask = request.Ask(want, pixels=np.zeros((IMAGES, 3, 640, 640), np.uint8))
     ask.transforms = [Transform(640, 640)] * IMAGES  # as decoding sets them: the boxes map back to 640x640 images
     return request.Target(slot, "yolo", request.TENSOR), ask  # type: ignore[arg-type]
@@ -81,7 +81,7 @@ def test_the_heaviest_detection_answer_does_not_hold_the_event_loop(monkeypatch:
     where, ask = heavy_request(monkeypatch)
 
     def encode(answer: request.Answer) -> DetectResponse | Stream:  # the detect route's own encoder
-        return detect_answer(answer, [None] * IMAGES)
+        return image_answer(answer, [None] * IMAGES)
 
     async def main() -> tuple[list[float], DetectResponse | Stream, float]:
         lags: list[float] = []

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,8 +16,8 @@ import pytest
 
 from service.core.errors import BadInputError, VisionServeError
 from service.core.status import InferResult
+from service.core.tasks import Classify, ClassifyOptions, OutputTensor, Want, Wanted
 from service.frontend import request as path
-from service.frontend.tasks import Classify, OutputTensor, Want, Wanted
 from service.frontend.timing import Timing
 
 LABELS = ("cat", "dog", "owl")
@@ -32,7 +33,7 @@ class FakeSlot:
 
     name = "m"
     version = Version()
-    task = Classify(LABELS, len(LABELS))
+    task = Classify(SimpleNamespace(labels=LABELS, num_classes=len(LABELS)))  # type: ignore[arg-type]
 
     def __init__(self, answered: int = 0, row_errors: list[VisionServeError | None] | None = None) -> None:
         self.answered = answered
@@ -65,21 +66,23 @@ def run(slot: FakeSlot, ask: path.Ask, observe: str | None = None) -> path.Answe
 
 
 def test_classify_builds_logits_and_classification_outputs_alike_for_every_wire() -> None:
-    task = Classify(LABELS, len(LABELS))
+    task = Classify(SimpleNamespace(labels=LABELS, num_classes=len(LABELS)))  # type: ignore[arg-type]
     wanted = task.wanted([("LOGITS", {}), ("LOGITS", {"classification": 9, "binary_data": True})])
     assert wanted == (Wanted("LOGITS"), Wanted("LOGITS", 3, True))  # k capped at the classes, as Triton caps it
-    post = task.postprocess(InferResult({"logits": LOGITS}, [None, None]), Want(wanted, top_k=1))
+    post = task.postprocess(InferResult({"logits": LOGITS}, [None, None]), Want(wanted))
     logits, strings = post.tensors
     assert (logits.datatype, logits.shape, logits.values()) == ("FP32", [2, 3], LOGITS.ravel().tolist())
     assert logits.raw() == LOGITS.astype("<f4").tobytes()
     assert (strings.datatype, strings.shape) == ("BYTES", [2, 3])
     assert strings.values()[0] == "2.000000:1:dog" and strings.values()[3] == "3.000000:0:cat"
     assert strings.raw().startswith(len(b"2.000000:1:dog").to_bytes(4, "little") + b"2.000000:1:dog")
-    assert [p[0]["label"] for p in post.predictions] == ["dog", "cat"]
+    assert post.predictions == []  # v2 outputs asked: no rows
+    rows = task.postprocess(InferResult({"logits": LOGITS}, [None, None]), Want(options=ClassifyOptions(top_k=1)))
+    assert [p[0]["label"] for p in rows.predictions] == ["dog", "cat"]
 
 
 def test_an_unknown_output_or_a_bad_k_is_refused_before_any_work() -> None:
-    task = Classify(LABELS, len(LABELS))
+    task = Classify(SimpleNamespace(labels=LABELS, num_classes=len(LABELS)))  # type: ignore[arg-type]
     with pytest.raises(BadInputError, match="unknown output 'BOXES'"):
         task.wanted([("BOXES", {})])
     with pytest.raises(BadInputError, match=r"outputs\[0\].parameters.classification must be"):
@@ -89,13 +92,16 @@ def test_an_unknown_output_or_a_bad_k_is_refused_before_any_work() -> None:
 
 def test_the_answer_names_the_version_that_computed_it() -> None:
     slot = FakeSlot(answered=2)  # a canary's candidate answered for version 1
-    assert run(slot, path.Ask(Want(top_k=1), pixels=np.zeros((1, 3, 2, 2), np.uint8))).version == 2
+    assert (
+        run(slot, path.Ask(Want(options=ClassifyOptions(top_k=1)), pixels=np.zeros((1, 3, 2, 2), np.uint8))).version
+        == 2
+    )
     assert path.answered_version(slot, 0) == 1  # 0: the version asked
 
 
 def test_each_image_is_answered_in_its_place_when_asked_so() -> None:
     slot = FakeSlot()
-    answer = run(slot, path.Ask(Want(top_k=1), [b"ok", b"bad", b"ok"], each=True))
+    answer = run(slot, path.Ask(Want(options=ClassifyOptions(top_k=1)), [b"ok", b"bad", b"ok"], each=True))
     assert slot.batches == [2]  # only the decoded images are computed
     assert [str(e) if e else None for e in answer.errors] == [None, "not an image", None]
     assert answer.predictions[1] is None and answer.predictions[0] and answer.predictions[2]
@@ -113,7 +119,11 @@ def test_a_bad_image_fails_the_whole_request_naming_it_or_not() -> None:
 
 def test_a_frame_is_observed_at_the_engine_step_and_expires_after_its_decode() -> None:
     slot = FakeSlot()
-    answer = run(slot, path.Ask(Want(top_k=2), [b"ok"], each=True, expires=time.perf_counter() + 60), "stream")
+    answer = run(
+        slot,
+        path.Ask(Want(options=ClassifyOptions(top_k=2)), [b"ok"], each=True, expires=time.perf_counter() + 60),
+        "stream",
+    )
     assert slot.observed == ["stream"] and len(answer.predictions[0] or []) == 2
     with pytest.raises(path.Expired) as expired:
         run(slot, path.Ask(Want(), [b"ok"], each=True, expires=time.perf_counter() - 1), "stream")

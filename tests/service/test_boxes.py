@@ -11,7 +11,6 @@ from PIL import Image
 
 from service.core.boxes import (
     BLOCK,
-    DetectOptions,
     Transform,
     formatted,
     letterbox_transform,
@@ -21,6 +20,7 @@ from service.core.boxes import (
 )
 from service.core.preprocess import decode_transformed, open_image
 from service.core.spec import InputSpec, ModelSpec
+from service.core.tasks import DetectOptions
 
 SIZES = [(37, 201), (301, 53), (7, 9), (1, 1), (3000, 4000), (4000, 3000), (4000, 17), (480, 640)]  # (height, width)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.core.comparison import Comparison, verdict, wilson
 from service.core.config import RolloutConfig
-from service.engine.comparison import Comparison, verdict, wilson
 
 LABELS = [str(i) for i in range(10)]
 

@@ -9,9 +9,10 @@ import torch
 import torchvision
 
 from service.bench.detect import yolo_head
-from service.core.boxes import DetectOptions, suppress
+from service.core.boxes import suppress
 from service.core.errors import ConfigError
 from service.core.layouts import check_outputs, image_rows, select, top_rows
+from service.core.tasks import DetectOptions
 
 ROWS = np.array([[10, 20, 30, 60, 0.9, 2], [0, 0, 5, 5, 0.2, 0], [40, 40, 50, 50, 0.6, 1]], dtype=np.float32)
 

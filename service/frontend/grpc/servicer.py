@@ -24,16 +24,16 @@ import grpc
 from google.protobuf import json_format
 
 from service.core.errors import BadInputError, NotFoundError, OverloadedError, VisionServeError
+from service.core.parameters import load_config, request_options
 from service.core.protocol import SERVICE, config_pb, pb
+from service.core.tasks import Want
 from service.frontend import protocol
 from service.frontend import request as path
 from service.frontend.grpc import wire
 from service.frontend.grpc.stream_call import StreamCall
 from service.frontend.grpc.wire import Context
 from service.frontend.grpc.wire import parameter_values as parameter_values  # the tests' and tools' name for it
-from service.frontend.parameters import load_config, request_options
 from service.frontend.state import ServerState
-from service.frontend.tasks import Want
 from service.frontend.timing import Timing
 
 log = logging.getLogger("visionserve.grpc")
@@ -137,7 +137,7 @@ class InferenceServicer:
             params = wire.parameter_values(request.parameters)
             priority, timeout_ms = request_options(params)
             task = where.slot.task
-            want = Want(task.wanted(wire.wanted(request)), detect=task.options(params))
+            want = Want(task.wanted(wire.wanted(request)), task.options(params, where="parameters.", v2=True))
             remaining_s = context.time_remaining()
             if remaining_s is not None:  # the client's own gRPC deadline bounds the wait in the queue too
                 timeout_ms = min(timeout_ms or float("inf"), max(remaining_s, 0.0) * 1000)

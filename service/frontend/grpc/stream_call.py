@@ -13,13 +13,13 @@ import grpc
 
 from service.core.errors import BadInputError, VisionServeError
 from service.core.protocol import pb
+from service.core.tasks import Want, fields
 from service.frontend import protocol
 from service.frontend import request as path
 from service.frontend.grpc import wire
 from service.frontend.outbox import StreamSession
 from service.frontend.state import ServerState
-from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_top_k
-from service.frontend.tasks import Want
+from service.frontend.stream import Frame, FrameStream, stream_max_age
 
 
 class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
@@ -39,7 +39,7 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
         self.context = context
         self.refused: VisionServeError | None = None
         self._model = ("", "")
-        self._top_k: int | None = None  # the first frame's top_k, when it gave one (a classifier's)
+        self._outputs: list[tuple[str, dict[str, Any]]] = []  # a frame naming no output: the stream's (top_k's)
         self._open = contextlib.ExitStack()
 
     async def serve(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
@@ -77,9 +77,7 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
                 )
             task, params = stream.slot.task, wire.parameter_values(request.parameters)
             named = wire.wanted(request)
-            if not named and self._top_k is not None:  # the stream's top_k: the k best of each output
-                named = [(output.name, {"classification": self._top_k}) for output in task.outputs()]
-            want = Want(task.wanted(named), detect=task.options(params))
+            want = Want(task.wanted(named or self._outputs), task.options(params, where="parameters.", v2=True))
             image = _frame_image(request)
         except VisionServeError as exc:
             stream.reject(request.id, client_ts, str(exc))
@@ -89,14 +87,15 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
     def _start(self, request: pb.ModelInferRequest, params: dict[str, Any]) -> FrameStream:
         where = path.target(self.server, request.model_name, request.model_version, wire.metadata(self.context))
         max_age_ms = stream_max_age(params.get("max_age_ms"))
-        # Each frame says what its answer holds (its outputs, a detector's thresholds): the stream's want is only
-        # a classifier's top_k, checked as the WebSocket checks it.
-        want = None if where.slot.task.name == "detect" else Want(top_k=stream_top_k(params.get("top_k")))
-        # Given, it is what a frame naming no output is answered with: the classification extension's k best, as
-        # "score:index:label" strings (it was checked here and then left unused: each frame answered LOGITS).
-        self._top_k = want.top_k if want is not None and "top_k" in params else None
+        # Each frame says what its answer holds (its outputs, a detector's thresholds); the stream's options, checked
+        # as the WebSocket checks them, say which outputs a frame naming none is answered with (a classifier's
+        # top_k: the classification extension's k best; it was once checked here and then left unused).
+        per_frame = {f.name for f in fields(where.slot.task.Options) if f.v2}  # each frame's own, its error alone
+        stream_wide = {k: v for k, v in params.items() if k not in per_frame}
+        options = where.slot.task.options(stream_wide, where="parameters.", text=True)
+        self._outputs = where.slot.task.named_outputs(options, params)
         stream = FrameStream(
-            where, self.emit, max_age_ms=max_age_ms, want=want, on_outcome=self.server.stream_outcome(where.slot.name)
+            where, self.emit, max_age_ms=max_age_ms, on_outcome=self.server.stream_outcome(where.slot.name)
         )
         self._open.enter_context(self.server.stream_open(where.slot.name, self))
         self._model = (request.model_name, request.model_version)

@@ -7,8 +7,8 @@ from typing import Any
 
 from service.core.errors import BadInputError
 from service.core.protocol import pb
+from service.core.tasks import OutputTensor
 from service.frontend.protocol import Tensor
-from service.frontend.tasks import OutputTensor
 
 # Typed contents per datatype: the InferTensorContents field that carries it.
 CONTENTS = {"UINT8": "uint_contents", "FP32": "fp32_contents", "BYTES": "bytes_contents"}
@@ -19,7 +19,7 @@ Context = Any
 
 def parameter_values(params: Any) -> dict[str, Any]:
     """A protobuf map of InferParameter as plain Python values (an int64, uint64 or double as the number it holds,
-    unchecked: :mod:`service.frontend.parameters` checks each against its range)."""
+    unchecked: :mod:`service.core.parameters` checks each against its range)."""
     out: dict[str, Any] = {}
     for key, value in params.items():
         which = value.WhichOneof("parameter_choice")

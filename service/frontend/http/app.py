@@ -18,9 +18,8 @@ from service.core.metrics import CONTENT_TYPE
 from service.core.settings import ServerSettings
 from service.frontend.grpc import start_grpc
 from service.frontend.http.control import ROUTES as CONTROL_ROUTES
-from service.frontend.http.detect_api import detect
 from service.frontend.http.errors import handle_http, handle_ours, handle_unexpected
-from service.frontend.http.image_api import classify
+from service.frontend.http.image_api import IMAGE_ROUTES
 from service.frontend.http.openapi_ui import swagger_asset, swagger_plugin
 from service.frontend.http.page import docs, index, list_models
 from service.frontend.http.sources_api import ROUTER as SOURCES_ROUTER
@@ -109,8 +108,7 @@ def create_app(
 
     app = Litestar(
         route_handlers=[
-            classify,
-            detect,
+            *IMAGE_ROUTES,
             stream,
             index,
             docs,

@@ -15,10 +15,10 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.types import ControllerRouterHandler
 
 from service.core.errors import BadInputError
+from service.core.parameters import flag, load_config
 from service.frontend import protocol
 from service.frontend.http.image_api import ERROR_RESPONSES, server_of
 from service.frontend.http.v2 import MODEL, Model
-from service.frontend.parameters import flag, load_config
 from service.frontend.state import ServerState
 
 

@@ -1,29 +1,40 @@
-"""The image API: ``POST /v1/models/{m}/classify?top_k=5`` with a raw image body or multipart files.
+"""The image API: ``POST /v1/models/{m}/{task}`` (``classify?top_k=5``, ``detect?score_threshold=0.5``, one route
+for each task of :mod:`service.core.tasks`) with a raw image body or multipart files; its queries are the task's
+options, read and described from their one declaration.
 
-One result per image, in order: its top-k ``{"label", "index", "score"}`` (softmax scores) or its own ``error``.
+One result per image, in order: the task's answer (a classifier's top-k ``{"label", "index", "score"}``, a
+detector's ``width``, ``height`` and ``detections`` in the image's own pixels) or its own ``error``. A request on
+the route of another task is refused (400) naming the route that fits.
 A raw body that is not a usable image fails the request (400, or 415 for a media type we do not take); in a
 multipart request each bad file fails alone.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, post
+from litestar.enums import MediaType, ParamType
+from litestar.handlers import HTTPRouteHandler
 from litestar.openapi.datastructures import ResponseSpec
+from litestar.openapi.spec import OpenAPIType, Operation, Schema
+from litestar.openapi.spec import Parameter as OpenAPIParameter
 from litestar.params import FromPath, Parameter, PathParameter
+from litestar.response import Stream
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser  # type: ignore[import-untyped]
 
-from service.core.answers import ClassifyResponse, ImageResult, Prediction
 from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
+from service.core.parameters import MAX_INT, MAX_TIMEOUT_MS
+from service.core.tasks import TASKS, Field, Task, Want, fields
+from service.core.tasks.options import read
 from service.frontend import request as path
-from service.frontend.http.validation import integer_queries
-from service.frontend.parameters import MAX_INT, MAX_TIMEOUT_MS, MAX_TOP_K
-from service.frontend.state import ModelSlot, ServerState
-from service.frontend.tasks import Want
+from service.frontend.http.validation import integer_queries, record_refused
+from service.frontend.state import ServerState
 from service.frontend.timing import Timing
 
+QUERY = " (query parameter)"
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp")
 
 
@@ -63,16 +74,6 @@ def server_of(request: Request[Any, Any, Any]) -> ServerState:
 def timing_of(request: Request[Any, Any, Any]) -> Timing:
     timing: Timing = request.scope["state"]["timing"]
     return timing
-
-
-def require_task(slot: ModelSlot, task: str, route: str) -> None:
-    """Refuse a request on the route of another task, naming the route that fits the model."""
-    if slot.spec.task != task:
-        fits = "detect" if slot.spec.task == "detect" else "classify"
-        raise BadInputError(
-            f"model {slot.name!r} is a {slot.spec.task} model: {route} does not fit it; "
-            f"POST /v1/models/{slot.name}/{fits} instead"
-        )
 
 
 async def read_images(request: Request[Any, Any, Any], limit: int) -> tuple[list[bytes], list[str | None], bool]:
@@ -127,45 +128,128 @@ async def _form_files(request: Request[Any, Any, Any], boundary: str | None) -> 
     return images, names
 
 
-@post(
-    ["/v1/models/{model:str}/classify", "/v1/models/{model:str}/versions/{version:str}/classify"],
-    summary="Classify images",
-    description="Raw image body (image/jpeg, image/png, image/webp, image/bmp) or multipart/form-data files. "
-    "One result per image, in order; a bad file in a multipart request gets its own error.",
-    status_code=200,
-    tags=["image API"],
-    responses=ERROR_RESPONSES,
-    opt={"records_requests": True},  # a request refused by parameter validation still counts (validation.py)
-    guards=[integer_queries],
-)
-async def classify(
-    request: Request[Any, Any, Any],
-    model: FromPath[str],
-    version: Annotated[str | None, PathParameter()] = None,
-    top_k: Annotated[int, Parameter(ge=1, le=MAX_TOP_K, description="classes per image")] = 5,
-    priority: PriorityQuery = 0,
-    timeout_ms: TimeoutQuery = None,
-) -> ClassifyResponse:
-    # The ranges above are refused by litestar before this runs (a 400 worded by validation.py); NaN fails "> 0",
-    # the infinities and 1e400 fail "<=", and nothing past int64 reaches the transport.
-    server = server_of(request)
-    where = path.target(server, model, version, request.headers, aliases=False)
-    names: list[str | None] = []
+def image_route(task: type[Task]) -> HTTPRouteHandler:
+    """``POST /v1/models/{m}/{task}``: the image API of one task, its queries read from the task's options (and
+    listed in the OpenAPI schema from the same declaration)."""
 
-    async def parse(where: path.Target) -> path.Ask:
-        require_task(where.slot, "classify", "/classify")
-        images, found, single = await read_images(request, server.settings.max_images_per_request)
-        names.extend(found)
-        # A raw body is the whole request: its image's failure is the request's (400, 500, 504, ...).
-        return path.Ask(Want(top_k=top_k), images, priority=priority, timeout_ms=timeout_ms, each=not single)
+    async def route(
+        request: Request[Any, Any, Any],
+        model: FromPath[str],
+        version: Annotated[str | None, PathParameter()] = None,
+        priority: PriorityQuery = 0,
+        timeout_ms: TimeoutQuery = None,
+    ) -> Any:
+        # priority and timeout_ms are refused by litestar before this runs (a 400 worded by validation.py); the
+        # task's options by the task, from the same query.
+        server = server_of(request)
+        values = query_values(request, task)
+        # Each option's range is the route's before the model is looked up (a 400 before a 404, as litestar's
+        # checks were); the classes named are the model's.
+        try:
+            read(task.Options, values, None, text=True, said=QUERY)
+        except BadInputError:
+            record_refused(request)  # counted under its model, as litestar's refusals are
+            raise
+        where = path.target(server, model, version, request.headers, aliases=False)
+        names: list[str | None] = []
 
-    def encode(answer: path.Answer) -> ClassifyResponse:
-        results = [
-            ImageResult(filename=name, error=str(error))
-            if error is not None
-            else ImageResult(filename=name, predictions=[Prediction(**p) for p in best or []])  # type: ignore[arg-type]
-            for name, error, best in zip(names, answer.errors, answer.predictions, strict=True)
-        ]
-        return ClassifyResponse(model=answer.slot.name, version=answer.version, results=results)
+        async def parse(where: path.Target) -> path.Ask:
+            served = where.slot.task
+            if not isinstance(served, task):
+                raise BadInputError(
+                    f"model {where.slot.name!r} is a {served.name} model: /{task.name} does not fit it; "
+                    f"POST /v1/models/{where.slot.name}/{served.name} instead"
+                )
+            options = served.options(values, text=True, said=QUERY)
+            images, found, single = await read_images(request, server.settings.max_images_per_request)
+            names.extend(found)
+            # A raw body is the whole request: its image's failure is the request's (400, 500, 504, ...).
+            return path.Ask(Want(options=options), images, priority=priority, timeout_ms=timeout_ms, each=not single)
 
-    return await path.answer(where, timing_of(request), parse, encode)
+        return await path.answer(where, timing_of(request), parse, lambda answer: image_answer(answer, names))
+
+    route.__name__ = route.__qualname__ = task.name
+    # A Stream is sent as it is, whatever the annotation (litestar); the schema keeps the task's response.
+    route.__annotations__ = {**route.__annotations__, "return": task.response_type}
+    return post(
+        [f"/v1/models/{{model:str}}/{task.name}", f"/v1/models/{{model:str}}/versions/{{version:str}}/{task.name}"],
+        summary=task.summary,
+        description=f"{task.about} Raw image body (image/jpeg, image/png, image/webp, image/bmp) or "
+        "multipart/form-data files. One result per image, in order; a bad file in a multipart request gets its "
+        "own error.",
+        status_code=200,
+        tags=["image API"],
+        responses=ERROR_RESPONSES,
+        opt={"records_requests": True},  # a request refused by parameter validation still counts (validation.py)
+        guards=[integer_queries],
+        operation_class=_operation(task),
+    )(route)
+
+
+def query_values(request: Request[Any, Any, Any], task: type[Task]) -> dict[str, Any]:
+    """The query's text for each of the task's options it holds (``classes`` repeated: a list)."""
+    query = request.query_params
+    return {
+        f.name: query.getall(f.name) if f.kind == "classes" else query[f.name]
+        for f in fields(task.Options)
+        if f.name in query
+    }
+
+
+def _operation(task: type[Task]) -> type[Operation]:
+    """The route's OpenAPI operation, with a query parameter for each of the task's options."""
+    kinds = {"number": OpenAPIType.NUMBER, "integer": OpenAPIType.INTEGER, "flag": OpenAPIType.BOOLEAN}
+
+    def parameter(f: Field) -> OpenAPIParameter:
+        if f.kind == "classes":
+            schema = Schema(type=OpenAPIType.ARRAY, items=Schema(type=OpenAPIType.STRING))
+        elif f.kind == "choice":
+            schema = Schema(type=OpenAPIType.STRING, enum=list(f.choices), default=f.default)
+        else:
+            schema = Schema(type=kinds[f.kind], minimum=f.low, maximum=f.high, default=f.default)
+        return OpenAPIParameter(f.name, ParamType.QUERY, schema=schema, description=f.described, required=False)
+
+    @dataclass
+    class TaskOperation(Operation):
+        def __post_init__(self) -> None:  # the options as declared when the schema is drawn
+            self.parameters = [*(self.parameters or []), *(parameter(f) for f in fields(task.Options))]
+
+    return TaskOperation
+
+
+def image_answer(answer: path.Answer, names: list[str | None]) -> Any:
+    """The route's answer: the task's response, or past :data:`ENCODED_HERE` rows its JSON in pieces."""
+    task = answer.slot.task
+    transforms = answer.ask.transforms or [None] * len(names)
+    results = []
+    each = zip(names, answer.errors, answer.predictions, transforms, strict=True)
+    for i, (name, error, rows, shown) in enumerate(each):
+        if error is not None:
+            results.append(task.result_type(filename=name, error=str(error)))
+            continue
+        results.append(task.result(name, rows or [], shown))
+        answer.predictions[i] = None  # an image's rows let go as they are turned, not all at once at the end
+    if sum(answer.detections or []) <= ENCODED_HERE:
+        return task.response_type(model=answer.slot.name, version=answer.version, results=results)
+    return Stream(_pieces(task.response_type, answer.slot.name, answer.version, results), media_type=MediaType.JSON)
+
+
+def _pieces(response: type[msgspec.Struct], model: str, version: int, results: list[Any]) -> list[bytes]:
+    """A response's JSON as pieces, one a result, each result let go once encoded: no call of this holds the
+    interpreter for more than one image's worth (one encoding of half a million boxes held it 130 ms, and joining
+    45 MB of pieces 60 ms, so every request on the event loop waited that long)."""
+    head = msgspec.json.encode(response(model=model, version=version, results=[]))
+    assert head.endswith(b"[]}"), head  # results is the last field
+    pieces = [head[:-2]]
+    first = True
+    while results:
+        pieces.append((b"" if first else b",") + msgspec.json.encode(results.pop(0)))
+        first = False
+    pieces.append(head[-2:])
+    return pieces
+
+
+# Past this many boxes in one answer, the route encodes its JSON itself, in pieces, in the worker thread the request
+# path gives a heavy answer (request.OFF_LOOP_VALUES), rather than leaving it to litestar on the event loop.
+ENCODED_HERE = 10_000
+IMAGE_ROUTES = [image_route(task) for task in TASKS.values()]

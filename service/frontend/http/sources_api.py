@@ -25,10 +25,10 @@ from litestar.params import FromPath
 from litestar.response import ServerSentEvent
 
 from service.core.errors import BadInputError, OverloadedError
+from service.core.parameters import json_number_error
 from service.frontend import protocol
 from service.frontend.http.image_api import ERROR_RESPONSES
 from service.frontend.http.stream_ws import close_reason
-from service.frontend.parameters import json_number_error
 from service.frontend.sources.forward import Owner
 from service.frontend.sources.registry import Sources
 from service.frontend.sources.store import document, read_rows, store_path

@@ -5,9 +5,9 @@ streams' one bounded outbox (:mod:`service.frontend.outbox`, gRPC's too), so a c
 (1008) instead of holding answers, and frames, in server memory. A drain answers every frame the stream holds, then
 closes with 1001.
 
-The query says what each answer holds: a classifier's ``top_k``; a detector's suppression, the detect route's
-options (``score_threshold``, ``iou_threshold``, ``max_detections``, ``classes`` repeated, ``class_agnostic``,
-``box_format``, ``normalized``), checked by the same function as there. Each query a model's task does not take is
+The query says what each answer holds: the options of the model's task (:mod:`service.core.tasks`: a classifier's
+``top_k``, a detector's suppression and box format, ``classes`` repeated), read and checked as its image route
+reads them. Each query a model's task does not take is
 passed over, as the image routes pass over a query they do not declare: a page or a load test that sends ``top_k``
 to every model reaches a detector too.
 """
@@ -19,7 +19,6 @@ import base64
 import binascii
 import contextlib
 import json
-import re
 import struct
 from typing import Annotated, Any
 
@@ -28,11 +27,11 @@ from litestar.datastructures import MultiDict
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
+from service.core.tasks import Want, fields
 from service.frontend import request as path
 from service.frontend.outbox import StreamSession
 from service.frontend.state import ModelSlot, ServerState
 from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_want
-from service.frontend.tasks import Want
 
 FRAME_FORMAT = 'docs/streams.md: a binary message is a 4-byte header length, a JSON header {"id", "ts"}, then the image'
 CLOSE_TIMEOUT_S = 2.0
@@ -143,40 +142,9 @@ async def stream(
         session.done.set()
 
 
-# The detect route's queries as this route reads them from the query string, with the type each is read as.
-DETECT_QUERIES = {
-    "score_threshold": "number",
-    "iou_threshold": "number",
-    "max_detections": "integer",
-    "class_agnostic": "flag",
-    "box_format": "text",
-    "normalized": "flag",
-}
-_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
-_FLAGS = {"true": True, "1": True, "false": False, "0": False}
-
-
 def query_want(slot: ModelSlot, params: MultiDict[Any]) -> Want:
-    """What each frame's answer holds, from the query (:func:`~service.frontend.stream.stream_want`, the query's
-    text read as each option's type, ``classes`` repeated)."""
-    if slot.spec.task != "detect":
-        return stream_want(slot, {"top_k": params.get("top_k")})
-    options = {name: _typed(kind, params[name]) for name, kind in DETECT_QUERIES.items() if name in params}
-    if "classes" in params:
-        options["classes"] = params.getall("classes")
-    return stream_want(slot, options)
-
-
-def _typed(kind: str, text: str) -> Any:
-    """A query's text as the type its check takes; text that is not one goes on as it is, for the check to refuse
-    with the value sent (``score_threshold must be a number from 0 to 1, got 'high'``)."""
-    if kind == "number":
-        try:
-            return float(text)
-        except ValueError:
-            return text
-    if kind == "integer":  # longer text goes on as text: int() refuses past 4300 digits, a ValueError
-        return int(text) if _INTEGER.fullmatch(text) else text
-    if kind == "flag":
-        return _FLAGS.get(text.lower(), text)
-    return text
+    """What each frame's answer holds, from the query: the model's task's options, read from their text as the
+    image API reads them (``classes`` repeated)."""
+    named = {f.name: params.getall(f.name) if f.kind == "classes" else params[f.name]
+             for f in fields(slot.task.Options) if f.name in params}  # fmt: skip
+    return stream_want(slot, named, text=True)

@@ -7,7 +7,7 @@ for BYTES in JSON and for ``max_batch_size`` are in :mod:`service.frontend.proto
 JSON data and the binary tensor extension (``Inference-Header-Content-Length``) both work, and so does Triton's raw
 binary request (that header 0: the body is the one input's data, no JSON; :func:`protocol.raw_tensor`); request
 parameters ``timeout`` (microseconds) and ``priority`` are honoured, every numeric parameter checked against its
-range (:mod:`service.frontend.parameters`); bodies may be gzip or deflate (``Content-Encoding``) and
+range (:mod:`service.core.parameters`); bodies may be gzip or deflate (``Content-Encoding``) and
 answers are compressed when ``Accept-Encoding`` asks. Health and readiness answer in the status alone, as the
 KServe spec says: 200 for true, 400 for false (404 for a model that does not exist), with an empty body.
 """
@@ -24,14 +24,14 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import BadInputError
+from service.core.parameters import flag, integer, json_number_error, request_options
+from service.core.tasks import Want
 from service.frontend import protocol
 from service.frontend import request as path
 from service.frontend.http.body import MIN_COMPRESS_BYTES, accepted_encoding, compress, read_body
 from service.frontend.http.image_api import ERROR_RESPONSES, server_of, timing_of
-from service.frontend.parameters import flag, integer, json_number_error, request_options
 from service.frontend.protocol import EXTENSIONS, SERVER_NAME, SERVER_VERSION, Tensor
 from service.frontend.state import ServerState
-from service.frontend.tasks import Want
 
 HEADER = "inference-header-content-length"
 
@@ -253,7 +253,8 @@ async def _parse(request: Request[Any, Any, Any], server: ServerState, where: pa
     priority, timeout_ms = request_options(params)
     binary = flag("parameters.binary_data_output", params.get("binary_data_output"))
     outputs = [(o.name, o.parameters or {}) for o in req.outputs or []]
-    want = Want(where.slot.task.wanted(outputs, binary), detect=where.slot.task.options(params))
+    task = where.slot.task
+    want = Want(task.wanted(outputs, binary), task.options(params, where="parameters.", v2=True))
     return protocol.ask_of(server, where.slot, inputs, want, priority=priority, timeout_ms=timeout_ms, id=req.id)
 
 

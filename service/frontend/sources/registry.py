@@ -32,24 +32,32 @@ from pathlib import Path
 from typing import Any
 
 from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError, shown
+from service.core.parameters import MAX_INT
 from service.core.source_metrics import SourceState
+from service.core.tasks import TASKS, fields
 from service.frontend import request as path
-from service.frontend.parameters import MAX_INT
 from service.frontend.sources.source import Source, SourceOptions
 from service.frontend.sources.store import SourceStore
 from service.frontend.sources.urls import check_url
 from service.frontend.state import ModelSlot, ServerState
-from service.frontend.stream import DETECT_OPTIONS, stream_max_age, stream_want
+from service.frontend.stream import stream_max_age, stream_want
 
 log = logging.getLogger("visionserve.sources")
 
 FINISHED_KEPT = 64
 MAX_FPS_LIMIT = 240.0
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-DETECT_KEYS = DETECT_OPTIONS
-CLASSIFY_KEYS = ("top_k",)
 COMMON_KEYS = ("url", "model", "version", "id", "max_fps", "max_age_ms", "pace", "rtsp_transport")
-CHANGEABLE = ("max_fps", "max_age_ms", "pace", *CLASSIFY_KEYS, *DETECT_KEYS)
+
+
+def task_keys() -> tuple[str, ...]:
+    """Every task's options: a source takes those of its model's task, beside :data:`COMMON_KEYS`."""
+    return tuple(dict.fromkeys(f.name for task in TASKS.values() for f in fields(task.Options)))
+
+
+def changeable() -> tuple[str, ...]:
+    """What a PATCH may change."""
+    return ("max_fps", "max_age_ms", "pace", *task_keys())
 
 
 class Sources:
@@ -74,10 +82,10 @@ class Sources:
             raise OverloadedError("the server is draining: no new sources")
         if not isinstance(body, Mapping):
             raise BadInputError("a source is a JSON object with at least 'url' and 'model'")
-        unknown = sorted(set(body) - {*COMMON_KEYS, *CLASSIFY_KEYS, *DETECT_KEYS})
+        unknown = sorted(set(body) - {*COMMON_KEYS, *task_keys()})
         if unknown:
             raise BadInputError(f"unknown source field(s) {', '.join(map(repr, unknown))}; known: "
-                                f"{', '.join((*COMMON_KEYS, *CLASSIFY_KEYS, *DETECT_KEYS))}")  # fmt: skip
+                                f"{', '.join((*COMMON_KEYS, *task_keys()))}")  # fmt: skip
         if importlib.util.find_spec("av") is None:
             raise BadInputError("sources need PyAV, which this install lacks: pip install 'visionserve[video]'")
         for key in ("url", "model"):
@@ -148,14 +156,14 @@ class Sources:
         return [source.record(self.server.frontend) for source in list(self.sources.values())]
 
     def change(self, id: str, body: Any) -> Source:
-        """New options for a running source (``PATCH``): those in :data:`CHANGEABLE`; the others stay."""
+        """New options for a running source (``PATCH``): those :func:`changeable`; the others stay."""
         source = self.get(id)
         if not isinstance(body, Mapping):
             raise BadInputError("a change is a JSON object of the options to change")
-        fixed = sorted(set(body) - set(CHANGEABLE))
+        fixed = sorted(set(body) - set(changeable()))
         if fixed:
             raise BadInputError(f"{', '.join(map(repr, fixed))} cannot change while a source runs (DELETE it and "
-                                f"POST it again); changeable: {', '.join(CHANGEABLE)}")  # fmt: skip
+                                f"POST it again); changeable: {', '.join(changeable())}")  # fmt: skip
         if source.finished:
             raise BadInputError(f"source {id!r} has {source.state}: nothing to change")
         options = source_options(source.where.slot, body, source.options)
@@ -278,10 +286,10 @@ def source_options(slot: ModelSlot, body: Mapping[str, Any], before: SourceOptio
     pace = body.get("pace", ("realtime" if before.realtime else "answered") if before else "realtime")
     if pace not in ("realtime", "answered"):
         raise BadInputError(f"pace must be 'realtime' (a file at its own rate) or 'answered', got {shown(pace)}")
-    keys = DETECT_KEYS if slot.spec.task == "detect" else CLASSIFY_KEYS
-    wrong = sorted(k for k in body if k in (*CLASSIFY_KEYS, *DETECT_KEYS) and k not in keys)
+    keys = [f.name for f in fields(slot.task.Options)]
+    wrong = sorted(k for k in body if k in task_keys() and k not in keys)
     if wrong:
-        raise BadInputError(f"{', '.join(wrong)}: not an option of {slot.name}'s task ({slot.spec.task})")
+        raise BadInputError(f"{', '.join(wrong)}: not an option of {slot.name}'s task ({slot.task.name})")
     task_options = {**(before.task_options if before else {}), **{k: body[k] for k in keys if k in body}}
     want = stream_want(slot, task_options)
     return SourceOptions(float(max_fps), max_age_ms, pace == "realtime", want, task_options)

@@ -31,12 +31,12 @@ from service.core.boxes import Transform
 from service.core.source_metrics import SourceState
 from service.core.spec import ModelSpec
 from service.core.stream_metrics import STREAM_AGE_BUCKETS, empty_ages
+from service.core.tasks import Want
 from service.frontend.request import Target
 from service.frontend.sources.frames import frame_input
 from service.frontend.sources.reader import Pace, Picture, Reader
 from service.frontend.sources.urls import SourceUrl
 from service.frontend.stream import Frame, FrameStream
-from service.frontend.tasks import Want
 
 OUTBOX_LIMIT = 64  # answers a subscriber has not taken before it is cut off
 RATE_WINDOW_S = 5.0  # fps in and answered: over the last this many seconds

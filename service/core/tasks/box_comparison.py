@@ -5,7 +5,7 @@ suppressed with the default options: :func:`service.core.layouts.keep`), and the
 to one to the primary's, best scored first, of the same class at IoU >= 0.5. The image *agrees* when the F1 of that
 matching (twice the pairs over both counts of boxes; 1 when neither found any) is at least ``[rollout]
 min_box_f1``; agreement is then a binomial proportion over images, with the same Wilson interval, promotion and
-abort as a classifier's (:func:`service.engine.comparison.verdict`). The summary adds the F1's mean, a histogram of
+abort as a classifier's (:func:`service.core.comparison.verdict`). The summary adds the F1's mean, a histogram of
 the matched pairs' IoU, and the score shift of matched pairs (the candidate's score minus the primary's).
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from service.core.boxes import DetectOptions, iou_matrix, match
+from service.core.boxes import Suppression, iou_matrix, match
+from service.core.comparison import SHIFT_EDGES, Comparison
 from service.core.layouts import image_rows, keep
 from service.core.status import InferResult
-from service.engine.comparison import SHIFT_EDGES, Comparison
 
 MATCH_IOU = 0.5
 IOU_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -40,13 +40,13 @@ class BoxComparison(Comparison):
     """:class:`Comparison` for detectors: the same counts, latencies and verdict, agreement judged on boxes."""
 
     def __init__(
-        self, labels: list[str], *, confidence: float, min_box_f1: float, layout: str | None, max_detections: int
+        self, labels: list[str], *, confidence: float, min_box_f1: float, layout: str | None, options: Suppression
     ) -> None:
         super().__init__(labels, confidence=confidence)
         self.measure = "box agreement"
         self.min_box_f1 = min_box_f1
         self.layout = layout
-        self.options = DetectOptions(max_detections=max_detections)
+        self.options = options  # the model's defaults: both versions' boxes as the server answers them
         self.f1_sum = 0.0
         self.pairs = 0
         self.iou_counts = [0] * (len(IOU_EDGES) - 1)

@@ -33,7 +33,7 @@ CARRIED = {
     "python_multipart": "python-multipart", "polyfactory": "polyfactory", "faker": "faker",
     "rich_click": "rich-click", "sniffio": "sniffio", "uvicorn": "uvicorn", "httptools": "httptools",
     "zmq": "pyzmq", "swagger_ui_bundle": "swagger-ui-bundle-v2", "websockets": "websockets",
-    # LitServe, the peer `make gpu-speed` serves the same model in (scripts/gpuspeed/litserve_app.py), and what
+    # LitServe, the peer `make gpu-speed` serves the same model in (service/bench/litserve_app.py), and what
     # it needs beyond the machine's packages and the above.
     "litserve": "litserve", "fastapi": "fastapi", "starlette": "starlette", "pydantic": "pydantic",
     "pydantic_core": "pydantic-core", "annotated_types": "annotated-types", "typing_inspection": "typing-inspection",

@@ -2,7 +2,7 @@
 the JPEG bytes of one image a request, decoded per request in the inference worker (PIL + torchvision's
 ``Resize`` and ``CenterCrop`` with the model's spec.json), LitServe's own batching, the graph on the GPU.
 
-    python scripts/gpuspeed/litserve_app.py --model-dir REPO/resnet50/1 --device cuda --precision fp16 --port 8100
+    python -m service.bench.litserve_app --model-dir REPO/resnet50/1 --device cuda --precision fp16 --port 8100
 
 The request is ``multipart/form-data`` with the image in the field ``image`` (LitServe hands a form to
 ``decode_request``; a raw body it parses as JSON); the answer is ``{"index", "score"}`` of the top class. The

@@ -60,7 +60,7 @@ def _quantiles(values: deque[float]) -> dict[str, float | None]:
 class Comparison:
     """Running counts of a candidate against the primary. ``labels`` name the primary's classes."""
 
-    measure = "top-1 agreement"  # what an image's agreement is (a detector's: service/engine/box_comparison.py)
+    measure = "top-1 agreement"  # what an image's agreement is (a detector's: service/core/tasks/box_comparison.py)
 
     def __init__(self, labels: list[str], *, confidence: float = 0.95) -> None:
         self.labels = labels

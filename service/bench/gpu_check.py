@@ -1,4 +1,5 @@
-"""Prove every GPU path in one command (``make gpu-check``), and write one report of every number.
+"""Prove every GPU path in one command (``make gpu-check``, ``visionserve bench gpu-check``), and write one report of
+every number.
 
 On a GPU machine, in order, each step a subprocess through the command line (``python -m service.cli ...``) so that
 what is measured is what users run:
@@ -33,34 +34,54 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from gpucheck.outputs import bench_matrix, junit_counts, last_line, step_summary
-from gpucheck.proc import StepError
-from gpucheck.report import SECTIONS, markdown
-from gpucheck.steps import StepRunner, ints, step_parser
-from gpucheck.wheels import download_command
+from service.bench.flags import Flag, ints, settle, sized
+from service.bench.runner import ROOT, StepError, StepRunner, flags, last_line, parser, step_summary
+from service.bench.wheels import download_command
 
-ROOT = Path(__file__).resolve().parent.parent
-# Each step's share of the 545 s budget on one H100 (scaled to another --budget-s). A step may also use what the
-# steps before it left unused; its commands are stopped at its deadline, so the steps after it keep their shares.
-# The environment's probe (a fresh interpreter importing torch, torchvision and onnxruntime) took its whole 15 s
-# share on a cold H100 machine (docs/performance.md) and nearly so in a dry run on a slow, busy CPU: 35 s now.
-STEP_SHARE_S = {"environment": 35, "install": 20, "gpu_tests": 150, "export": 130, "bench": 90, "decode": 20,
-                "serve_loadtest": 80, "train": 20}  # fmt: skip
-# The modules a step cannot run without, beyond torch (checked once the carried wheels are installed).
-STEP_NEEDS = {"gpu_tests": ("pytest",), "export": ("onnx", "onnxscript"), "bench": ("onnxruntime",),
-              "decode": ("PIL",), "serve_loadtest": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"),
-              "train": ("sklearn",)}  # fmt: skip
+SECTIONS = ("environment", "install", "gpu_tests", "export", "bench", "decode", "serve_loadtest", "train")
+AOTI_FILE = {"cpu": "model.pt2", "cuda": "model.cuda.pt2"}
+# key: (the real run's, the dry run's, help[, type]); the flags' defaults, and figures no flag sets (FIXED)
+SIZES: dict[str, tuple[Any, ...]] = {
+    "batch_sizes": ([1, 8, 32, 64, 128], [1, 4], "bench batch sizes", ints),
+    "seconds": (0.5, 0.05, "bench seconds per figure"),
+    "concurrency": ([1, 2, 4, 8, 16, 32, 64, 128, 256], [1, 2], "closed-loop clients", ints),
+    "loadtest_s": (4.0, 0.5, "loadtest seconds per step"),
+}
+FIXED = {"loadtest_warmup_s": (1.0, 0.2), "loadtest_processes": (4, 1), "slo_start_rate": (500, 20),
+         "slo_max_steps": (6, 2), "train_epochs": (3, 1),
+         "train_input_size": (32, 8),  # smallcnn's own 32; 8, the digits' own size: an epoch 3.1 s -> 0.2 s
+         "decode_batch": (64, 4), "serve_batch": (64, 4), "serve_instances": (2, 1)}  # fmt: skip
+FLAGS: list[Flag] = [
+    *flags(what="steps", out="gpu-check-report", budget_s=545.0, skippable=SECTIONS[2:]),
+    ("--list-wheels", None, "print the carried wheels' `pip download` command for this Python, and exit (default: no)"),
+    ("--slo-p99-ms", 15.0, "the p99 target of the open-loop search"),
+    ("--pytest-timeout-s", 240.0, "most seconds `pytest -m gpu` may take"),
+    ("--pytest-args", [], "extra arguments for `pytest -m gpu`"),
+    *sized(SIZES, "--dry-run"),
+]
 
 
 class Check(StepRunner):
     """Runs the steps, keeps every number and every reason, and writes the report after each step."""
 
-    prefix = "gpu-check"
+    prefix, kind = "gpu-check", "GPU check"
+    # Each step's share of the 545 s budget on one H100 (scaled to another --budget-s). A step may also use what
+    # the steps before it left unused; its commands are stopped at its deadline, so the steps after it keep their
+    # shares. The environment's probe (a fresh interpreter importing torch, torchvision and onnxruntime) took its
+    # whole 15 s share on a cold H100 machine (docs/performance.md) and nearly so in a dry run on a slow, busy
+    # CPU: 35 s now.
+    steps: ClassVar[dict[str, float]] = {"environment": 35, "install": 20, "gpu_tests": 150, "export": 130,
+                                         "bench": 90, "decode": 20, "serve_loadtest": 80, "train": 20}  # fmt: skip
+    # The modules a step cannot run without, beyond torch (checked once the carried wheels are installed).
+    needs: ClassVar[dict[str, tuple[str, ...]]] = {
+        "gpu_tests": ("pytest",), "export": ("onnx", "onnxscript"), "bench": ("onnxruntime",), "decode": ("PIL",),
+        "serve_loadtest": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"), "train": ("sklearn",),
+    }  # fmt: skip
 
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args, root=ROOT, shares=STEP_SHARE_S, needs=STEP_NEEDS, kind="GPU check")
+        super().__init__(args)
         self.gpus, self.ort_cuda, self.gpu_tests_failed = 0, False, False
 
     # ---- the commands (one builder per command, for both runs) ----------------------------------------------
@@ -198,9 +219,7 @@ class Check(StepRunner):
     def serve_loadtest(self) -> dict[str, Any]:
         config = self.repo / self.model / "config.toml"
         config.write_text(self.serve_config())
-        # Imported here: the carried packages (.site) are importable only once the install step has run.
-        sys.path[:0] = [p for p in (str(ROOT), str(self.site)) if p not in sys.path]
-        from service import launcher
+        from service import launcher  # here: the carried packages are importable once the install step has run
 
         started = time.monotonic()
         server = launcher.start(self.repo, "--max-images", "64", log=self.out / "server.log", env=self.env,
@@ -237,9 +256,7 @@ class Check(StepRunner):
 
     # ---- all of it ------------------------------------------------------------------------------------------
     def main(self) -> int:
-        self.out.mkdir(parents=True, exist_ok=True)
-        if self.repo.exists():
-            shutil.rmtree(self.repo)
+        self.begin()
         try:
             self.step("environment", self.environment)
             self.step("install", self.install, after="environment")
@@ -249,19 +266,31 @@ class Check(StepRunner):
                 self.step(name, getattr(self, name), after="export")
             self.step("train", self.train, after="environment")
         finally:
-            self.write()
-            self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
+            self.finish()
         failed = bool(self.gpu_tests_failed) or bool(self.report["errors"])
         return 1 if failed else 0
 
     def totals(self) -> dict[str, Any]:
         return {"gpu_tests_failed": bool(self.gpu_tests_failed)}
 
-    def render(self) -> str:
-        return markdown(self.report)
+    def draw(self, name: str, body: dict[str, Any]) -> list[str]:
+        if name != "bench" or "batch_sizes" not in body:
+            return super().draw(name, body)
+        sizes = [str(b) for b in body["batch_sizes"]]
+        lines = ["| runtime | precision | CUDA graphs | " + " | ".join(f"batch {s}" for s in sizes) + " |",
+                 "|---|---|---|" + "---:|" * len(sizes)]  # fmt: skip
+        for run in body["runs"]:
+            rates = run.get("engine_images_per_s", {})
+            cells = [f"{rates[s]:.1f}" if s in rates else run.get("error", "-")[:40] for s in sizes]
+            graphs = "on" if run["cuda_graphs"] else "off"
+            lines.append(f"| {run['backend']} | {run['precision']} | {graphs} | " + " | ".join(cells) + " |")
+        lines += ["", "engine images/s (the runtime alone on ready uint8 batches)", ""]
+        lines += [f"- skipped {s['backend']} {s['precision']} graphs {s['cuda_graphs']}: {s['reason']}"
+                  for s in body["skipped"]]  # fmt: skip
+        return [*lines, ""]
 
-
-AOTI_FILE = {"cpu": "model.pt2", "cuda": "model.cuda.pt2"}
+    def markdown(self) -> str:
+        return super().markdown() + f"\nGPU tests failed: {self.report['gpu_tests_failed']}\n"
 
 
 def gpu_test_files() -> list[str]:
@@ -271,47 +300,45 @@ def gpu_test_files() -> list[str]:
     return [str(p.relative_to(ROOT)) for p in found]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = step_parser("gpu_check", __doc__, what="steps", out="gpu-check-report", budget_s=545.0,
-                    skippable=SECTIONS[2:])  # fmt: skip
-    p.add_argument("--list-wheels", default=None, metavar="PYTHON_VERSION",
-                   help="print the `pip download` command of the carried wheels for this Python, and exit")  # fmt: skip
-    p.add_argument("--batch-sizes", type=ints, default=None, help="bench batch sizes; None: 1,8,32,64,128 (dry 1,4)")
-    p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.05)")
-    p.add_argument("--concurrency", type=ints, default=None, help="closed-loop clients; None: 1,2,4,...,256 (dry 1,2)")
-    p.add_argument("--loadtest-s", type=float, default=None, help="loadtest seconds per step; None: 4 (dry 0.5)")
-    p.add_argument("--slo-p99-ms", type=float, default=15.0, help="the p99 target of the open-loop search")
-    p.add_argument("--pytest-timeout-s", type=float, default=240.0, help="most seconds `pytest -m gpu` may take")
-    p.add_argument("--pytest-args", nargs="*", default=[], help="extra arguments for `pytest -m gpu`")
-    return p
+def junit_counts(junit: Path) -> dict[str, int]:
+    counts = {k: 0 for k in ("passed", "failed", "errors", "skipped")}
+    if junit.is_file():
+        suite = re.search(r"<testsuite [^>]*>", junit.read_text())
+        attrs = dict(re.findall(r'(\w+)="([^"]*)"', suite.group(0))) if suite else {}
+        total = int(attrs.get("tests", 0))
+        counts.update({k: int(attrs.get(a, 0)) for k, a in (("failed", "failures"), ("errors", "errors"),
+                                                            ("skipped", "skipped"))})  # fmt: skip
+        counts["passed"] = total - counts["failed"] - counts["errors"] - counts["skipped"]
+    return counts
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    dry = args.dry_run
-    args.batch_sizes = args.batch_sizes or ([1, 4] if dry else [1, 8, 32, 64, 128])
-    args.seconds = args.seconds or (0.05 if dry else 0.5)
-    args.concurrency = args.concurrency or ([1, 2] if dry else [1, 2, 4, 8, 16, 32, 64, 128, 256])
-    args.loadtest_s = args.loadtest_s or (0.5 if dry else 4.0)
-    args.loadtest_warmup_s = 0.2 if dry else 1.0
-    args.loadtest_processes = 1 if dry else 4
-    args.slo_start_rate = 20 if dry else 500
-    args.slo_max_steps = 2 if dry else 6
-    args.train_epochs = 1 if dry else 3
-    args.train_input_size = 8 if dry else 32  # smallcnn's own 32; 8, the digits' own size: an epoch 3.1 s -> 0.2 s
-    args.decode_batch = 4 if dry else 64
-    args.serve_batch = 4 if dry else 64
-    args.serve_instances = 1 if dry else 2
+def bench_matrix() -> list[tuple[str, str, bool]]:
+    return [(b, p, g) for b in ("torchscript", "aoti", "onnxruntime") for p in ("fp32", "fp16", "bf16")
+            for g in (True, False)]  # fmt: skip
+
+
+def fill(args: argparse.Namespace) -> argparse.Namespace:
+    """The sizes not given, for the real run or the dry run."""
+    settle(args, SIZES, small=args.dry_run)
+    for key, (full, dry) in FIXED.items():
+        setattr(args, key, dry if args.dry_run else full)
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    return parser("gpu_check", __doc__, FLAGS)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return fill(build_parser().parse_args(argv))
+
+
+def main(args: argparse.Namespace) -> int:
     if args.list_wheels:
         print(" ".join(download_command(args.list_wheels)))
         return 0
-    return Check(args).main()
+    return Check(fill(args)).main()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parse_args(sys.argv[1:])))

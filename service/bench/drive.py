@@ -5,20 +5,16 @@ HTTP route that takes one image as a ``multipart/form-data`` file: how ``make gp
 LitServe app parses a raw body as JSON, so the same clients, schedules and merging are driven here with another
 body and path. Prints one JSON object (``--json``) shaped as loadtest's: ``{"steps": [...]}``, plus ``sent``.
 
-    python scripts/gpuspeed/drive.py --url http://127.0.0.1:8100 --path /predict --concurrency 8,64 --json
+    python -m service.bench.drive --url http://127.0.0.1:8100 --path /predict --concurrency 8,64 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project's packages, run as a script
 
 from loadtest.inputs import Payload, media_type
 from loadtest.pool import WorkerPool

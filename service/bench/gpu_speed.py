@@ -1,5 +1,5 @@
-"""The GPU's own speed figures in one command (``make gpu-speed``): resnet50 served from JPEG bytes, beside its
-in-process limit and LitServe on the same GPU, with one report of every number.
+"""The GPU's own speed figures in one command (``make gpu-speed``, ``visionserve bench gpu-speed``): resnet50 served
+from JPEG bytes, beside its in-process limit and LitServe on the same GPU, with one report of every number.
 
 In order, each a subprocess of the command line (``python -m service.cli ...``) so that what is measured is what
 users run:
@@ -8,7 +8,7 @@ users run:
 2. export: resnet50 as TorchScript, fp16 on the GPU, parity-gated;
 3. bench: the runtime alone with CUDA graphs at batch 1..256, and the pipeline from JPEG bytes with the CPU decoders
    and with nvJPEG at the served batch size;
-4. litserve: the same TorchScript file in LitServe (``scripts/gpuspeed/litserve_app.py``; ``max_batch_size`` 64,
+4. litserve: the same TorchScript file in LitServe (:mod:`service.bench.litserve_app`; ``max_batch_size`` 64,
    ``batch_timeout`` 5 ms) at 1, 2, 4 and 8 workers, loaded by the load tester's engine (closed loop to saturation,
    then open loop at 70% of that worker count's best), its best taken;
 5. serve: ``visionserve serve`` loaded by ``visionserve loadtest`` from 500x375 JPEGs, one image a request: closed
@@ -24,39 +24,62 @@ the same commands and flags on the CPU with tiny sizes, so that CI proves the co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from gpucheck.outputs import step_summary
-from gpucheck.proc import StepError
-from gpucheck.steps import StepRunner, ints, step_parser
-from gpuspeed import servers
-from gpuspeed.report import SECTIONS, markdown, summary_lines, verdicts
+from service.bench.flags import Flag, ints, settle, sized
+from service.bench.runner import ROOT, StepError, StepRunner, flags, on_cpus, parser, split_cores, step_summary
 
-ROOT = Path(__file__).resolve().parent.parent
-# Each step's share of the 480 s budget on one H100 (scaled to another --budget-s). The first import of torch on a
-# cold machine takes seconds to tens of seconds (the environment step pays it); the served steps start servers that
-# load resnet50 and capture its graphs, then sweep; LitServe starts once per worker count.
-STEP_SHARE_S = {"environment": 30, "install": 20, "export": 60, "bench": 70, "litserve": 140, "serve": 130,
-                "detector": 30}  # fmt: skip
-STEP_NEEDS = {"litserve": ("litserve", "fastapi"), "serve": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"),
-              "detector": ("litestar", "uvicorn", "zmq", "msgspec")}  # fmt: skip
+SECTIONS = ("environment", "install", "export", "bench", "litserve", "serve", "detector")
 DETECTOR = ROOT / "examples" / "model_repository" / "digits-detect"
+# key: (the real run's, the dry run's, help[, type]); the flags' defaults, and figures no flag sets (FIXED)
+SIZES: dict[str, tuple[Any, ...]] = {
+    "batch_sizes": ([1, 8, 32, 64, 128, 256], [1, 4], "bench batch sizes", ints),
+    "seconds": (0.5, 0.05, "bench seconds per figure"),
+    "concurrency": ([1, 4, 16, 32, 64, 128, 256], [1, 2], "served clients", ints),
+    # dry: 0.5 s, as gpu-check's dry run: eight load steps, each with the server and its client busy on the same
+    # cores the whole window; the figures are only checked to be there and positive
+    "loadtest_s": (3.0, 0.5, "measured seconds per load step"),
+    "client_cores": (4, 1, "cores for the load generator"),
+}
+FIXED = {
+    "litserve_concurrency": ([64, 256], [1, 2]),  # its batches are 64: 256 saturates 8 workers
+    "litserve_workers": ([8, 4, 2, 1], [1]),  # the likeliest best first, should the share run out
+    "warmup_s": (1.0, 0.2), "load_processes": (4, 1), "serve_batch": (64, 4), "serve_instances": (2, 1),
+    "serve_workers": (8, 1),
+}  # fmt: skip
+FLAGS: list[Flag] = [
+    *flags(what="commands", out="gpu-speed-report", budget_s=480.0, skippable=SECTIONS[1:]),
+    ("--slo-p99-ms", 15.0, "the p99 target at 70%% of the best throughput"),
+    *sized(SIZES, "--dry-run"),
+]
 
 
 class Speed(StepRunner):
     """The steps, the commands they issue (one builder per command, for both runs) and their figures."""
 
-    prefix = "gpu-speed"
+    prefix, kind = "gpu-speed", "GPU speed"
+    # Each step's share of the 480 s budget on one H100 (scaled to another --budget-s). The first import of torch
+    # on a cold machine takes seconds to tens of seconds (the environment step pays it); the served steps start
+    # servers that load resnet50 and capture its graphs, then sweep; LitServe starts once per worker count.
+    steps: ClassVar[dict[str, float]] = {"environment": 30, "install": 20, "export": 60, "bench": 70, "litserve": 140,
+                                         "serve": 130, "detector": 30}  # fmt: skip
+    needs: ClassVar[dict[str, tuple[str, ...]]] = {
+        "litserve": ("litserve", "fastapi"), "serve": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"),
+        "detector": ("litestar", "uvicorn", "zmq", "msgspec"),
+    }  # fmt: skip
 
     def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args, root=ROOT, shares=STEP_SHARE_S, needs=STEP_NEEDS, kind="GPU speed")
+        super().__init__(args)
         self.precision = "fp32" if self.dry else "fp16"
-        self.client_cpus, self.server_cpus = servers.split_cores(sorted(os.sched_getaffinity(0)), args.client_cores)
+        self.client_cpus, self.server_cpus = split_cores(sorted(os.sched_getaffinity(0)), args.client_cores)
 
     # ---- the commands ---------------------------------------------------------------------------------------
     def export_args(self) -> list[str]:
@@ -90,13 +113,13 @@ class Speed(StepRunner):
         return [*self.loadtest_args(url, DETECTOR.name, concurrency=8), "--task", "detect"]
 
     def litserve_args(self, workers: int, port: int) -> list[str]:
-        return [sys.executable, "scripts/gpuspeed/litserve_app.py", "--model-dir", str(self.repo / self.model / "1"),
+        return [sys.executable, "-m", "service.bench.litserve_app", "--model-dir", str(self.repo / self.model / "1"),
                 "--device", self.device, "--precision", self.precision, "--workers", str(workers),
                 "--max-batch-size", "64", "--batch-timeout-s", "0.005", "--port", str(port)]  # fmt: skip
 
     def drive_args(self, url: str, *, concurrency: str = "", rate: float = 0.0) -> list[str]:
         load = _load_flags(concurrency, rate)
-        return [sys.executable, "scripts/gpuspeed/drive.py", "--url", url, "--path", "/predict", *load, "--json",
+        return [sys.executable, "-m", "service.bench.drive", "--url", url, "--path", "/predict", *load, "--json",
                 "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.warmup_s),
                 "--processes", str(self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
 
@@ -144,9 +167,7 @@ class Speed(StepRunner):
             url = f"http://127.0.0.1:{port}"
             try:
                 ready_s = max(1.0, min(120.0, self.step_left_s() - 5))
-                with servers.litserve(self.litserve_args(workers, port), cwd=ROOT, env=self.env,
-                                      cpus=self.server_cpus, log=self.out / f"litserve-{workers}.log", url=url,
-                                      ready_timeout_s=ready_s) as proc:  # fmt: skip
+                with self.litserve_app(workers, port, ready_s) as proc:
                     run = {"workers": workers, **self._sweep(url, proc.pid, f"litserve-{workers}", litserve=True)}
             except (RuntimeError, StepError) as exc:
                 run = {"workers": workers, "error": str(exc)[-600:]}
@@ -162,7 +183,7 @@ class Speed(StepRunner):
         from service import launcher
 
         server = launcher.launch(repo, *self.serve_flags(), log=self.out / f"{log}.log", env=self.env,
-                                 preexec_fn=servers.session_on(self.server_cpus))  # fmt: skip
+                                 preexec_fn=on_cpus(self.server_cpus, session=True))  # fmt: skip
         server.own_group = True  # its preexec_fn started a session of its own: stop() may kill the whole group
         try:
             launcher.wait_ready(server, max(1.0, ready_timeout_s))
@@ -239,12 +260,12 @@ class Speed(StepRunner):
         from loadtest.scrape import scrape
 
         before = None if litserve else scrape(url, self.model)
-        cpu = servers.CpuUse(pid)
+        cpu = CpuUse(pid)
         if litserve:
             args = self.drive_args(url, concurrency=str(concurrency) if concurrency else "", rate=rate)
             proc = self.run(args, 120, log, cpus=self.client_cpus)
             if proc.returncode != 0:
-                raise StepError(f"drive.py exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
+                raise StepError(f"service.bench.drive exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
         else:
             args = self.loadtest_args(url, self.model, concurrency=concurrency, rate=rate)
             proc = self.cli(args, timeout_s=120, log=log, cpus=self.client_cpus)
@@ -256,11 +277,35 @@ class Speed(StepRunner):
         stages = {k: split[k] for k in ("mean_batch_size", "mean_ms", "stages", "request_p99_ms") if k in split}
         return {**step_summary(step), **cpu.done(int(answers)), **({"server": stages} if stages else {})}
 
+    @contextlib.contextmanager
+    def litserve_app(self, workers: int, port: int, ready_timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
+        """The LitServe app on the servers' cores until the block ends, once ``GET /health`` answers 200 (every
+        worker loaded); stopped as the launcher stops a process, its session's every worker signalled."""
+        import httpx
+
+        from service import launcher
+
+        log, url = self.out / f"litserve-{workers}.log", f"http://127.0.0.1:{port}"
+        with log.open("wb") as out:
+            pinned = on_cpus(self.server_cpus, session=True)
+            proc = subprocess.Popen(self.litserve_args(workers, port), cwd=ROOT, env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, preexec_fn=pinned)  # fmt: skip
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            launcher.wait_until(launcher.RunningServer(url, proc, log), healthy, ready_timeout_s, "ready (LitServe)")
+            yield proc
+        finally:
+            launcher.stop_process(proc, timeout_s=10.0, term_group=True)
+
     # ---- all of it ------------------------------------------------------------------------------------------
     def main(self) -> int:
-        self.out.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.repo, ignore_errors=True)
-        sys.path[:0] = [p for p in (str(ROOT), str(self.site)) if p not in sys.path]  # the launcher, loadtest
+        self.begin()
         try:
             self.step("environment", self.environment)
             self.step("install", self.install, after="environment")
@@ -270,70 +315,140 @@ class Speed(StepRunner):
             self.step("serve", self.serve, after="export")
             refused = None if "detector" in self.skip else self.detector_refused()
             if refused is not None:
-                self.report["skipped"]["detector"] = refused
-                self.say(f"detector: skipped ({refused})")
+                self.skipped("detector", refused)
             else:
                 self.step("detector", self.detector, after="environment")
         finally:
-            self.write()
-            for line in summary_lines(self.report):
-                self.say(line)
-            self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
+            self.finish(*summary_lines(self.report))
         return 1 if self.report["errors"] else 0
 
-    def render(self) -> str:
-        self.report["verdicts"] = verdicts(self.report["sections"], self.args.slo_p99_ms)
-        return markdown(self.report)
+    def totals(self) -> dict[str, Any]:
+        return {"verdicts": verdicts(self.report["sections"], self.args.slo_p99_ms)}
+
+    def head(self) -> list[str]:
+        said = {None: "not measured", True: "met", False: "MISSED"}
+        return ["## targets", "", *[f"- {k}: {said[v]}" for k, v in self.report["verdicts"].items()], ""]
+
+    def draw(self, name: str, body: dict[str, Any]) -> list[str]:
+        lines: list[str] = []
+        if name == "serve":
+            lines += _sweep(body)
+        elif name == "litserve":
+            for run in body.get("runs", []):
+                lines += [f"{run['workers']} workers: {run.get('error') or run.get('skipped') or ''}", ""]
+                lines += _sweep(run) if "closed" in run else []
+        return lines + super().draw(name, body)
+
+
+class CpuUse:
+    """The CPU a server's process tree used while one command ran: cores busy on average, and ms per answer."""
+
+    def __init__(self, pid: int) -> None:
+        from service.launcher import tree_cpu_s
+
+        self.read = lambda: tree_cpu_s(pid)
+        self.cpu0, self.t0 = self.read(), time.monotonic()
+
+    def done(self, answers: int) -> dict[str, float]:
+        cpu, wall = self.read() - self.cpu0, time.monotonic() - self.t0
+        out = {"server_cpu_s": round(cpu, 2), "server_cores_busy": round(cpu / wall, 2) if wall else 0.0}
+        if answers:
+            out["server_cpu_ms_per_image"] = round(1000 * cpu / answers, 3)
+        return out
 
 
 def _load_flags(concurrency: str, rate: float) -> list[str]:
     """Closed loop at ``concurrency`` clients, or (none given) open loop at ``rate`` requests/s."""
-    return (
-        ["--mode", "closed", "--concurrency", concurrency]
-        if concurrency
-        else ["--mode", "open", "--rate", f"{rate:.1f}"]
-    )
+    if concurrency:
+        return ["--mode", "closed", "--concurrency", concurrency]
+    return ["--mode", "open", "--rate", f"{rate:.1f}"]
 
 
 def _images(sample: dict[str, float] | None) -> float:
     return (sample or {}).get("visionserve_images_total", 0.0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = step_parser("gpu_speed", __doc__, what="commands", out="gpu-speed-report", budget_s=480.0,
-                    skippable=SECTIONS[1:])  # fmt: skip
-    p.add_argument("--batch-sizes", type=ints, default=None, help="bench batch sizes; None: 1,8,...,256 (dry 1,4)")
-    p.add_argument("--seconds", type=float, default=None, help="bench seconds per figure; None: 0.5 (dry 0.05)")
-    p.add_argument("--concurrency", type=ints, default=None, help="served clients; None: 1,4,...,256 (dry 1,2)")
-    p.add_argument("--loadtest-s", type=float, default=None, help="measured seconds per load step; None: 3 (dry 0.5)")
-    p.add_argument("--client-cores", type=int, default=None, help="cores for the load generator; None: 4 (dry 1)")
-    p.add_argument("--slo-p99-ms", type=float, default=15.0, help="the p99 target at 70%% of the best throughput")
-    return p
+def verdicts(sections: dict[str, Any], slo_p99_ms: float) -> dict[str, Any]:
+    """Each target against what was measured (None where its figures are missing)."""
+    serve, lit = sections.get("serve") or {}, (sections.get("litserve") or {}).get("best") or {}
+    best, ratio = serve.get("best_images_per_s"), serve.get("to_pipeline_cpu_decode")
+    p99 = (serve.get("open_at_70") or {}).get("latency_ms", {}).get("p99")
+    out: dict[str, Any] = {
+        "served_images_per_s >= 5000": None if best is None else best >= 5000,
+        "served / pipeline (CPU decode) >= 0.9": None if ratio is None else ratio >= 0.9,
+        f"p99 at 70% <= {slo_p99_ms:g} ms": None if p99 is None else p99 <= slo_p99_ms,
+    }
+    if best is not None and lit.get("best_images_per_s"):
+        out["served >= 3x LitServe's best"] = best >= 3 * lit["best_images_per_s"]
+        ours = (serve.get("at_litserve_70") or {}).get("latency_ms", {}).get("p99")
+        theirs = (lit.get("open_at_70") or {}).get("latency_ms", {}).get("p99")
+        out["p99 below LitServe's at its 70% load"] = None if ours is None or theirs is None else ours < theirs
+    return out
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    dry = args.dry_run
-    args.batch_sizes = args.batch_sizes or ([1, 4] if dry else [1, 8, 32, 64, 128, 256])
-    args.seconds = args.seconds or (0.05 if dry else 0.5)
-    args.concurrency = args.concurrency or ([1, 2] if dry else [1, 4, 16, 32, 64, 128, 256])
-    args.litserve_concurrency = [1, 2] if dry else [64, 256]  # its batches are 64: 256 saturates 8 workers
-    args.litserve_workers = [1] if dry else [8, 4, 2, 1]  # the likeliest best first, should the share run out
-    # dry: 0.5 s, as gpu_check's dry run: eight load steps, each with the server and its client busy on the same
-    # cores the whole window; the figures are only checked to be there and positive
-    args.loadtest_s = args.loadtest_s or (0.5 if dry else 3.0)
-    args.warmup_s = 0.2 if dry else 1.0
-    args.load_processes = 1 if dry else 4
-    args.client_cores = args.client_cores or (1 if dry else 4)
-    args.serve_batch = 4 if dry else 64
-    args.serve_instances = 1 if dry else 2
-    args.serve_workers = 1 if dry else 8
+def summary_lines(report: dict[str, Any]) -> list[str]:
+    """The headline figures and the targets, a line each, for the end of the run."""
+    sections, lines = report["sections"], []
+    bench = sections.get("bench") or {}
+    if bench.get("engine_images_per_s"):
+        rates = ", ".join(f"{b}: {r:.0f}" for b, r in bench["engine_images_per_s"].items())
+        lines.append(f"runtime alone, images/s by batch: {rates}")
+    for key, label in (("pipeline_images_per_s", "CPU decoders"), ("pipeline_gpu_decode_images_per_s", "nvJPEG")):
+        if key in bench:
+            lines.append(f"pipeline from JPEG bytes with {label}: {bench[key]:.0f} images/s")
+    for name, body in (("LitServe", (sections.get("litserve") or {}).get("best")), ("served", sections.get("serve"))):
+        if body and body.get("open_at_70"):
+            p99 = body["open_at_70"]["latency_ms"]["p99"]
+            workers = f" ({body['workers']} workers)" if "workers" in body else ""
+            lines.append(f"{name}{workers}: best {body['best_images_per_s']:.0f} images/s at "
+                         f"c={body['best_concurrency']}, p99 {p99:.1f} ms at 70% of it")  # fmt: skip
+    lines += [f"target {k}: {'not measured' if v is None else ('met' if v else 'MISSED')}"
+              for k, v in (report.get("verdicts") or {}).items()]  # fmt: skip
+    return lines
+
+
+def _row(label: str, step: dict[str, Any]) -> str:
+    lat = step.get("latency_ms") or {}
+    batch = (step.get("server") or {}).get("mean_batch_size")
+    cells = [label, f"{step.get('images_per_s', 0):.1f}", f"{lat.get('p50', float('nan')):.2f}",
+             f"{lat.get('p99', float('nan')):.2f}", str(step.get("server_cores_busy", "-")),
+             str(step.get("server_cpu_ms_per_image", "-")), "-" if batch is None else f"{batch:.2f}",
+             str(sum((step.get("errors") or {}).values()))]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+HEAD = ["| load | images/s | p50 ms | p99 ms | server cores busy | server CPU ms/image | mean batch | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+
+
+def _sweep(body: dict[str, Any]) -> list[str]:
+    lines = list(HEAD)
+    lines += [_row(f"c={s.get('concurrency')}", s) for s in body.get("closed", [])]
+    for key, label in (("open_at_70", "open, 70% of best"), ("at_litserve_70", "open, LitServe's 70%")):
+        if body.get(key):
+            lines.append(_row(f"{label} ({body[key].get('rate', 0):.0f}/s)", body[key]))
+    return [*lines, ""]
+
+
+def fill(args: argparse.Namespace) -> argparse.Namespace:
+    """The sizes not given, for the real run or the dry run."""
+    settle(args, SIZES, small=args.dry_run)
+    for key, (full, dry) in FIXED.items():
+        setattr(args, key, dry if args.dry_run else full)
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return Speed(parse_args(argv)).main()
+def build_parser() -> argparse.ArgumentParser:
+    return parser("gpu_speed", __doc__, FLAGS)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return fill(build_parser().parse_args(argv))
+
+
+def main(args: argparse.Namespace) -> int:
+    return Speed(fill(args)).main()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parse_args(sys.argv[1:])))

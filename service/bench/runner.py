@@ -1,0 +1,374 @@
+"""The one runner of a sequence of steps (``visionserve bench gpu-check`` and ``gpu-speed`` stand on it): each step
+reported, each within its share of the time budget, one that fails says why and the next runs, and the report
+rewritten after every step. Latency figures are the load tester's, whose percentiles are
+:mod:`service.core.percentile`'s (nearest rank: the ceil(q*n)-th smallest), as everywhere in the benchmarks.
+
+A step may use what the steps before it left unused, never what the steps after it are owed; its commands are
+stopped at its deadline (:func:`service.launcher.stop_process`). A step whose prerequisite step did not complete,
+or whose modules do not import, is skipped with the reason. The standard library only at import (and httpx, which
+the GPU machine brings): what the steps need beyond it comes from carried wheels, installed by the install step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+from service.bench.flags import Flag, add_flags
+from service.bench.wheels import CARRIED, choose_wheels, download_command
+from service.launcher import stop_process
+
+ROOT = Path(__file__).resolve().parents[2]
+# The environment step's probe: torch alone is needed; torchvision and onnxruntime are reported, or said missing.
+ENVIRONMENT_CODE = """
+import importlib, json, torch
+c = torch.cuda.is_available()
+env = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": c,
+       "gpus": torch.cuda.device_count() if c else 0,
+       "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if c else [],
+       "cudnn": torch.backends.cudnn.version() if c else None}
+for name in ("torchvision", "onnxruntime"):
+    try:
+        env[name] = importlib.import_module(name).__version__
+    except Exception as exc:
+        env[name], env[name + "_missing"] = None, f"{type(exc).__name__}: {exc}"
+if env["onnxruntime"]:
+    env["onnxruntime_providers"] = importlib.import_module("onnxruntime").get_available_providers()
+print(json.dumps(env))
+"""
+IMPORT_PROBE = (
+    "import importlib, sys\nfor m in sys.argv[1:]:\n    try:\n        importlib.import_module(m)\n"
+    "    except Exception:\n        print(m)"
+)
+
+
+class StepError(Exception):
+    """A step that failed; its message goes into the report."""
+
+
+def flags(*, what: str, out: str, budget_s: float, skippable: Sequence[str]) -> list[Flag]:
+    """The flags every step runner takes (``what`` it runs: "steps")."""
+    return [
+        ("--dry-run", False, f"the same {what} on the CPU with tiny sizes (for CI)"),
+        ("--out", out, "folder for report.json, report.md and the logs"),
+        ("--wheels", ".whl", "folder of carried wheels to install what is missing from"),
+        ("--site", ".site", "folder the carried wheels are installed into (on PYTHONPATH)"),
+        ("--budget-s", budget_s, "time budget, cut per step (the same in the dry run)"),
+        ("--skip", "", f"comma-separated steps to skip, of: {', '.join(skippable)} (default: none)", names),
+        ("--fail-step", None, "make this step fail, proving that the next still runs (default: none)"),
+    ]
+
+
+def parser(prog: str, doc: str | None, table: Sequence[Flag]) -> argparse.ArgumentParser:
+    """``python -m service.bench.PROG``'s parser (what ``make`` runs: no carried wheel needed to parse its flags)."""
+    p = argparse.ArgumentParser(prog, description=doc.split("\n\n")[0] if doc else None, formatter_class=Defaults)
+    add_flags(p, table)
+    return p
+
+
+class Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default, where its help does not state it (service.core.arguments.HelpFormatter needs msgspec)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        said = action.help or ""
+        return said if "default" in said else super()._get_help_string(action)
+
+
+def names(text: str) -> set[str]:
+    """``--skip a,b``: a set of step names."""
+    return {s.strip() for s in text.split(",") if s.strip()}
+
+
+def command_env(root: Path, site: Path, *, one_thread: bool) -> dict[str, str]:
+    """The environment every command runs in: the project and the carried packages (``site``) importable."""
+    path = [str(root), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+    if one_thread:  # the dry run: one thread a process on a busy CPU (train 41 s -> 12 s with one on 2 cores)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def on_cpus(cpus: Collection[int] | None, session: bool = False) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that runs the child on ``cpus`` (what ``taskset -c`` does; inherited by its children), in a
+    session of its own with ``session`` (so that its whole tree can be stopped)."""
+    chosen = set(cpus or ())
+    if not chosen and not session:
+        return None
+
+    def pin() -> None:
+        if session:
+            os.setsid()
+        if chosen:
+            os.sched_setaffinity(0, chosen)
+
+    return pin
+
+
+def split_cores(cores: list[int], client_cores: int) -> tuple[list[int], list[int]]:
+    """(load generator's, servers') cores: the first ``client_cores`` and the rest; on one core, both share it."""
+    if len(cores) <= client_cores:
+        return cores, cores
+    return cores[:client_cores], cores[client_cores:]
+
+
+def run_logged(cmd: list[str], *, cwd: Path, env: Mapping[str, str], timeout_s: float, log: Path,
+               cpus: Collection[int] | None = None) -> tuple[int | None, str, str]:  # fmt: skip
+    """Run ``cmd`` in a session of its own (on ``cpus`` when given), stopped with its children after ``timeout_s``;
+    (exit code, or None when stopped; stdout; stderr), both written to ``log`` either way, also what a command
+    stopped at its deadline printed until then (a killed export's last gate, a killed test run's last test)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True,
+                                preexec_fn=on_cpus(cpus))  # fmt: skip
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            stop_process(proc, timeout_s=2, term_group=True)  # its own children too (a server, compile workers)
+            code = None
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    ended = "" if code is not None else f"(stopped after {timeout_s:.0f} s: above is what it printed until then)\n"
+    log.write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr\n{stderr}{ended}")
+    return code, stdout, stderr
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-2] if len(lines) >= 2 and lines[-1].startswith("checkpoint written") else (lines[-1] if lines else "")
+
+
+def step_summary(step: dict[str, Any]) -> dict[str, Any]:
+    """One loadtest step without its histogram: clients or rate, throughput, errors, latency percentiles."""
+    keep = ("step", "concurrency", "rate", "requests", "errors", "requests_per_s", "images_per_s", "latency_ms",
+            "client_limited", "client_cpu")  # fmt: skip
+    return {k: step[k] for k in keep if k in step}
+
+
+class StepRunner:
+    """One prepared command's steps: deadlines, commands with logs, the install step, the report. A subclass names
+    its ``steps`` (name -> share of the budget, in order), the modules each ``needs``, and draws its sections."""
+
+    prefix = "gpu"  # what every progress line starts with
+    kind = "GPU run"  # what the report calls the real run
+    steps: ClassVar[dict[str, float]] = {}
+    needs: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        """``args``: the flags of :func:`flags` and the command's own."""
+        self.args, self.dry, self.out = args, bool(args.dry_run), Path(args.out).resolve()
+        self.site, self.wheels, self.budget_s = Path(args.site).resolve(), str(args.wheels), float(args.budget_s)
+        self.skip, self.fail_step = set(args.skip), args.fail_step
+        self.env = command_env(ROOT, self.site, one_thread=self.dry)
+        self.device = "cpu" if self.dry else "cuda"  # with the sizes, the only difference between the two runs
+        self.model = "smallcnn" if self.dry else "resnet50"
+        self.repo = self.out / "repo"  # where the export step writes the model
+        self.started = time.monotonic()
+        self.deadline = self.started + self.budget_s
+        self.timings: dict[str, float] = {}
+        self.missing: set[str] = set()  # modules that do not import once the carried wheels are installed
+        self.report: dict[str, Any] = {"kind": "dry run (CPU, tiny sizes)" if self.dry else self.kind,
+                                       "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                                       "budget_s": args.budget_s, "sections": {}, "skipped": {}, "errors": {},
+                                       "seconds": {}}  # fmt: skip
+
+    def say(self, message: str) -> None:
+        print(f"{self.prefix}: {message}", file=sys.stderr, flush=True)
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
+
+    def step_left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def share_s(self, name: str) -> float:
+        return self.steps[name] * self.budget_s / sum(self.steps.values())
+
+    def run(self, cmd: list[str], timeout_s: float, log: str, cpus: Collection[int] | None = None,
+            ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """Run ``cmd`` from the repository root, stopped at the step's deadline (on ``cpus`` when given); its
+        output kept in ``OUT/log.log``, also what a command stopped at the deadline printed until then."""
+        timeout = min(timeout_s, self.step_left_s())
+        what = " ".join([Path(cmd[0]).name, *(c.strip().splitlines()[0][:40] for c in cmd[1:5] if c.strip())])
+        if timeout < 1:
+            raise StepError(f"no time left in this step's share for {what}")
+        started = time.monotonic()
+        code, stdout, stderr = run_logged(cmd, cwd=ROOT, env=self.env, timeout_s=timeout,
+                                          log=self.out / f"{log}.log", cpus=cpus)  # fmt: skip
+        if code is None:
+            at = f"; last said: {w}" if (w := last_line(stderr) or last_line(stdout)) else ""
+            raise StepError(f"{what} ran past {timeout:.0f} s (this step's share){at}")
+        self.timings[log] = round(time.monotonic() - started, 1)
+        return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+    def cli(self, args: list[str], *, timeout_s: float, log: str, cpus: Collection[int] | None = None,
+            ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """``python -m service.cli ARGS`` (progress bars off but for export's gate lines); exit 0 or StepError."""
+        quiet = [] if args[0] == "export" else ["--no-progress"]
+        proc = self.run([sys.executable, "-m", "service.cli", *args, *quiet], timeout_s, log, cpus)
+        if proc.returncode != 0:  # the error, not the warnings printed after it
+            said = "\n".join(ln for ln in proc.stderr.splitlines() if "Warning" not in ln and "warnings.warn" not in ln)
+            raise StepError(f"visionserve {args[0]} exited {proc.returncode}: {said.strip()[-600:]}")
+        return proc
+
+    def json_line(self, proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+        """The last line of a command's output, which ``--json`` makes one JSON object."""
+        lines = proc.stdout.strip().splitlines()
+        if not lines:
+            raise StepError(f"{' '.join(proc.args[2:5])} printed nothing: {proc.stderr.strip()[-400:]}")
+        result: dict[str, Any] = json.loads(lines[-1])
+        return result
+
+    def step(self, name: str, fn: Callable[[], dict[str, Any]], *, after: str | None = None) -> None:
+        """Run one step within its deadline; whatever it raises is its own error, and the next step still runs."""
+        order = list(self.steps)
+        later = sum(self.share_s(s) for s in order[order.index(name) + 1 :] if s not in self.skip)
+        allowance = self.left_s() - later
+        reason = self.why_not(name, allowance, after)
+        if reason is not None:
+            self.skipped(name, reason)
+            return
+        self.say(f"{name} ({allowance:.0f} s, {self.left_s():.0f} s left in all)")
+        self.deadline = time.monotonic() + allowance
+        started = time.monotonic()
+        try:
+            if name == self.fail_step:
+                raise StepError("made to fail by --fail-step")
+            self.report["sections"][name] = fn()
+        except StepError as exc:
+            self.report["errors"][name] = str(exc)
+            self.say(f"  error: {exc}")
+        except Exception as exc:  # a bug of the script: recorded, and the other steps still run
+            self.report["errors"][name] = f"{type(exc).__name__}: {exc}"
+            self.say(f"  error: {type(exc).__name__}: {exc}")
+        self.report["seconds"][name] = round(time.monotonic() - started, 1)
+        self.write()
+
+    def skipped(self, name: str, reason: str) -> None:
+        self.report["skipped"][name] = reason
+        self.say(f"{name}: skipped ({reason})")
+        self.write()
+
+    def why_not(self, name: str, allowance: float, after: str | None) -> str | None:
+        """Why step ``name`` cannot run now (None: it can)."""
+        if name in self.skip:
+            return "--skip"
+        if after is not None and after not in self.report["sections"]:
+            return f"it needs the {after} step, which did not complete"
+        absent = [m for m in self.needs.get(name, ()) if m in self.missing]
+        if absent:
+            carried = [m for m in absent if m in CARRIED]
+            where = f"carry its wheel in {self.wheels}/ (`make gpu-wheels`)" if carried else "not carried"
+            return f"module {', '.join(absent)} does not import here ({where})"
+        if allowance < 1:
+            return f"time budget: {self.left_s():.0f} s left of {self.budget_s:.0f} s, owed to the later steps"
+        return None
+
+    def versions(self, timeout_s: float) -> dict[str, Any]:
+        """The environment step's start: torch, CUDA, the devices, torchvision, onnxruntime, Python, the cores."""
+        proc = self.run([sys.executable, "-c", ENVIRONMENT_CODE], timeout_s, "environment")
+        if proc.returncode != 0:
+            raise StepError(f"torch does not import: {proc.stderr.strip()[-400:]}")
+        env = self.json_line(proc)
+        env.update(python=platform.python_version(), cpu_cores=os.cpu_count())
+        return env
+
+    def unimportable(self, modules: Sequence[str]) -> list[str]:
+        """The modules that fail to import, tried in one fresh interpreter with the carried packages on the path."""
+        return self.run([sys.executable, "-c", IMPORT_PROBE, *modules], 120, "imports").stdout.split()
+
+    def install(self) -> dict[str, Any]:
+        """The install step: what the steps need and fails to import, from the carried wheels (``.whl/``) into
+        ``.site/`` with ``pip --no-index --no-deps``, never one of the machine's own packages."""
+        needed = sorted({*CARRIED, *(m for needs in self.needs.values() for m in needs)})
+        missing_before = self.unimportable(needed)
+        wheels_dir = Path(self.wheels)
+        wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
+        chosen, refused, other_python = choose_wheels(wheels, {CARRIED[m] for m in missing_before if m in CARRIED})
+        result: dict[str, Any] = {
+            "missing_before": sorted(missing_before), "wheels_dir": str(wheels_dir),
+            "wheels_mb": round(sum(w.stat().st_size for w in wheels) / 1e6, 1),
+            "installed": [w.name for w in chosen], "refused_never_reinstalled": [w.name for w in refused],
+            "refused_for_another_python": [w.name for w in other_python],
+        }  # fmt: skip
+        if other_python:
+            version = platform.python_version().rpartition(".")[0]
+            result["hint"] = f"carried for another Python: {' '.join(download_command(version))}"
+        still = missing_before
+        if chosen:
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+            cmd = [*pip, "--disable-pip-version-check", "--upgrade", "--target", str(self.site), *map(str, chosen)]
+            proc = self.run(cmd, 300, "install")
+            if proc.returncode != 0:
+                raise StepError(f"pip install from {wheels_dir} failed: {proc.stderr.strip()[-400:]}")
+            importlib.invalidate_caches()
+            still = self.unimportable(needed)  # again only when something was installed
+        result["missing_after"] = sorted(still)
+        self.missing = set(still)
+        return result
+
+    def begin(self) -> None:
+        """The output folder made, the last run's model gone, and the project and the carried packages importable
+        here (the launcher and the load tester are imported once the install step has run)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.repo, ignore_errors=True)
+        sys.path[:0] = [p for p in (str(ROOT), str(self.site)) if p not in sys.path]
+
+    def totals(self) -> dict[str, Any]:
+        """What the report ends with beside the times (a subclass adds its own)."""
+        return {}
+
+    def head(self) -> list[str]:
+        """The report's lines before the sections (a subclass adds its own)."""
+        return []
+
+    def draw(self, name: str, body: dict[str, Any]) -> list[str]:
+        """A section's numbers for people (a subclass draws its own tables)."""
+        return ["```json", json.dumps(body, indent=2, default=str), "```", ""]
+
+    def markdown(self) -> str:
+        """One section per step: its time, its error or why it was skipped, its numbers; then what else was
+        skipped or failed (a combination of a step, a run of several)."""
+        r = self.report
+        lines = [f"# visionserve {r['kind']}", "", f"Started {r['started_at']}, {r['seconds_total']:.0f} s in all.", ""]
+        lines += self.head()
+        for name in self.steps:
+            lines += [f"## {name}", ""]
+            if name in r["seconds"]:
+                lines += [f"{r['seconds'][name]:.0f} s", ""]
+            lines += [f"ERROR: {r['errors'][name]}", ""] if name in r["errors"] else []
+            lines += [f"skipped: {r['skipped'][name]}", ""] if name in r["skipped"] else []
+            lines += self.draw(name, r["sections"][name]) if name in r["sections"] else []
+        other = [f"- skipped {k}: {v}" for k, v in r["skipped"].items() if k not in self.steps]
+        other += [f"- error {k}: {v}" for k, v in r["errors"].items() if k not in self.steps]
+        return "\n".join([*lines, *(["## skipped and errors", "", *other, ""] if other else [])])
+
+    def write(self) -> None:
+        """The report as it stands (after every step, so that a run stopped half way still leaves one)."""
+        self.report["seconds_total"] = round(time.monotonic() - self.started, 1)
+        self.report["command_seconds"] = self.timings
+        self.report.update(self.totals())
+        (self.out / "report.json").write_text(json.dumps(self.report, indent=2) + "\n")
+        try:
+            text = self.markdown()
+        except Exception as exc:  # a bug of the rendering must not cost the report: the numbers are in the JSON
+            text = f"# visionserve {self.report['kind']}\n\nThe report could not be drawn ({exc!r}): see report.json.\n"
+        (self.out / "report.md").write_text(text)
+
+    def finish(self, *lines: str) -> None:
+        """The last report, its headline ``lines`` and where it is."""
+        self.write()
+        for line in lines:
+            self.say(line)
+        self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
