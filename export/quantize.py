@@ -218,7 +218,8 @@ def quantize_model(
     calibration = data.calibration[:MAX_CALIBRATION]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="int8-") as tmp:
-        graph = _prepare(fp32_path, Path(tmp), options, float_tail=spec is not None and task_named(spec.task).layouts)
+        tail = spec is not None and bool(task_named(spec.task).layouts)  # a detector's decoding stays in float
+        graph = _prepare(fp32_path, Path(tmp), options, float_tail=tail)
         fp32 = _session(fp32_path)
         best, tried = _calibrate(graph, fp32, calibration, options, judge, say)
         (Path(tmp) / f"{best}.onnx").replace(target)

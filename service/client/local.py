@@ -60,7 +60,7 @@ class LocalModel:
     def require(self, task: str) -> None:
         """Refuse the command of another task (``visionserve classify`` of a detector: ConfigError naming the
         command that fits), as the image routes refuse the route of another task."""
-        if not isinstance(self.task, task_named(task)):
+        if self.task.name != task_named(task).name:
             raise ConfigError(
                 f"model {self.model!r} is a {self.task.name} model: visionserve {task} does not fit it; run "
                 f"visionserve {self.task.name} instead"

@@ -10,6 +10,9 @@ suppressed them itself, only selects. numpy only: the serving install has no tor
   best class's score; suppressed here.
 - ``end2end``: YOLOv10 / YOLO26 style ``[N, K, 6]`` rows of x1, y1, x2, y2, confidence, class, suppressed by the
   graph's own design: thresholded and selected here, never suppressed.
+- ``yolo-seg``: ultralytics' YOLOv8/v11 segmentation export: ``output0`` ``[N, 4 + C + P, A]`` (a ``yolo`` head
+  followed by P mask coefficients an anchor) and ``output1`` ``[N, P, h, w]``, the prototypes (P = 32, 160 x 160
+  for a 640 input); its boxes are read as ``yolo``'s, its masks by :mod:`service.core.tasks.segment`.
 - ``efficientnms``: TensorRT's EfficientNMS plugin outputs ``num_dets`` ``[N, 1]``, ``det_boxes`` ``[N, K, 4]``,
   ``det_scores`` ``[N, K]``, ``det_classes`` ``[N, K]``: each image's first ``num_dets`` rows, already suppressed.
 
@@ -21,15 +24,15 @@ YOLO head's 8,400 anchors leave a few hundred).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 
 from service.core.boxes import Suppression, suppress
 from service.core.errors import ConfigError
 
-Layout = Literal["candidates", "yolo", "yolov5", "end2end", "efficientnms"]
-LAYOUTS: Final[tuple[Layout, ...]] = ("candidates", "yolo", "yolov5", "end2end", "efficientnms")
+Layout = Literal["candidates", "yolo", "yolov5", "end2end", "efficientnms", "yolo-seg"]
+LAYOUTS: Final[tuple[Layout, ...]] = ("candidates", "yolo", "yolov5", "end2end", "efficientnms", "yolo-seg")
 SUPPRESSED_BY_GRAPH: Final = ("end2end", "efficientnms")  # the server only thresholds and selects these
 EFFICIENT_NMS: Final = ("num_dets", "det_boxes", "det_scores", "det_classes")
 Shape = Sequence[int | str | None]  # a dimension may be symbolic (ONNX) or unknown
@@ -76,6 +79,10 @@ def check_outputs(layout: Layout, outputs: Mapping[str, Shape], num_classes: int
         elif layout in ("yolo", "yolov5"):
             width = num_classes + (4 if layout == "yolo" else 5)
             yolo_channels_first(one(3), width)
+        elif layout == "yolo-seg":
+            head, protos = (outputs[name] for name in seg_outputs(outputs))
+            if _known(head[1]) != 4 + num_classes + (_known(protos[1]) or 0):
+                raise ConfigError(f"axis 1 of {list(head)} must be 4 + classes + the prototypes' {protos[1]}")
         else:
             missing = [n for n in EFFICIENT_NMS if n not in outputs]
             if missing:
@@ -94,6 +101,9 @@ def image_rows(
     ``score_threshold`` left out."""
     if layout == "efficientnms":
         return _efficient_nms(outputs, score_threshold)
+    if layout == "yolo-seg":
+        heads = outputs[seg_outputs(outputs)[0]]
+        return [anchor_rows(head[: 4 + num_classes], num_classes, score_threshold)[0] for head in heads]
     out = next(iter(outputs.values()))
     if layout in ("yolo", "yolov5"):
         return [_yolo(image, layout, num_classes, score_threshold) for image in out]
@@ -108,9 +118,18 @@ def _yolo(image: np.ndarray, layout: str, num_classes: int, threshold: float) ->
     width = num_classes + (4 if layout == "yolo" else 5)
     first = yolo_channels_first((0, *image.shape), width)
     values = np.asarray(image if first else image.T, dtype=np.float32)  # [width, A]
-    classes = values[width - num_classes :]
+    return anchor_rows(values, num_classes, threshold, objectness=layout == "yolov5")[0]
+
+
+def anchor_rows(
+    values: np.ndarray, num_classes: int, threshold: float, objectness: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """A YOLO head's ``values`` ``[width, A]`` (box, [objectness,] class scores) as rows, those scoring under
+    ``threshold`` left out, and the anchor each row came from (a segmenter's coefficients are the anchor's)."""
+    values = np.asarray(values, dtype=np.float32)
+    classes = values[len(values) - num_classes :]
     score = classes.max(axis=0)  # the best class's score; its index only for the anchors kept (a fraction)
-    if layout == "yolov5":
+    if objectness:
         score *= values[4]
     keep = np.flatnonzero(score >= threshold) if threshold > 0 else np.arange(len(score))
     cx, cy, w, h = values[:4, keep]
@@ -118,7 +137,18 @@ def _yolo(image: np.ndarray, layout: str, num_classes: int, threshold: float) ->
     rows[:, 0], rows[:, 1] = cx - w / 2, cy - h / 2
     rows[:, 2], rows[:, 3] = cx + w / 2, cy + h / 2
     rows[:, 4], rows[:, 5] = score[keep], classes[:, keep].argmax(axis=0)
-    return rows
+    return rows, keep
+
+
+def seg_outputs(outputs: Mapping[str, Any]) -> tuple[str, str]:
+    """The names of a ``yolo-seg`` graph's head (rank 3) and prototypes (rank 4), whatever their names or order
+    (``outputs``: name -> an array or a shape)."""
+    ranks = {name: len(getattr(value, "shape", value)) for name, value in outputs.items()}
+    heads = [n for n, r in ranks.items() if r == 3]
+    protos = [n for n, r in ranks.items() if r == 4]
+    if len(outputs) != 2 or len(heads) != 1 or len(protos) != 1:
+        raise ConfigError(f"a rank-3 head and rank-4 prototypes are needed, the graph has {ranks}")
+    return heads[0], protos[0]
 
 
 def _efficient_nms(outputs: Mapping[str, np.ndarray], threshold: float) -> list[np.ndarray]:

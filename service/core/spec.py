@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from service.core.errors import ConfigError
-from service.core.layouts import LAYOUTS, Layout
+from service.core.layouts import Layout
 from service.core.tasks import TASKS
 
 SPEC_FILE = "spec.json"
@@ -165,8 +165,10 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if task is None:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         readers = " or ".join(repr(name) for name, t in TASKS.items() if t.layouts)
-        if task.layouts and self.output_layout is None:
-            raise ValueError(f"a detector (task {self.task!r}) needs output_layout: one of {', '.join(LAYOUTS)}")
+        if task.layouts and self.output_layout not in task.layouts:
+            raise ValueError(
+                f"a {self.task} model needs output_layout: one of {', '.join(task.layouts)}, got {self.output_layout}"
+            )
         if not task.layouts and self.output_layout is not None:
             raise ValueError(f"output_layout is for detectors (task {readers}), got it on task {self.task!r}")
         if self.resize == "center_crop" and self.resize_size < max(self.input.height, self.input.width):

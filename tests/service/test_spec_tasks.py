@@ -36,7 +36,7 @@ def test_a_detector_reads_and_round_trips() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"task": "segment"}, "task"),
+        ({"task": "embed"}, "task"),
         ({"resize": "crop"}, "resize"),
         ({"pad_value": 256}, "pad_value"),
         ({"task": "detect"}, "needs output_layout: one of candidates, yolo, yolov5, end2end, efficientnms"),

@@ -9,8 +9,9 @@ from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transf
 from service.core.tasks.classify import Classify, ClassifyOptions
 from service.core.tasks.detect import Detect, DetectOptions
 from service.core.tasks.options import Field, Options, fields
+from service.core.tasks.segment import Segment, SegmentOptions
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (Classify, Detect)}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (Classify, Detect, Segment)}
 
 
 def task_for(spec: Any) -> Task:
@@ -25,6 +26,6 @@ def task_named(name: str) -> type[Task]:
 
 __all__ = [
     "TASKS", "Classify", "ClassifyOptions", "Detect", "DetectOptions", "Field", "Options", "OutputSpec",
-    "OutputTensor", "Post", "Task", "Transforms", "Want", "Wanted", "bytes_tensor", "fields", "task_for",
-    "task_named",
+    "OutputTensor", "Post", "Segment", "SegmentOptions", "Task", "Transforms", "Want", "Wanted", "bytes_tensor",
+    "fields", "task_for", "task_named",
 ]  # fmt: skip

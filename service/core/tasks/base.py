@@ -108,11 +108,11 @@ class Task:
     Options: ClassVar[type[Options]]
     result_type: ClassVar[type[msgspec.Struct]]
     response_type: ClassVar[type[msgspec.Struct]]
-    # What export and the spec read: whether the graph's outputs are read by an ``output_layout``
+    # What export and the spec read: the ``output_layout`` values its graph's outputs may be read by (none: its
     # (:mod:`service.core.layouts`), the output an export of ours names, what export's parity and INT8 gates judge
     # (``top1``: logits and top-1 classes; ``boxes``: matched boxes), and an outside model's preprocessing unless
     # told (``unit_input``: x / 255, mean 0 and std 1, rather than ImageNet's normalisation).
-    layouts: ClassVar[bool] = False
+    layouts: ClassVar[tuple[str, ...]] = ()
     output_name: ClassVar[str]
     output_names: ClassVar[tuple[str, ...]]  # the v2 outputs it answers (how a client tells the task of a model)
     gate: ClassVar[str]

@@ -8,7 +8,7 @@ image API, streams and sources each image's ``{"box", "label", "index", "score"}
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, ClassVar, Final, Literal
 
 import msgspec
 import numpy as np
@@ -60,14 +60,14 @@ class Detect(Task):
     summary = "Detect objects in images"
     about = "Each image's boxes in its own pixels, best first."
     Options = DetectOptions
-    layouts = True
+    layouts: ClassVar[tuple[str, ...]] = ("candidates", "yolo", "yolov5", "end2end", "efficientnms")
     output_name = "candidates"
-    output_names = (DETECTIONS, NUM_DETECTIONS)
+    output_names: ClassVar[tuple[str, ...]] = (DETECTIONS, NUM_DETECTIONS)
     gate = "boxes"
     resize = "letterbox"  # as YOLO exports are
     unit_input = True
-    result_type = DetectResult
-    response_type = DetectResponse
+    result_type: ClassVar[type[msgspec.Struct]] = DetectResult
+    response_type: ClassVar[type[msgspec.Struct]] = DetectResponse
 
     def __init__(self, spec: Any) -> None:
         super().__init__(spec)
@@ -97,9 +97,9 @@ class Detect(Task):
 
     def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
         wanted = []
-        for i, (name, params) in enumerate(outputs or [(DETECTIONS, {}), (NUM_DETECTIONS, {})]):
-            if name not in (DETECTIONS, NUM_DETECTIONS):
-                raise BadInputError(f"unknown output {name!r}: this detector has {DETECTIONS} and {NUM_DETECTIONS}")
+        for i, (name, params) in enumerate(outputs or [(name, {}) for name in self.output_names]):
+            if name not in self.output_names:
+                raise BadInputError(f"unknown output {name!r}: this model has {' and '.join(self.output_names)}")
             if params.get("classification") is not None:
                 raise BadInputError(f"outputs[{i}].parameters.classification is for classifiers, not detector outputs")
             where = f"outputs[{i}].parameters.binary_data"

@@ -155,7 +155,7 @@ def image_route(task: type[Task]) -> HTTPRouteHandler:
 
         async def parse(where: path.Target) -> path.Ask:
             served = where.slot.task
-            if not isinstance(served, task):
+            if served.name != task.name:
                 raise BadInputError(
                     f"model {where.slot.name!r} is a {served.name} model: /{task.name} does not fit it; "
                     f"POST /v1/models/{where.slot.name}/{served.name} instead"

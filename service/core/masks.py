@@ -1,0 +1,118 @@
+"""Instance masks in the image's own pixels, and their encodings (COCO's compressed RLE, PNG). numpy only.
+
+A segmenter answers each instance's mask at its own resolution (a YOLO-seg head: 32 coefficients an instance times
+32 prototypes of 160 x 160, in the letterboxed input's frame). :func:`instance_mask` brings one to the original
+image: each original pixel's centre is taken through the image's :class:`~service.core.boxes.Transform` to the
+prototypes' grid and the mask's logit is sampled there bilinearly (separably: a weight matrix per axis), the sigmoid
+thresholded at 0.5 (logit >= 0), and only the instance's box (in the image's own pixels) is filled: the mask never
+extends past its box or the image. One resampling from the model's grid to the image, never two (letterbox, then
+original), so the edges land where ultralytics' ``scale_masks`` puts them.
+
+:func:`rle` writes COCO's compressed RLE of the full image (column-major runs, first a run of zeros, each count
+written as pycocotools' ``rleToString`` writes it), exactly what ``pycocotools.mask.decode`` reads; it is built
+from the box's region alone, never from a full-size array.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.core.boxes import Transform
+
+
+@dataclass(frozen=True, slots=True)
+class Mask:
+    """One instance's mask in the image's own pixels: ``region`` (bool ``[y2 - y1, x2 - x1]``) at ``x1``, ``y1`` of
+    an image ``width`` x ``height``; every pixel outside the region is 0."""
+
+    region: np.ndarray
+    x1: int
+    y1: int
+    width: int
+    height: int
+
+    @property
+    def area(self) -> int:
+        return int(self.region.sum())
+
+
+def _weights(coords: np.ndarray, size: int) -> np.ndarray:
+    """``[len(coords), size]`` bilinear weights sampling a grid of ``size`` cells at ``coords`` (cell units, a cell's
+    centre at i + 0.5; beyond the edges the edge cell, as align_corners=False upsampling does)."""
+    x = np.clip(coords - 0.5, 0, size - 1)
+    low = np.floor(x).astype(np.int64)
+    high = np.minimum(low + 1, size - 1)
+    frac = (x - low).astype(np.float32)
+    w = np.zeros((len(coords), size), dtype=np.float32)
+    rows = np.arange(len(coords))
+    np.add.at(w, (rows, low), 1 - frac)
+    np.add.at(w, (rows, high), frac)
+    return w
+
+
+def instance_mask(logits: np.ndarray, box: np.ndarray, where: Transform, input_size: tuple[int, int]) -> Mask:
+    """The mask of one instance whose ``logits`` ``[h, w]`` cover the model's input (``input_size``: its width and
+    height), cropped to ``box`` (x1, y1, x2, y2 in the image's own pixels), in the image's own pixels."""
+    grid_h, grid_w = logits.shape
+    in_w, in_h = input_size
+    x1, y1 = int(np.floor(max(box[0], 0))), int(np.floor(max(box[1], 0)))
+    x2, y2 = int(np.ceil(min(box[2], where.width))), int(np.ceil(min(box[3], where.height)))
+    if x2 <= x1 or y2 <= y1:
+        return Mask(np.zeros((0, 0), dtype=bool), x1, y1, where.width, where.height)
+    # Each original pixel's centre, in the input's pixels, then in the grid's cells.
+    xs = ((np.arange(x1, x2) + 0.5) * where.scale_x + where.pad_x) * (grid_w / in_w)
+    ys = ((np.arange(y1, y2) + 0.5) * where.scale_y + where.pad_y) * (grid_h / in_h)
+    sampled = _weights(ys, grid_h) @ np.asarray(logits, dtype=np.float32) @ _weights(xs, grid_w).T
+    return Mask(sampled >= 0, x1, y1, where.width, where.height)  # sigmoid >= 0.5; NaN is never >= 0
+
+
+def rle(mask: Mask) -> dict[str, object]:
+    """COCO's compressed RLE of the full image: ``{"size": [height, width], "counts": "..."}``."""
+    h, w = mask.height, mask.width
+    region = mask.region
+    if region.size == 0 or not region.any():
+        return {"size": [h, w], "counts": _string([h * w])}
+    # Column-major: each column of the region padded with a 0 above and below; a change marks a run's edge.
+    padded = np.zeros((region.shape[1], region.shape[0] + 2), dtype=np.int8)
+    padded[:, 1:-1] = region.T
+    col, row = np.nonzero(np.diff(padded, axis=1))
+    edges = (mask.x1 + col) * h + mask.y1 + row
+    if len(edges) > 2:  # a run ending at one column's foot and the next starting at its head are one run
+        joined = np.flatnonzero(edges[1:-1:2] == edges[2::2])
+        if len(joined):
+            edges = np.delete(edges, np.concatenate([2 * joined + 1, 2 * joined + 2]))
+    counts = np.diff(np.concatenate([[0], edges, [h * w]])).tolist()
+    if counts[-1] == 0:  # ending on a run of ones: no empty run of zeros after it (as pycocotools writes it)
+        counts.pop()
+    return {"size": [h, w], "counts": _string(counts)}
+
+
+def _string(counts: list[int]) -> str:
+    """pycocotools' ``rleToString``: each count (past the second, less the count two before) in 5-bit groups, low
+    first, each a character from 48 with 0x20 set while more follow."""
+    out = []
+    for i, count in enumerate(counts):
+        x = count - counts[i - 2] if i > 2 else count
+        more = True
+        while more:
+            c = x & 0x1F
+            x >>= 5
+            more = x != -1 if c & 0x10 else x != 0
+            out.append(chr(c + 48 + (0x20 if more else 0)))
+    return "".join(out)
+
+
+def png(mask: Mask) -> str:
+    """The full-size mask as a base64 PNG (one bit a pixel, 1 inside the instance)."""
+    from PIL import Image
+
+    full = np.zeros((mask.height, mask.width), dtype=bool)
+    r = mask.region
+    full[mask.y1 : mask.y1 + r.shape[0], mask.x1 : mask.x1 + r.shape[1]] = r
+    buffer = io.BytesIO()
+    Image.fromarray(full).save(buffer, format="PNG", optimize=True)
+    return base64.b64encode(buffer.getvalue()).decode()

@@ -1,0 +1,138 @@
+"""Instance segmentation: a detector whose every box carries its mask. A ``yolo-seg`` graph (ultralytics'
+segmentation export: a YOLO head with 32 mask coefficients an anchor, and the prototypes) is read as a detector is,
+suppressed with the request's options (detection's, and ``mask_format``), and each instance kept gets its mask:
+its coefficients times the prototypes, resampled to the image's own pixels and cropped to its box
+(:func:`service.core.masks.instance_mask`: bilinear, thresholded at 0.5).
+
+Answers: the image API, streams and sources each image's ``{"width", "height", "instances": [{"box", "label",
+"index", "score", "area", "mask"}]}``, the mask COCO's compressed RLE of the full image (``{"size": [h, w],
+"counts"}``, what ``pycocotools.mask.decode`` reads) or, with ``mask_format=png``, a base64 PNG of it. v2 answers
+``DETECTIONS`` and ``NUM_DETECTIONS`` as a detector does, and ``MASKS``: BYTES ``[N, max_detections]``, each
+instance's RLE as JSON (empty past the image's count), in the input's pixels for a v2 tensor input.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from service.core.boxes import Transform, listed, to_original
+from service.core.layouts import anchor_rows, keep, seg_outputs
+from service.core.masks import instance_mask, png, rle
+from service.core.status import InferResult
+from service.core.tasks.base import OutputSpec, OutputTensor, Post, Transforms, Want
+from service.core.tasks.detect import DETECTIONS, NUM_DETECTIONS, Detect, DetectOptions
+
+MASKS = "MASKS"
+ENCODINGS = {"rle": rle, "png": png}
+
+
+class SegmentOptions(DetectOptions, frozen=True, kw_only=True):
+    """A segmenter's options: detection's, and how each mask is written."""
+
+    mask_format: Annotated[
+        Literal["rle", "png"],
+        msgspec.Meta(description="rle (COCO's compressed RLE) or png (base64)", extra={"v2": False}),
+    ] = "rle"
+
+
+class Instance(msgspec.Struct, frozen=True):
+    """One object: its box (as a detection's), label, index, score, its mask's pixel count and its mask."""
+
+    box: list[float]
+    label: str
+    index: int
+    score: float
+    area: int
+    mask: Any
+
+
+class SegmentResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One image's answer from a segmenter: its size as a viewer shows it and its instances, best first; or the
+    reason it could not be read."""
+
+    filename: str | None = None
+    width: int | None = None
+    height: int | None = None
+    instances: list[Instance] | None = None
+    error: str | None = None
+
+
+class SegmentResponse(msgspec.Struct):
+    model: str
+    version: int
+    results: list[SegmentResult]
+
+
+class Segment(Detect):
+    name = "segment"
+    summary = "Segment the objects in images"
+    about = "Each image's objects, each a box and a mask in the image's own pixels, best first."
+    Options = SegmentOptions
+    result_type = SegmentResult
+    response_type = SegmentResponse
+    layouts = ("yolo-seg",)
+    output_names = (DETECTIONS, NUM_DETECTIONS, MASKS)
+    gate = "boxes"  # export's parity and INT8 gates judge its boxes, as a detector's, until a mask gate lands
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
+        self.size = (spec.input.width, spec.input.height)
+
+    def outputs(self) -> list[OutputSpec]:
+        return [*super().outputs(), OutputSpec(MASKS, "BYTES", [self.default.max_detections])]
+
+    def instances(
+        self, result: InferResult, options: DetectOptions, transforms: Transforms = None
+    ) -> tuple[list[np.ndarray], list[list[Any]]]:
+        """Each image's kept rows (in its own pixels) and each row's mask."""
+        head_name, protos_name = seg_outputs(result.outputs)
+        heads, protos = result.outputs[head_name], result.outputs[protos_name]
+        classes, count = len(self.labels), protos.shape[1]
+        each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(heads)
+        kept_rows, masks = [], []
+        for head, proto, where in zip(heads, protos, each, strict=True):
+            values = np.asarray(head, dtype=np.float32)
+            rows, anchors = anchor_rows(values[: 4 + classes], classes, options.score_threshold)
+            kept = keep(self.layout, rows, options)
+            # Which anchor each kept row came from (suppression keeps rows, not their places).
+            matches = (rows[None, :, :] == kept[:, None, :]).all(axis=2).argmax(axis=1)
+            coefficients = values[4 + classes : 4 + classes + count][:, anchors[matches]].T  # [M, P]
+            logits = (coefficients @ np.asarray(proto, dtype=np.float32).reshape(count, -1)).reshape(
+                len(kept), *proto.shape[1:]
+            )
+            shown = to_original(kept, where)
+            kept_rows.append(shown)
+            masks.append([instance_mask(m, box, where, self.size) for m, box in zip(logits, shown[:, :4], strict=True)])
+        return kept_rows, masks
+
+    def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
+        options: SegmentOptions = want.options or self.default
+        kept, masks = self.instances(result, options, transforms)
+        each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(kept)
+        tensors = [self._seg_tensor(out.name, kept, masks, options.max_detections) for out in want.outputs]
+        answers = []
+        if not want.outputs:
+            encode = ENCODINGS[options.mask_format]
+            for rows, found, where in zip(kept, masks, each, strict=True):
+                answers.append([
+                    {**d, "area": m.area, "mask": encode(m)}
+                    for d, m in zip(listed(rows, where, options, self.labels), found, strict=True)
+                ])  # fmt: skip
+        return Post(tensors, answers, [len(k) for k in kept])
+
+    def _seg_tensor(self, name: str, kept: list[np.ndarray], masks: list[list[Any]], most: int) -> OutputTensor:
+        if name != MASKS:
+            return self._tensor(name, kept, most)
+        strings: list[str] = []
+        for found in masks:
+            row = [json.dumps(rle(m)) for m in found[:most]]
+            strings += row + [""] * (most - len(row))
+        return OutputTensor(MASKS, "BYTES", [len(kept), most], strings=strings)
+
+    def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
+        assert shown is not None  # a decoded image has its transform (the masks' image)
+        return {"instances": rows, "width": shown.width, "height": shown.height}

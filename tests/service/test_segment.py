@@ -1,0 +1,212 @@
+"""Segmentation served (issue 54's first step, and the proof that a task is one module): a ``yolo-seg`` graph built
+here, served by the routes, v2 and the WebSocket stream that service/core/tasks/segment.py alone added, its masks
+read back with pycocotools (the field's own decoder) in the image's own pixels.
+
+The segmenter finds an image's bright rectangle (the pixels whose channel mean is over 127.5) and answers it as
+ultralytics' segmentation export does: ``output0`` ``[N, 4 + 3 classes + 1 coefficient, 2 anchors]`` (the box as
+class ``one`` at 0.9, and a decoy under the default threshold) and ``output1``, one prototype of 16 x 16: the bright
+share of each 4 x 4 cell, as a logit. A rectangle on the cells' edges comes back exactly, whatever the letterbox,
+but for its corners, which bilinear sampling rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import struct
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import websockets
+from PIL import Image
+from pycocotools import mask as coco_mask
+
+from service.core.boxes import Transform
+from service.core.masks import Mask, instance_mask, rle
+from service.core.settings import ServerSettings
+from service.inprocess import InProcessServer
+
+IN = 64
+GRID = 16
+LABELS = ("zero", "one", "two")
+
+
+def build_segmenter(path: Path) -> None:
+    import torch
+
+    class BrightSeg(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            bright = (x.float().mean(1) > 127.5).float()  # [N, H, W]
+            cols, rows = bright.amax(1), bright.amax(2)
+            ax = torch.arange(IN, dtype=torch.float32)
+            x1 = (cols * ax + (1 - cols) * IN).amin(1)
+            x2 = (cols * (ax + 1)).amax(1)
+            y1 = (rows * ax + (1 - rows) * IN).amin(1)
+            y2 = (rows * (ax + 1)).amax(1)
+            one = torch.ones_like(x1)
+            box = torch.stack([(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1], 1)  # [N, 4]
+            found = torch.cat([box, (one * 0.0)[:, None], (one * 0.9)[:, None], (one * 0.0)[:, None], one[:, None]], 1)
+            decoy = torch.cat([one[:, None] * torch.tensor([8.0, 8.0, 4.0, 4.0, 0.1, 0.0, 0.0, 1.0])], 1)
+            head = torch.stack([found, decoy], 2)  # [N, 8, 2]
+            share = torch.nn.functional.avg_pool2d(bright[:, None], IN // GRID)  # [N, 1, 16, 16]
+            return head, share * 20 - 10
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            BrightSeg().eval(), (torch.zeros(1, 3, IN, IN, dtype=torch.uint8),), str(path),
+            input_names=["images"], output_names=["output0", "output1"], opset_version=17, dynamo=False,
+            dynamic_axes={"images": {0: "batch"}, "output0": {0: "batch"}, "output1": {0: "batch"}},
+        )  # fmt: skip
+
+
+def segmenter_repo(root: Path) -> Path:
+    version = root / "seg" / "1"
+    version.mkdir(parents=True)
+    build_segmenter(version / "model.onnx")
+    spec = {
+        "name": "seg", "architecture": "bright-segmenter", "task": "segment", "resize": "letterbox",
+        "output_layout": "yolo-seg", "input": {"height": IN, "width": IN}, "resize_size": IN,
+        "mean": [0, 0, 0], "std": [1, 1, 1], "labels": list(LABELS),
+    }  # fmt: skip
+    (version / "spec.json").write_text(json.dumps(spec))
+    (root / "seg" / "config.toml").write_text("max_batch_size = 4\nmax_queue_delay_ms = 1.0\n")
+    return root
+
+
+def picture(width: int, height: int, box: tuple[int, int, int, int]) -> bytes:
+    pixels = np.full((height, width, 3), 20, dtype=np.uint8)
+    x1, y1, x2, y2 = box
+    pixels[y1:y2, x1:x2] = 255
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def truth(width: int, height: int, box: tuple[int, int, int, int]) -> np.ndarray:
+    full = np.zeros((height, width), dtype=np.uint8)
+    x1, y1, x2, y2 = box
+    full[y1:y2, x1:x2] = 1
+    return full
+
+
+def assert_rounded_corners(mask: np.ndarray, width: int, height: int, box: tuple[int, int, int, int]) -> None:
+    """``mask`` is the rectangle but for its corners, which bilinear sampling rounds (as upsampling ultralytics'
+    masks does): nothing outside it, and every pixel missed within one prototype cell of a corner."""
+    expected = truth(width, height, box)
+    assert not (mask & ~expected).any()
+    cell = (IN / GRID) / min(IN / width, IN / height)  # a prototype cell, in original pixels
+    ys, xs = np.nonzero(expected & ~mask)
+    x1, y1, x2, y2 = box
+    near_x = np.minimum(np.abs(xs + 0.5 - x1), np.abs(xs + 0.5 - x2)) < cell
+    near_y = np.minimum(np.abs(ys + 0.5 - y1), np.abs(ys + 0.5 - y2)) < cell
+    assert (near_x & near_y).all(), list(zip(xs[~(near_x & near_y)], ys[~(near_x & near_y)], strict=True))
+    assert len(xs) < (expected.sum() // 20)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    root = segmenter_repo(tmp_path_factory.mktemp("segment"))
+    with InProcessServer(ServerSettings(repository=str(root), port=0, grpc_port=0)) as running:
+        yield running
+
+
+# (width, height, rectangle): square, then letterboxed wide (scale 0.5, 16 rows of padding above) and tall.
+CASES = [(64, 64, (8, 12, 40, 36)), (128, 64, (16, 8, 80, 40)), (48, 96, (6, 12, 30, 60))]
+
+
+@pytest.mark.parametrize(("width", "height", "box"), CASES)
+def test_each_instance_s_mask_is_coco_rle_of_the_image_in_its_own_pixels(
+    served: InProcessServer, width: int, height: int, box: tuple[int, int, int, int]
+) -> None:
+    with served.client() as client:
+        r = client.post("/v1/models/seg/segment", content=picture(width, height, box),
+                        headers={"content-type": "image/png"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    result = r.json()["results"][0]
+    assert (result["width"], result["height"]) == (width, height)
+    [instance] = result["instances"]  # the decoy scored under the default threshold
+    assert (instance["label"], instance["index"]) == ("one", 1) and instance["score"] == pytest.approx(0.9)
+    assert instance["box"] == pytest.approx(list(box), abs=1e-3)
+    decoded = coco_mask.decode({"size": instance["mask"]["size"], "counts": instance["mask"]["counts"].encode()})
+    assert decoded.shape == (height, width)
+    assert_rounded_corners(decoded, width, height, box)
+    assert instance["area"] == int(decoded.sum())
+
+
+def test_png_masks_and_options_are_the_detect_routes(served: InProcessServer) -> None:
+    image = picture(128, 64, (16, 8, 80, 40))
+    with served.client() as client:
+        r = client.post("/v1/models/seg/segment", params={"mask_format": "png", "score_threshold": 0.05},
+                        content=image, headers={"content-type": "image/png"})  # fmt: skip
+        bad = client.post("/v1/models/seg/segment", params={"mask_format": "polygons"}, content=image,
+                          headers={"content-type": "image/png"})  # fmt: skip
+        wrong_route = client.post("/v1/models/seg/detect", content=image, headers={"content-type": "image/png"})
+        schema = client.get("/schema/openapi.json").json()
+    instances = r.json()["results"][0]["instances"]
+    assert len(instances) == 2  # the decoy too, at 0.05
+    import base64
+
+    shown = np.array(Image.open(io.BytesIO(base64.b64decode(instances[0]["mask"])))).astype(np.uint8)
+    assert_rounded_corners(shown, 128, 64, (16, 8, 80, 40))
+    assert bad.status_code == 400
+    assert bad.json()["error"] == "mask_format must be one of rle, png, got 'polygons' (query parameter)"
+    assert wrong_route.status_code == 400 and "POST /v1/models/seg/segment instead" in wrong_route.json()["error"]
+    assert "mask_format" in {p["name"] for p in schema["paths"]["/v1/models/{model}/segment"]["post"]["parameters"]}
+
+
+def test_v2_answers_masks_as_rle_strings_beside_the_boxes(served: InProcessServer) -> None:
+    client = httpclient.InferenceServerClient(served.url.removeprefix("http://"))
+    image = httpclient.InferInput("IMAGE", [1], "BYTES")
+    image.set_data_from_numpy(np.array([picture(64, 64, (8, 12, 40, 36))], dtype=object))
+    result = client.infer("seg.image", [image])
+    assert result.as_numpy("NUM_DETECTIONS").tolist() == [1]
+    masks = result.as_numpy("MASKS")
+    assert masks.shape == (1, 100) and masks[0, 1] == b""
+    first = json.loads(masks[0, 0])
+    decoded = coco_mask.decode({"size": first["size"], "counts": first["counts"].encode()})
+    assert_rounded_corners(decoded, 64, 64, (8, 12, 40, 36))
+    assert {o["name"] for o in client.get_model_metadata("seg")["outputs"]} == {"DETECTIONS", "NUM_DETECTIONS", "MASKS"}
+
+
+def test_a_websocket_stream_answers_each_frame_s_instances(served: InProcessServer) -> None:
+    url = served.url.replace("http://", "ws://") + "/v1/models/seg/stream?max_age_ms=10000"
+
+    async def one() -> dict[str, Any]:
+        async with websockets.connect(url) as ws:
+            header = json.dumps({"id": 1, "ts": 0}).encode()
+            await ws.send(struct.pack(">I", len(header)) + header + picture(64, 64, (8, 12, 40, 36)))
+            answer: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            return answer
+
+    answer = asyncio.run(one())
+    assert answer["status"] == "result" and answer["width"] == 64
+    assert answer["instances"][0]["mask"]["size"] == [64, 64]
+
+
+def test_a_mask_never_leaves_its_box_nor_the_image() -> None:
+    logits = np.full((GRID, GRID), 10.0, dtype=np.float32)  # "everywhere"
+    where = Transform(100, 50, 0.64, 0.64, 0.0, 16.0)  # 100 x 50 letterboxed into 64
+    mask = instance_mask(logits, np.array([-20.0, 10.0, 30.0, 80.0]), where, (IN, IN))
+    full = coco_mask.decode({"size": [50, 100], "counts": str(rle(mask)["counts"]).encode()})
+    assert full.sum() == 30 * 40 and full[10:50, 0:30].all()  # the box, clipped to the image
+    nan = instance_mask(np.full((GRID, GRID), np.nan, np.float32), np.array([0.0, 0.0, 10.0, 10.0]), where, (IN, IN))
+    assert nan.area == 0
+
+
+def test_rle_matches_pycocotools_encoder_on_random_masks() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        h, w = (int(v) for v in rng.integers(1, 30, 2))
+        x1, y1 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        x2, y2 = int(rng.integers(x1 + 1, w + 1)), int(rng.integers(y1 + 1, h + 1))
+        region = rng.random((y2 - y1, x2 - x1)) < rng.random()
+        full = np.zeros((h, w), dtype=np.uint8)
+        full[y1:y2, x1:x2] = region
+        assert rle(Mask(region, x1, y1, w, h))["counts"] == coco_mask.encode(np.asfortranarray(full))["counts"].decode()
