@@ -23,7 +23,7 @@ from service.core.status import InferResult
 from service.core.tasks import Detect, DetectOptions, task_named
 
 MIN_BOX_MAP = 0.95
-TRUTH_SCORE = 0.25  # fp32's detections at the served default threshold are the reference's boxes
+TRUTH_SCORE = DetectOptions().score_threshold  # fp32's detections at the served default are the reference's boxes
 AP_SCORE = 0.05  # int8's detections from here on are scored (models/detection_eval.py's threshold)
 Truth = Sequence[tuple[np.ndarray, np.ndarray]]  # per image: boxes [G, 4] in input pixels, class indices [G]
 NO_INT8_DATA = (

@@ -19,7 +19,7 @@ from __future__ import annotations
 from service.client.client import DEFAULT_MAX_IMAGES_PER_REQUEST, AsyncClient, Client
 from service.client.errors import ClientError
 from service.client.images import discover, sniff
-from service.client.kinds import DetectedImage
+from service.client.kinds import DetectedImage, SegmentedImage
 from service.client.retry import RetryPolicy
 from service.core.answers import ClassifyResponse, Detection, ImageResult, Prediction
 
@@ -34,6 +34,7 @@ __all__ = [
     "ImageResult",
     "Prediction",
     "RetryPolicy",
+    "SegmentedImage",
     "discover",
     "sniff",
 ]

@@ -24,7 +24,7 @@ import msgspec
 
 from service.client.errors import ClientError
 from service.client.images import ImageInput, encode
-from service.client.kinds import CLASSIFY, DETECT, DetectedImage, Kind, R, answer_of
+from service.client.kinds import CLASSIFY, DETECT, SEGMENT, DetectedImage, Kind, R, SegmentedImage, answer_of
 from service.client.retry import Attempts, RetryPolicy
 from service.core.answers import ImageResult
 
@@ -200,6 +200,19 @@ class Client(_Base[httpx.Client]):
         raised as :meth:`classify`'s."""
         return self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
 
+    def segment(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        model: str | None = None,
+        version: int | None = None,
+        **options: Any,
+    ) -> list[SegmentedImage]:
+        """One :class:`SegmentedImage` per image, in order, from a segmenter's ``/segment`` route: its ``instances``
+        (a detection's fields, ``area`` and ``mask``: COCO's compressed RLE of the full image, or a base64 PNG with
+        ``mask_format="png"``). ``options``: :class:`~service.core.tasks.SegmentOptions`'s, as :meth:`detect`'s."""
+        return self._ask(self._call(SEGMENT, SEGMENT.query(options), model, version), images)
+
     def _ask(self, call: _Call[R], images: ImageInput | Sequence[ImageInput]) -> list[R]:
         return [r for chunk in self._chunks(self._files(images)) for r in self._send(call, chunk)]
 
@@ -282,6 +295,17 @@ class AsyncClient(_Base[httpx.AsyncClient]):
     ) -> list[DetectedImage]:
         """As :meth:`Client.detect`."""
         return await self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
+
+    async def segment(
+        self,
+        images: ImageInput | Sequence[ImageInput],
+        *,
+        model: str | None = None,
+        version: int | None = None,
+        **options: Any,
+    ) -> list[SegmentedImage]:
+        """As :meth:`Client.segment`."""
+        return await self._ask(self._call(SEGMENT, SEGMENT.query(options), model, version), images)
 
     async def ask(
         self, kind: Kind[R], images: ImageInput | Sequence[ImageInput], options: dict[str, Any], **where: Any

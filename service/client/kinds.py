@@ -10,8 +10,9 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from service.core.answers import DetectResult, ImageResult
-from service.core.tasks import Classify, Detect, Task
+from service.core.tasks import Classify, Detect, Segment, Task
 from service.core.tasks.options import as_query
+from service.core.tasks.segment import SegmentResult
 
 
 class DetectedImage(DetectResult, kw_only=True, omit_defaults=True):
@@ -28,7 +29,19 @@ class DetectedImage(DetectResult, kw_only=True, omit_defaults=True):
         return self.error is None and self.detections is not None
 
 
-R = TypeVar("R", ImageResult, DetectedImage)
+class SegmentedImage(SegmentResult, kw_only=True, omit_defaults=True):
+    """One image's answer from a segmenter (its ``width``, ``height`` and ``instances``, each a box and a mask, or
+    its ``error``), with the ``model`` and ``version`` that answered copied on."""
+
+    model: str | None = None
+    version: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.instances is not None
+
+
+R = TypeVar("R", ImageResult, DetectedImage, SegmentedImage)
 
 
 class _Answer(msgspec.Struct, Generic[R]):
@@ -58,6 +71,7 @@ class Kind(Generic[R]):
 
 CLASSIFY = Kind(Classify, ImageResult)
 DETECT = Kind(Detect, DetectedImage)
+SEGMENT = Kind(Segment, SegmentedImage)
 
 
 def answer_of(body: bytes, kind: Kind[R]) -> _Answer[R]:

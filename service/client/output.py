@@ -17,14 +17,14 @@ from typing import IO, Generic, Protocol, TypeVar
 
 import msgspec
 
-from service.client.kinds import DetectedImage
+from service.client.kinds import DetectedImage, SegmentedImage
 from service.core.answers import Detection, ImageResult, Prediction
 from service.core.errors import ConfigError
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 BOX_COLUMNS = {"xyxy": ("x1", "y1", "x2", "y2"), "xywh": ("x", "y", "w", "h"), "cxcywh": ("cx", "cy", "w", "h")}
 R_contra = TypeVar("R_contra", contravariant=True)
-R = TypeVar("R", ImageResult, DetectedImage)
+R = TypeVar("R", ImageResult, DetectedImage, SegmentedImage)
 
 
 class Row(msgspec.Struct, omit_defaults=False):

@@ -14,7 +14,7 @@ import msgspec
 
 from service.core.errors import ConfigError
 from service.core.layouts import Layout
-from service.core.tasks import TASKS
+from service.core.tasks import TASKS, DetectOptions
 
 SPEC_FILE = "spec.json"
 
@@ -149,7 +149,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     resize: Resize = "center_crop"
     pad_value: Annotated[int, msgspec.Meta(ge=0, le=255)] = 114
     output_layout: OutputLayout | None = None  # a detector's; None for a classifier
-    max_detections: PositiveInt = 100
+    max_detections: PositiveInt = DetectOptions().max_detections  # the served default, declared once
 
     def __post_init__(self) -> None:
         channels = self.input.channels

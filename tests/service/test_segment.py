@@ -27,6 +27,7 @@ import websockets
 from PIL import Image
 from pycocotools import mask as coco_mask
 
+from service.client import Client
 from service.core.boxes import Transform
 from service.core.masks import Mask, instance_mask, rle
 from service.core.settings import ServerSettings
@@ -210,3 +211,12 @@ def test_rle_matches_pycocotools_encoder_on_random_masks() -> None:
         full = np.zeros((h, w), dtype=np.uint8)
         full[y1:y2, x1:x2] = region
         assert rle(Mask(region, x1, y1, w, h))["counts"] == coco_mask.encode(np.asfortranarray(full))["counts"].decode()
+
+
+def test_the_python_client_segments(served: InProcessServer) -> None:
+    with Client(served.url, model="seg") as client:
+        [found] = client.segment([picture(64, 64, (8, 12, 40, 36))], score_threshold=0.05)
+    assert found.ok and (found.model, found.width) == ("seg", 64) and len(found.instances or []) == 2
+    first = (found.instances or [])[0]
+    decoded = coco_mask.decode({"size": first.mask["size"], "counts": first.mask["counts"].encode()})
+    assert_rounded_corners(decoded, 64, 64, (8, 12, 40, 36))
