@@ -12,9 +12,8 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
-from service.core.stream_metrics import STREAM_AGE_BUCKETS
+from service.core.stream_metrics import AGE_BOUNDS, age_buckets
 
 log = logging.getLogger(__name__)
 
@@ -85,20 +84,17 @@ class SourceCollector(Collector):
                                          "reconnected", labels=labels)  # fmt: skip
         by_state = GaugeMetricFamily("visionserve_sources", "Sources in each state (finished ones stay until "
                                      "deleted)", labels=("state",))  # fmt: skip
-        bounds = (*map(floatToGoString, STREAM_AGE_BUCKETS), "+Inf")
         counted = dict.fromkeys(SOURCE_STATES, 0)
         for id, state in sorted(merge_source_states(self.states()).items()):
             counted[state.state] = counted.get(state.state, 0) + 1  # a state of a newer build still counts
             for outcome in SOURCE_OUTCOMES:
                 frames.add_metric([id, state.model, outcome], state.frames.get(outcome, 0))
-            if len(state.ages) == len(bounds) + 1:
-                cumulative, running = [], 0.0
-                for bound, count in zip(bounds, state.ages[:-1], strict=True):
-                    running += count
-                    cumulative.append((bound, running))
-                ages.add_metric([id, state.model], cumulative, state.ages[-1])
+            if (buckets := age_buckets(state.ages)) is not None:
+                ages.add_metric([id, state.model], buckets, state.ages[-1])
             else:  # a front end of another build: its other metrics still show
-                log.warning("source %s ages: %d buckets, %d expected; left out", id, len(state.ages), len(bounds) + 1)
+                log.warning(
+                    "source %s ages: %d buckets, %d expected; left out", id, len(state.ages), len(AGE_BOUNDS) + 1
+                )
             for direction, rate in zip(SOURCE_DIRECTIONS, (state.fps_in, state.fps_answered), strict=True):
                 fps.add_metric([id, state.model, direction], rate)
             reconnects.add_metric([id, state.model], state.reconnects)

@@ -1,14 +1,20 @@
 """The metrics of streams (docs/streams.md, "Counting"): per model, frames by outcome, the answered frames' age as
-a histogram, and the streams open. Each front end counts its own streams (``ServerState.stream_outcome``) and
+a histogram, and the streams open; and the record every stream, source and model counts its frames in
+(:class:`FrameCounts`). Each front end counts its own streams (``ServerState.stream_outcome``) and
 reports them, cumulative, in its Snapshot to the engine; the engine sums every front end's at scrape time, as it
 does their requests, so nothing is counted twice and no Prometheus call sits on a frame's path."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -19,6 +25,8 @@ log = logging.getLogger(__name__)
 STREAM_OUTCOMES = ("answered", "superseded", "expired", "error")
 # Answered stream frames' age, seconds: 1 ms to about 33 s.
 STREAM_AGE_BUCKETS = tuple(round(0.001 * 1.5**k, 6) for k in range(26))
+AGE_BOUNDS = (*map(floatToGoString, STREAM_AGE_BUCKETS), "+Inf")  # as /metrics shows them
+AGES_KEPT = 2048  # the answered ages the percentiles are read from (the newest)
 
 
 class StreamState(msgspec.Struct, array_like=True, frozen=True):
@@ -35,6 +43,48 @@ class StreamState(msgspec.Struct, array_like=True, frozen=True):
 def empty_ages() -> list[float]:
     """A model's age histogram before its first answered frame: the buckets, +Inf, the sum."""
     return [0.0] * (len(STREAM_AGE_BUCKETS) + 2)
+
+
+def age_buckets(ages: list[float]) -> list[tuple[str, float]] | None:
+    """An age histogram (:func:`empty_ages`' layout) as /metrics' cumulative buckets; None for one of another length
+    (a front end of another build)."""
+    if len(ages) != len(AGE_BOUNDS) + 1:
+        return None
+    return list(zip(AGE_BOUNDS, itertools.accumulate(ages[:-1]), strict=True))
+
+
+@dataclass
+class FrameCounts:
+    """Frames by fate (:data:`STREAM_OUTCOMES`; ``sent``: their sum once the stream has ended) and the answered ones'
+    ages, as /metrics' histogram (:func:`empty_ages`' layout) and the newest :data:`AGES_KEPT` in ms for percentiles:
+    one stream's or source's, or a model's in this front end (with its streams ``open`` now)."""
+
+    sent: int = 0
+    answered: int = 0
+    superseded: int = 0
+    expired: int = 0
+    error: int = 0
+    ages: list[float] = field(default_factory=empty_ages)
+    recent_ms: deque[float] = field(default_factory=lambda: deque(maxlen=AGES_KEPT))
+    open: int = 0
+
+    def add(self, outcome: str, age_s: float) -> None:
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        if outcome == "answered":
+            self.ages[bisect.bisect_left(STREAM_AGE_BUCKETS, age_s)] += 1
+            self.ages[-1] += age_s
+            self.recent_ms.append(age_s * 1000.0)
+
+    def outcomes(self) -> dict[str, int]:
+        """Each outcome seen, counted."""
+        return {outcome: n for outcome in STREAM_OUTCOMES if (n := getattr(self, outcome))}
+
+    def percentiles_ms(self) -> tuple[float | None, float | None]:
+        """The answered ages' p50 and p99 in ms (the newest :data:`AGES_KEPT`), None before any."""
+        if not self.recent_ms:
+            return None, None
+        p50, p99 = np.percentile(np.fromiter(self.recent_ms, float), [50, 99])
+        return round(float(p50), 3), round(float(p99), 3)
 
 
 def merge_stream_states(states: Iterable[StreamState]) -> dict[str, StreamState]:
@@ -74,15 +124,10 @@ class StreamCollector(Collector):
         ages = HistogramMetricFamily("visionserve_stream_age_seconds", "Age of answered stream frames when answered, "
                                      "from when the server read them", labels=("model",))  # fmt: skip
         opened = GaugeMetricFamily("visionserve_streams_open", "Streams open now", labels=("model",))
-        bounds = (*map(floatToGoString, STREAM_AGE_BUCKETS), "+Inf")
         for model, state in sorted(merge_stream_states(self.states()).items()):
             for outcome in STREAM_OUTCOMES:
                 frames.add_metric([model, outcome], state.frames.get(outcome, 0))
-            if len(state.ages) == len(bounds) + 1:
-                cumulative, running = [], 0.0
-                for bound, count in zip(bounds, state.ages[:-1], strict=True):
-                    running += count
-                    cumulative.append((bound, running))
-                ages.add_metric([model], cumulative, state.ages[-1])
+            if (buckets := age_buckets(state.ages)) is not None:
+                ages.add_metric([model], buckets, state.ages[-1])
             opened.add_metric([model], state.open)
         yield from (frames, ages, opened)

@@ -1,11 +1,13 @@
-"""One stream session for both stream transports (the WebSocket route and gRPC's ``ModelStreamInfer``,
-docs/streams.md): a reader feeds a :class:`~service.frontend.stream.FrameStream`, whose answers go, encoded for the
-wire, through one bounded outbox to one writer.
+"""The one delivery of answers to readers (docs/streams.md, docs/sources.md): a bounded :class:`Outbox` per reader,
+a stream session's client or a source's subscriber; and one stream session for both stream transports (the
+WebSocket route and gRPC's ``ModelStreamInfer``): a reader feeds a :class:`~service.frontend.stream.FrameStream`,
+whose answers go, encoded for the wire, through the session's outbox to one writer.
 
-A client that leaves :data:`OUTBOX_LIMIT` answers unsent, or does not take one within ``--stream-send-timeout-s``,
-is cut off rather than holding answers (and frames) in server memory. The session ends once the client has closed
-its side or the server drains (every frame read is answered first), or at once when cut off; the transport's last
-word starts with "N frames read" (:meth:`StreamSession.frames_read`): the frames sent after those N were never read.
+A reader that leaves :data:`OUTBOX_LIMIT` answers unread is cut off rather than holding answers (and frames) in
+server memory or slowing a source; so is a client that does not take one within ``--stream-send-timeout-s``. The
+session ends once the client has closed its side or the server drains (every frame read is answered first), or at
+once when cut off; the transport's last word starts with "N frames read" (:meth:`StreamSession.frames_read`): the
+frames sent after those N were never read.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Generic, TypeVar
 
 from service.frontend.state import ServerState
@@ -22,28 +24,69 @@ from service.frontend.stream import FrameStream
 
 log = logging.getLogger("visionserve.stream")
 
-OUTBOX_LIMIT = 64  # answers not yet taken by the client before it is cut off
+OUTBOX_LIMIT = 64  # answers not yet taken by a reader before it is cut off
 M = TypeVar("M")  # an answer as its wire carries it
 
 
-class StreamSession(Generic[M]):
+class Outbox(Generic[M]):
+    """One reader's answers not yet taken, at most :data:`OUTBOX_LIMIT`: one more cuts the reader off (``cut_off``
+    says why) and never waits. The last message (``last``) always finds room and nothing follows it."""
+
+    reader = ""  # who is cut off, as its reason names it
+
+    def __init__(self) -> None:
+        self.held: deque[M] = deque()
+        self.ready = asyncio.Event()  # something to take, or the end
+        self.cut_off: str | None = None
+        self.ended = False
+
+    def put(self, message: M, last: bool = False) -> None:
+        if self.cut_off is not None or self.ended:
+            return
+        if len(self.held) >= OUTBOX_LIMIT and not last:
+            self.cut(f"{self.reader}left {OUTBOX_LIMIT} answers unread")
+            return
+        self.held.append(message)
+        self.ended = last
+        self.ready.set()
+
+    def cut(self, why: str) -> None:
+        if self.cut_off is None:
+            self.cut_off = why
+        self.ready.set()
+
+    def end(self) -> None:
+        """Nothing more will be put: :meth:`messages` ends once the held ones are taken."""
+        self.ended = True
+        self.ready.set()
+
+    async def messages(self) -> AsyncIterator[M]:
+        """Each message in order until the last one, or those held when the reader was cut off."""
+        while True:
+            while self.held:
+                yield self.held.popleft()
+            if self.cut_off is not None or self.ended:
+                return
+            self.ready.clear()
+            await self.ready.wait()
+
+
+class StreamSession(Outbox[M]):
     """One client's stream, whatever carries it. A transport subclasses it with :meth:`encode` (an answer dict to
     its wire's message) and :meth:`send` (one message to the client), sets :attr:`stream` and calls :meth:`run`
     with its reader. ``what`` names the transport in the log; ``done`` is set by the transport once the session
-    has ended (what ``ServerState.drain`` waits for)."""
+    has ended (what ``ServerState.drain`` waits for). The outbox ends once every frame read has its answer in it."""
 
     what = "stream"
+    reader = "the client "
 
     def __init__(self, server: ServerState) -> None:
+        super().__init__()
         self.server = server
         self.stream: FrameStream | None = None
-        self.outbox: deque[M] = deque()
-        self.ready = asyncio.Event()  # something to write, or the end
         self.stop = asyncio.Event()  # read no more frames: draining, cut off, refused, the client gone
         self.done = asyncio.Event()
         self.draining = False
-        self.cut_off: str | None = None
-        self.finished = False  # every frame read has its answer in the outbox
         self.send_timeout_s = server.settings.stream_send_timeout_s
 
     def encode(self, answer: dict[str, Any]) -> M:
@@ -63,35 +106,26 @@ class StreamSession(Generic[M]):
     # ---- answers out ----------------------------------------------------------------------------------------
     def emit(self, answer: dict[str, Any]) -> None:
         """The stream's ``emit``: one answer into the outbox, or the client cut off when it is full."""
-        if self.cut_off is not None:
-            return
-        if len(self.outbox) >= OUTBOX_LIMIT:
-            self.cut(f"the client left {OUTBOX_LIMIT} answers unread")
-            return
-        self.outbox.append(self.encode(answer))
-        self.ready.set()
+        if self.cut_off is None:
+            self.put(self.encode(answer))
 
     def cut(self, why: str) -> None:
         if self.cut_off is None:
-            self.cut_off = why
             log.warning("%s to %s cut off: %s", self.what, self.stream.slot.name if self.stream else "", why)
+        super().cut(why)
         self.stop.set()
-        self.ready.set()
 
     async def _write(self) -> None:
-        while True:
-            await self.ready.wait()
-            self.ready.clear()
-            while self.outbox and self.cut_off is None:
-                try:
-                    await asyncio.wait_for(self.send(self.outbox.popleft()), self.send_timeout_s)
-                except TimeoutError:
-                    self.cut(f"an answer waited {self.send_timeout_s:g} s for the client to read it")
-                    return
-                except Exception:  # the connection went away: nothing more to tell it
-                    self.stop.set()
-                    return
-            if self.cut_off is not None or self.finished:
+        async for message in self.messages():
+            if self.cut_off is not None:  # what it holds is not sent
+                return
+            try:
+                await asyncio.wait_for(self.send(message), self.send_timeout_s)
+            except TimeoutError:
+                self.cut(f"an answer waited {self.send_timeout_s:g} s for the client to read it")
+                return
+            except Exception:  # the connection went away: nothing more to tell it
+                self.stop.set()
                 return
 
     # ---- the session ----------------------------------------------------------------------------------------
@@ -116,8 +150,7 @@ class StreamSession(Generic[M]):
         finally:
             stopped.cancel()
             reader.cancel()
-            self.finished = True
-            self.ready.set()
+            self.end()
         if self.cut_off is not None:  # its write is stuck, and nothing more will be written
             writer.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -11,7 +11,6 @@ front end (the whole server can serve), and the server is not draining.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import time
@@ -37,7 +36,7 @@ from service.core.preprocess import ImageLimits
 from service.core.settings import ServerSettings
 from service.core.spec import ModelSpec, decode_spec
 from service.core.status import EngineState, InferResult
-from service.core.stream_metrics import STREAM_AGE_BUCKETS, StreamState, empty_ages
+from service.core.stream_metrics import FrameCounts, StreamState
 from service.core.tasks import Task, task_for
 from service.frontend.exposition import merge_exposition
 from service.frontend.link import EngineLink, Linker
@@ -241,9 +240,7 @@ class ServerState:
         self._ready_event: asyncio.Event | None = None
         self.requests_inflight = 0  # inference requests past ``slot()`` and not yet answered
         self.streams: set[Any] = set()  # open streams (each has ``drain()``): told to end when the server drains
-        self.streams_open: dict[str, int] = {}  # model -> streams open now (kept at 0 once closed: a gauge)
-        self.stream_frames: dict[tuple[str, str], int] = {}  # (model, outcome) -> frames, this front end's
-        self.stream_ages: dict[str, list[float]] = {}  # model -> answered frames' age histogram (STREAM_AGE_BUCKETS)
+        self.stream_counts: dict[str, FrameCounts] = {}  # model -> its streams' frames and how many are open
         self.idle: asyncio.Event | None = None  # set when draining and nothing is in flight
         self.sources: Any = None  # the sources this front end runs (service.frontend.sources.registry.Sources)
         self.sources_owner: Any = None  # or the front end that runs them (service.frontend.sources.forward.Owner)
@@ -393,29 +390,22 @@ class ServerState:
 
     @contextlib.contextmanager
     def stream_open(self, model: str, stream: Any) -> Iterator[None]:
-        """``stream`` (with ``drain()`` and ``done``, an event set once it has closed) is open on ``model`` for the
-        block: told to end when the server drains, and counted in ``visionserve_streams_open``."""
+        """``stream`` (with ``drain()`` and ``done``, an event set once it has closed: a stream session, a source) is
+        open on ``model`` for the block: told to end when the server drains, and counted in
+        ``visionserve_streams_open``. The one registration of streams and sources alike."""
+        counts = self.stream_counts.setdefault(model, FrameCounts())  # ``open`` kept at 0 once closed: a gauge
         self.streams.add(stream)
-        self.streams_open[model] = self.streams_open.get(model, 0) + 1
+        counts.open += 1
         try:
             yield
         finally:
             self.streams.discard(stream)
-            self.streams_open[model] -= 1
+            counts.open -= 1
 
     def stream_outcome(self, model: str) -> Callable[[str, float], None]:
         """The hook a stream of ``model`` calls with each frame's outcome (answered, superseded, expired, error) and
         age in seconds: counted here, reported to the engine with the other counts."""
-        ages = self.stream_ages.setdefault(model, empty_ages())  # buckets, +Inf, sum
-
-        def record(outcome: str, age_s: float) -> None:
-            key = (model, outcome)
-            self.stream_frames[key] = self.stream_frames.get(key, 0) + 1
-            if outcome == "answered":
-                ages[bisect.bisect_left(STREAM_AGE_BUCKETS, age_s)] += 1
-                ages[-1] += age_s
-
-        return record
+        return self.stream_counts.setdefault(model, FrameCounts()).add
 
     def route(self, name: str, version: int | str | None, headers: Mapping[str, str]) -> str | None:
         """What a request's Submit says of its version: None when it named one; else the value of the header a
@@ -435,14 +425,7 @@ class ServerState:
 
     def _stream_states(self) -> list[StreamState]:
         """Copies: the in-process engine reads them on a scrape's thread while streams count on."""
-        models = sorted({*self.stream_ages, *self.streams_open, *(model for model, _ in self.stream_frames)})
-        frames: dict[str, dict[str, int]] = {model: {} for model in models}
-        for (model, outcome), count in list(self.stream_frames.items()):
-            frames.setdefault(model, {})[outcome] = count
-        return [
-            StreamState(m, frames[m], list(self.stream_ages.get(m) or empty_ages()), self.streams_open.get(m, 0))
-            for m in models
-        ]
+        return [StreamState(m, c.outcomes(), list(c.ages), c.open) for m, c in sorted(dict(self.stream_counts).items())]
 
     async def each_engine(self, call: Callable[[EngineLink], Any]) -> list[Any]:
         """Ask every engine (``call``: one of a link's control calls on it); an engine that is down answers 503."""

@@ -28,7 +28,7 @@ import numpy as np
 from service.core.boxes import Transform
 from service.core.errors import BadInputError, DeadlineExceededError, VisionServeError, shown
 from service.core.spec import ModelSpec
-from service.core.stream_metrics import STREAM_OUTCOMES
+from service.core.stream_metrics import FrameCounts
 from service.core.tasks import Want
 from service.frontend.request import Answer, Ask, Expired, Target, run
 from service.frontend.state import ModelSlot
@@ -38,7 +38,6 @@ log = logging.getLogger("visionserve.stream")
 
 DEFAULT_MAX_AGE_MS = 500.0
 MAX_AGE_LIMIT_MS = 60_000.0
-OUTCOMES = STREAM_OUTCOMES  # a frame's fate: every frame gets exactly one
 
 
 @dataclass
@@ -57,17 +56,6 @@ class Frame:
 
     def age_ms(self, now: float | None = None) -> float:
         return ((time.perf_counter() if now is None else now) - self.received) * 1000.0
-
-
-@dataclass
-class StreamCounts:
-    """One stream's frames by fate (``sent`` = the sum of the others once the stream has ended)."""
-
-    sent: int = 0
-    answered: int = 0
-    superseded: int = 0
-    expired: int = 0
-    error: int = 0
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -98,7 +86,7 @@ class FrameStream:
         self.want = want or Want()
         self.on_outcome = on_outcome
         self.protocol = protocol
-        self.counts = StreamCounts()
+        self.counts = FrameCounts()  # its frames by fate, and the answered ones' ages
         self._waiting: Frame | None = None
         self._wake = asyncio.Event()
         self._closing = False
@@ -219,8 +207,7 @@ class FrameStream:
     def _answer(self, frame: Frame, status: str, **fields: Any) -> None:
         age_ms = frame.age_ms()
         outcome = "answered" if status == "result" else status
-        counts = self.counts
-        setattr(counts, outcome, getattr(counts, outcome) + 1)
+        self.counts.add(outcome, age_ms / 1000.0)
         if self.on_outcome is not None:
             self.on_outcome(outcome, age_ms / 1000.0)
         self.emit({"id": frame.id, "ts": frame.client_ts, "status": status, "age_ms": round(age_ms, 3), **fields})

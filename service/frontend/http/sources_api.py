@@ -73,61 +73,53 @@ def _owner(connection: ASGIConnection[Any, Any, Any, Any]) -> Owner | None:
     return server.sources_owner
 
 
-async def _forwarded(request: Request[Any, Any, Any], owner: Owner) -> Response[Any]:
+async def at_owner(request: Request[Any, Any, Any]) -> Any:
+    """Every sources route but the results' (``before_request``): where another front end runs the sources, its
+    answer, else None (the route runs here). Where it cannot be reached (``fe0`` restarting past the forward's
+    timeouts), a read is answered from the sources as stored (docs/sources.md, "One owner"): a listing never loses
+    a source while its owner is away."""
+    if (owner := _owner(request)) is None or request.route_handler.handler_name == "source_events":
+        return None
     target = quote(request.url.path) + (f"?{request.url.query}" if request.url.query else "")
-    answer = await owner.request(request.method, target, dict(request.headers), await request.body())
-    return Response(answer.body, status_code=answer.status)
-
-
-async def _stored(request: Request[Any, Any, Any], owner: Owner, id: str | None) -> Any:
-    """The owner's answer; where it cannot be reached (``fe0`` restarting past the forward's timeouts), the sources
-    as stored, read here (docs/sources.md, "One owner"): a listing never loses a source while its owner is away."""
     try:
-        return await _forwarded(request, owner)
+        answer = await owner.request(request.method, target, dict(request.headers), await request.body())
     except OverloadedError:
-        server: ServerState = request.app.state.server
-        rows = await asyncio.to_thread(read_rows, store_path(server.settings))
+        if request.method != "GET":
+            raise
+        id = request.path_params.get("id")
+        rows = await asyncio.to_thread(read_rows, store_path(request.app.state.server.settings))
         docs = [document(row_id, body) for row_id, body in rows if id is None or row_id == id]
         if id is None:
             return {"sources": docs}
         if not docs:
             raise
         return docs[0]
+    return Response(answer.body, status_code=answer.status)
 
 
 @post("/v1/sources", summary="Start a source (admin)", status_code=201, responses=ERROR_RESPONSES)
 async def create_source(request: Request[Any, Any, Any]) -> Any:
     """Start pulling ``url`` into ``model``: docs/sources.md."""
-    if (owner := _owner(request)) is not None:
-        return await _forwarded(request, owner)
     return sources_of(request).create(await _body(request)).describe()
 
 
 @get("/v1/sources", summary="Every source (admin)", responses=ERROR_RESPONSES)
 async def list_sources(request: Request[Any, Any, Any]) -> Any:
-    if (owner := _owner(request)) is not None:
-        return await _stored(request, owner, None)
     return {"sources": sources_of(request).describe()}
 
 
 @get("/v1/sources/{id:str}", summary="One source (admin)", responses=ERROR_RESPONSES)
 async def show_source(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
-    if (owner := _owner(request)) is not None:
-        return await _stored(request, owner, id)
     return sources_of(request).get(id).describe()
 
 
 @patch("/v1/sources/{id:str}", summary="Change a source's options (admin)", responses=ERROR_RESPONSES)
 async def change_source(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
-    if (owner := _owner(request)) is not None:
-        return await _forwarded(request, owner)
     return sources_of(request).change(id, await _body(request)).describe()
 
 
 @delete("/v1/sources/{id:str}", summary="Stop a source (admin)", status_code=200, responses=ERROR_RESPONSES)
 async def delete_source(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
-    if (owner := _owner(request)) is not None:
-        return await _forwarded(request, owner)
     return await sources_of(request).delete(id)
 
 
@@ -228,5 +220,6 @@ ROUTER = Router(
         source_results,
     ],
     guards=[sources_admin],
+    before_request=at_owner,
     tags=["sources"],
 )

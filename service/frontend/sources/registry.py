@@ -8,9 +8,9 @@ is made), and the task's options as the stream routes take them: a classifier's 
 ``score_threshold``, ``iou_threshold``, ``max_detections``, ``classes``, ``class_agnostic``, ``box_format``,
 ``normalized``. A key it does not know is refused, named.
 
-A running source counts as an open stream of its model (``visionserve_streams_open``): told to end when the server
-drains. A finished one (ended, failed, stopped) stays listed with its reason and counts until it is deleted; the
-oldest finished are forgotten past :data:`FINISHED_KEPT`.
+A running source is an open stream of its model, registered as streams are (``ServerState.stream_open``): counted in
+``visionserve_streams_open`` and told to end when the server drains. A finished one (ended, failed, stopped) stays
+listed with its reason and counts until it is deleted; the oldest finished are forgotten past :data:`FINISHED_KEPT`.
 
 Every source is kept in the store (:mod:`service.frontend.sources.store`) from its start until it is deleted: its
 row is committed before ``POST`` is answered, and when the server (or its front end ``fe0``) starts again it starts
@@ -20,6 +20,7 @@ every row again, once (:meth:`Sources.start_stored`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -69,6 +70,7 @@ class Sources:
         self.store = store  # None: nothing is kept across restarts (the store could not be opened: logged)
         self.sources: dict[str, Source] = {}
         self._telling: set[asyncio.Task[None]] = set()
+        self._open: dict[Source, contextlib.ExitStack] = {}  # each running source's registration, until it finishes
         # Sources deleted or forgotten whose reader thread has not ended yet (stuck in a DNS lookup or a connect
         # FFmpeg cannot interrupt): each still holds a thread, so each counts against --max-sources until it ends.
         self._lingering: set[Source] = set()
@@ -134,8 +136,8 @@ class Sources:
         if keep:
             self._write(lambda store: store.put(id, {**body, "id": id}))
         self.sources[id] = source
-        self.server.streams.add(source)
-        self.server.streams_open[source.model] = self.server.streams_open.get(source.model, 0) + 1
+        self._open[source] = contextlib.ExitStack()
+        self._open[source].enter_context(self.server.stream_open(source.model, source))
         source.start()
         self._hold(source, True)
         log.info("source %s: %s to %s", id, url.shown, source.model)
@@ -223,10 +225,6 @@ class Sources:
             raise problem
         return started
 
-    def start_listed(self, file: str) -> list[Source]:
-        """The sources of ``file`` started (:meth:`start_stored` without the stored rows' part)."""
-        return self.start_stored(file)
-
     def _start_row(self, started: list[Source], row: Any, keep: bool, what: str) -> None:
         try:
             started.append(self.create(row, keep=keep))
@@ -237,9 +235,8 @@ class Sources:
 
     # ---- internals --------------------------------------------------------------------------------------------
     def _finished(self, source: Source) -> None:
-        if source in self.server.streams:
-            self.server.streams.discard(source)
-            self.server.streams_open[source.model] -= 1
+        if (opened := self._open.pop(source, None)) is not None:
+            opened.close()
             self._hold(source, False)
         log.info("source %s %s: %s", source.id, source.state, source.reason)
 

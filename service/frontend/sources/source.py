@@ -5,17 +5,15 @@ its answers fanned out to subscribers (docs/sources.md).
 A frame's fate: ``skipped`` (``max_fps`` left it out, or a newer frame replaced it while the model was busy),
 ``answered``, ``expired`` (older than ``max_age_ms`` before it was computed) or ``error``; ``decoded`` is their sum
 plus the frame computing. Its age runs from when it was decoded to when its answer is sent. Subscribers get every
-answer but the skips, each through a bounded outbox: one that leaves :data:`OUTBOX_LIMIT` answers unread is cut off,
-and never slows the source. When the source ends (its file ended, it failed, it was deleted, the server drains),
-each subscriber's last message is ``{"status": "ended", ...}``.
+answer but the skips, each through the streams' bounded outbox (:class:`~service.frontend.outbox.Outbox`): one that
+leaves ``OUTBOX_LIMIT`` answers unread is cut off, and never slows the source. When the source ends (its file ended,
+it failed, it was deleted, the server drains), each subscriber's last message is ``{"status": "ended", ...}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import bisect
-import dataclasses
 import io
 import secrets
 import time
@@ -30,65 +28,27 @@ from PIL import Image
 from service.core.boxes import Transform
 from service.core.source_metrics import SourceState
 from service.core.spec import ModelSpec
-from service.core.stream_metrics import STREAM_AGE_BUCKETS, empty_ages
 from service.core.tasks import Want
+from service.frontend.outbox import Outbox
 from service.frontend.request import Target
 from service.frontend.sources.frames import frame_input
 from service.frontend.sources.reader import Pace, Picture, Reader
 from service.frontend.sources.urls import SourceUrl
 from service.frontend.stream import Frame, FrameStream
 
-OUTBOX_LIMIT = 64  # answers a subscriber has not taken before it is cut off
 RATE_WINDOW_S = 5.0  # fps in and answered: over the last this many seconds
-AGES_KEPT = 2048  # the answered ages the percentiles are read from (the newest)
 FINAL = ("ended", "failed", "stopped")
 SHOWN_WIDTH = 640  # a frame sent to a subscriber that shows frames is at most this wide
 IMAGES_KEPT = 8
 
 
-@dataclass
-class SourceCounts:
-    """A source's frames: decoded, and each decoded frame's fate."""
-
-    decoded: int = 0
-    skipped: int = 0
-    answered: int = 0
-    expired: int = 0
-    error: int = 0
-
-
-class Subscriber:
-    """One reader of a source's answers (a WebSocket or an event stream): a bounded outbox of answer dicts."""
+class Subscriber(Outbox[dict[str, Any]]):
+    """One reader of a source's answers (a WebSocket or an event stream): an outbox of answer dicts, the ``ended``
+    one the last."""
 
     def __init__(self, frames: bool = False) -> None:
+        super().__init__()
         self.frames = frames  # each result also carries its frame as a JPEG (``image``, base64): the demo page's
-        self.outbox: deque[dict[str, Any]] = deque()
-        self.ready = asyncio.Event()
-        self.cut_off: str | None = None
-        self.ended = False
-
-    def put(self, message: dict[str, Any]) -> None:
-        if self.cut_off is not None or self.ended:
-            return
-        if len(self.outbox) >= OUTBOX_LIMIT and message.get("status") != "ended":  # the end always finds room
-            self.cut_off = f"left {OUTBOX_LIMIT} answers unread"
-        else:
-            self.outbox.append(message)
-            self.ended = message.get("status") == "ended"
-        self.ready.set()
-
-    async def messages(self) -> Any:
-        """Each message in order, until the ``ended`` one (the last) or the subscriber is cut off."""
-        while True:
-            while self.outbox:
-                message = self.outbox.popleft()
-                yield message
-                if message.get("status") == "ended":
-                    return
-            if self.cut_off is not None:
-                return
-            self.ready.clear()
-            await self.ready.wait()
 
 
 @dataclass
@@ -133,15 +93,13 @@ class Source:
         self.reason = ""
         self.created = time.time()
         self._started_perf = time.perf_counter()
-        self.counts = SourceCounts()
+        self.dropped = 0  # frames decoded and never offered (left out by max_fps, or decoded as it stopped)
         self.subscribers: set[Subscriber] = set()
         self._on_outcome = on_outcome
         self._on_final = on_final
         self._loop = asyncio.get_running_loop()
         self._decoded_at: deque[float] = deque()
         self._answered_at: deque[float] = deque()
-        self._ages_ms: deque[float] = deque(maxlen=AGES_KEPT)
-        self.ages = empty_ages()  # the answered ages as a histogram (STREAM_AGE_BUCKETS), for the metrics
         self.done = asyncio.Event()  # set once finished: reader ended, every frame answered, subscribers told
         self._finishing: asyncio.Task[None] | None = None
         self._final: tuple[str, str] | None = None  # the reader's last word (ended, failed), said once finished
@@ -202,7 +160,7 @@ class Source:
         if self._final is not None:
             self.state, self.reason = self._final
         for subscriber in list(self.subscribers):
-            subscriber.put(self._ended_message())
+            subscriber.put(self._ended_message(), last=True)
         self.done.set()
         if self._on_final is not None:
             self._on_final(self)
@@ -219,17 +177,15 @@ class Source:
 
     # ---- on the loop --------------------------------------------------------------------------------------------
     def _offer(self, picture: Picture) -> None:
-        self.counts.decoded += 1
         _note(self._decoded_at, picture.decoded)
         if self.finished:  # decoded while it stopped: never computed, still counted
-            self.counts.skipped += 1
+            self.dropped += 1
             return
         frame = Frame(picture.index, picture.pts, b"", received=picture.decoded, prepare=self._preparer(picture))
         self.stream.offer(frame)
 
     def _skipped_by_rate(self) -> None:
-        self.counts.decoded += 1
-        self.counts.skipped += 1
+        self.dropped += 1
         _note(self._decoded_at, time.perf_counter())
 
     def _set_state(self, state: str, reason: str) -> None:
@@ -242,15 +198,9 @@ class Source:
         self.state, self.reason = state, reason
 
     def _outcome(self, outcome: str, age_s: float) -> None:
-        if outcome == "superseded":
-            self.counts.skipped += 1
-        else:
-            setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
+        """A frame's fate, counted by its stream already: the rate answered, the model's metrics, the reader's pace."""
         if outcome == "answered":
             _note(self._answered_at, time.perf_counter())
-            self._ages_ms.append(age_s * 1000.0)
-            self.ages[bisect.bisect_left(STREAM_AGE_BUCKETS, age_s)] += 1
-            self.ages[-1] += age_s
         if self._on_outcome is not None and outcome != "superseded":
             self._on_outcome(outcome, age_s)
         self.reader.answered()
@@ -281,7 +231,7 @@ class Source:
     def subscribe(self, frames: bool = False) -> Subscriber:
         subscriber = Subscriber(frames)
         if self.done.is_set():
-            subscriber.put(self._ended_message())
+            subscriber.put(self._ended_message(), last=True)
         else:
             self.subscribers.add(subscriber)
         return subscriber
@@ -304,23 +254,21 @@ class Source:
             out.append(len(times) / span if span > 0 else 0.0)
         return out[0], out[1]
 
-    def age_percentiles(self) -> tuple[float | None, float | None]:
-        """The answered frames' age p50 and p99 in ms (the newest :data:`AGES_KEPT`), None before any."""
-        if not self._ages_ms:
-            return None, None
-        p50, p99 = np.percentile(np.fromiter(self._ages_ms, float), [50, 99])
-        return round(float(p50), 3), round(float(p99), 3)
+    def frames(self) -> dict[str, int]:
+        """Its frames: decoded, then each decoded frame's fate (``SOURCE_OUTCOMES``), from its stream's counts."""
+        counts = self.stream.counts
+        return {"decoded": counts.sent + self.dropped, "skipped": counts.superseded + self.dropped,
+                "answered": counts.answered, "expired": counts.expired, "error": counts.error}  # fmt: skip
 
     def record(self, frontend: str) -> SourceState:
         """What the metrics show of it (reported to the engine with the front end's other counts)."""
         fps_in, fps_answered = self.rates()
-        return SourceState(self.id, self.model, self.state, dataclasses.asdict(self.counts), list(self.ages),
+        return SourceState(self.id, self.model, self.state, self.frames(), list(self.stream.counts.ages),
                            self.reader.reconnects, fps_in, fps_answered, frontend)  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         fps_in, fps_answered = self.rates()
-        p50, p99 = self.age_percentiles()
-        counts = self.counts
+        p50, p99 = self.stream.counts.percentiles_ms()
         decode_ms = 1000.0 * self.reader.decode_s / self.reader.decoded if self.reader.decoded else None
         return {
             "id": self.id,
@@ -334,13 +282,7 @@ class Source:
             "pace": "realtime" if self.options.realtime else "answered",
             "rtsp_transport": self.url.options.get("rtsp_transport"),  # None: not an RTSP source
             "options": self.options.task_options,
-            "frames": {
-                "decoded": counts.decoded,
-                "skipped": counts.skipped,
-                "answered": counts.answered,
-                "expired": counts.expired,
-                "error": counts.error,
-            },
+            "frames": self.frames(),
             "fps": {"in": round(fps_in, 3), "answered": round(fps_answered, 3)},
             "age_ms": {"p50": p50, "p99": p99},
             "decode_ms_per_frame": round(decode_ms, 3) if decode_ms is not None else None,
