@@ -38,7 +38,7 @@ import shlex
 import statistics
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +49,8 @@ from loadtest.pool import WorkerPool
 from loadtest.scrape import batch_stats
 from loadtest.step import StepBounds, StepSpec, run_step
 from service import launcher
-from service.bench.kit import COUNT, POSITIVE, Flag, bounds, write_json
+from service.bench.kit import COUNT, POSITIVE, CpuClock, Flag, bounds, step_figures, write_json
+from service.bench.runner import on_cpus
 from service.core.arguments import size_pair
 from service.core.samples import image_files, photo_like_jpegs
 
@@ -121,20 +122,13 @@ def measure(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, pi
     """One step of the load tester, with the CPU time the server's process tree (``pid``'s, when known) spent per
     request answered while it ran, and the mean size of the batches it formed, both over the whole step (warm-up
     and drain included: a short step's measured window can hold no batch, nor a scrape landing late in it)."""
-    cpu_s = launcher.tree_cpu_s(pid) if pid else 0.0
+    cpu = CpuClock(pid)
     answered = pool.completed()
     batches = batch_stats(bounds.url, model) if bounds.scrape else None
     step = run_step(pool, spec, bounds, model)
     answered = pool.completed() - answered
-    cpu_ms = 1000 * (launcher.tree_cpu_s(pid) - cpu_s) / max(1, answered) if pid else None
-    return {
-        "requests_per_s": step.requests_per_s,
-        "images_per_s": step.images_per_s,
-        "p50_ms": step.latency_ms(50),
-        "p99_ms": step.latency_ms(99),
-        "errors": step.errors,
-        "client_limited": step.client_limited,
-        "server_cpu_ms_per_request": cpu_ms,
+    return step_figures(step) | {
+        "server_cpu_ms_per_request": 1000 * cpu.spent_s() / max(1, answered) if pid else None,
         "mean_batch_size": None if batches is None else mean_batch_size(batches, batch_stats(bounds.url, model)),
     }
 
@@ -147,32 +141,21 @@ def mean_batch_size(before: dict[str, float], after: dict[str, float]) -> float 
     return sum(size * n for size, n in counts.items()) / batches if batches > 0 else None
 
 
-@contextlib.contextmanager
-def on_cpus(cpus: set[int] | None) -> Iterator[None]:
-    """This thread, and every process it starts meanwhile, on ``cpus`` (None: as it is)."""
-    before = os.sched_getaffinity(0)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def start(sides: Sequence[Side], block: int, logs: Path, cpus: set[int] | None) -> None:
     """Start the sides that need a server (the first alternates by ``block``) and wait until both are ready."""
     order = list(sides) if block % 2 == 0 else list(sides)[::-1]
     try:
-        with on_cpus(cpus):
-            for side in order:
-                if side.url is None:
-                    side.server = launcher.launch(
-                        side.repository,
-                        *side.flags,
-                        log=logs / f"{side.name}-{block}.log",
-                        grpc_port=0 if side.protocol == "grpc" else None,
-                        python=side.python,
-                    )
+        for side in order:
+            if side.url is None:
+                side.server = launcher.launch(
+                    side.repository,
+                    *side.flags,
+                    log=logs / f"{side.name}-{block}.log",
+                    grpc_port=0 if side.protocol == "grpc" else None,
+                    python=side.python,
+                    preexec_fn=on_cpus(cpus, session=True),
+                )
+                side.server.own_group = True  # a session of its own (on_cpus): stop() may stop the whole group
         for side in order:
             if side.server is not None:
                 launcher.wait_ready(side.server)

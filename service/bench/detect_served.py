@@ -19,9 +19,7 @@ is printed, not judged). docs/performance.md, "Detection", holds the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,10 +28,10 @@ from typing import Any
 
 from loadtest.answers import check, write_reference
 from loadtest.inputs import payloads
-from loadtest.pool import WorkerPool
-from loadtest.step import StepSpec, run_step
+from loadtest.step import StepSpec
 from service import launcher
-from service.bench.kit import COUNT, POSITIVE, VERDICT, Flag, bounds, conclude, header, repository
+from service.bench import kit
+from service.bench.kit import COUNT, POSITIVE, VERDICT, Flag, bounds, conclude, header, one_step, step_figures
 from service.core.arguments import comma_ints
 
 TARGET = 0.9  # served at c=8, 8 images a request, against the in-process pipeline
@@ -57,29 +55,16 @@ FLAGS: list[Flag] = [
 
 def in_process(args: argparse.Namespace, images: Path) -> dict[str, Any]:
     """``visionserve bench``'s detection pipeline at batch 8 on ``images``, in a process of its own."""
-    flags = ["--model", args.model, "--repository", args.repository, "--figures", "pipeline"]
-    flags += ["--batch-sizes", str(PIPELINE_BATCH), "--seconds", str(args.bench_seconds), "--images", str(images)]
-    cmd = [sys.executable, "-m", "service.cli", "bench", *flags, "--json", "--no-progress"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return dict(json.loads(out.strip().splitlines()[-1]))
+    return kit.in_process(args, images, "pipeline", str(PIPELINE_BATCH))
 
 
 def served_step(args: argparse.Namespace, url: str, bodies: list[Any], references: dict[str, Any]) -> dict[str, Any]:
     """One closed-loop step: images/s, latency, errors and the answers checked against each of ``references``."""
     where = bounds(url, args.warmup_s, args.duration_s, keep_answers=args.check_answers)
-    with WorkerPool(1, bodies) as pool:
-        step = run_step(pool, StepSpec("closed", concurrency=args.concurrency), where, args.model)
+    step = one_step(args.model, bodies, StepSpec("closed", concurrency=args.concurrency), where)
     answers = {name: check(step.answers, reference).summary() for name, reference in references.items()}
-    return {
-        "images_per_s": step.images_per_s,
-        "requests_per_s": step.requests_per_s,
-        "p50_ms": step.latency_ms(50),
-        "p99_ms": step.latency_ms(99),
-        "errors": step.errors,
-        "client_limited": step.client_limited,
-        "mean_batch_size": step.server.get("mean_batch_size") if step.server else None,
-        "answers": answers,
-    }
+    mean_batch = step.server.get("mean_batch_size") if step.server else None
+    return step_figures(step) | {"mean_batch_size": mean_batch, "answers": answers}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -104,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
     for name, reference in references.items():  # for `visionserve loadtest --reference` by hand
         write_reference(scratch / f"reference-{name}.json", reference)
     config = (entry.path / "config.toml").read_text() if (entry.path / "config.toml").is_file() else ""
-    repo = repository(scratch / "repository", {args.model: ({entry.latest.version: entry.latest.path}, config)})
+    repo = kit.repository(scratch / "repository", {args.model: ({entry.latest.version: entry.latest.path}, config)})
     results = header(model=args.model, canvases=args.canvases, scale=args.scale, concurrency=args.concurrency)
     rounds: list[dict[str, Any]] = results.setdefault("rounds", [])
     for r in range(args.rounds):

@@ -14,10 +14,8 @@ settled there; ``visionserve bench ab`` measures any such pair of configurations
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +26,7 @@ from loadtest.pool import WorkerPool
 from loadtest.step import StepSpec
 from service import launcher
 from service.bench.ab import measure
-from service.bench.kit import Flag, bounds, header, write_json
+from service.bench.kit import Flag, bounds, header, in_process, write_json
 from service.core.arguments import comma_ints, size_pair
 from service.core.samples import photo_like_jpegs
 
@@ -45,14 +43,6 @@ FLAGS: list[Flag] = [
 ]
 
 
-def bench_pipeline(args: argparse.Namespace, images: Path) -> dict[str, Any]:
-    flags = ["--model", args.model, "--repository", args.repository, "--figures", "engine,pipeline"]
-    flags += ["--batch-sizes", "1,8", "--seconds", str(args.bench_seconds), "--images", str(images)]
-    cmd = [sys.executable, "-m", "service.cli", "bench", *flags, "--json", "--no-progress"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return dict(json.loads(out.strip().splitlines()[-1]))
-
-
 def main(args: argparse.Namespace) -> int:
     if not (Path(args.repository) / args.model).is_dir():
         print(f"--repository {args.repository} holds no model {args.model}", file=sys.stderr)
@@ -62,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     for i, data in enumerate(jpegs):
         (scratch / f"image-{i:02d}.jpg").write_bytes(data)
     results = header(machine=f"{os.cpu_count()} cores", model=args.model)
-    limit = results["in_process"] = bench_pipeline(args, scratch)
+    limit = results["in_process"] = in_process(args, scratch, "engine,pipeline", "1,8")
     pipeline = limit["pipeline_images_per_s"]
     print(
         f"{args.model} in-process: pipeline {pipeline:.1f} images/s; runtime alone at batch 1 "

@@ -36,7 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from service.bench.flags import Flag, ints, settle, sized
+from service.bench import runner
+from service.bench.flags import Flag, ints, sized
 from service.bench.runner import ROOT, StepError, StepRunner, flags, last_line, parser, step_summary
 from service.bench.wheels import download_command
 
@@ -93,21 +94,14 @@ class Check(StepRunner):
         # ONNX only where onnxruntime can run it on the device: a CPU build beside CUDA torch would spend the
         # export's share on an artifact that nothing here measures (and whose fp16 parity cannot be checked)
         formats = "onnx,torchscript,aoti" if self.device == "cpu" or self.ort_cuda else "torchscript,aoti"
-        args = ["export", "--arch", self.model, "--name", self.model, "--repository", str(self.repo),
-                "--formats", formats, "--aoti-devices", self.device, "--no-latency",
-                "--max-batch-size", str(max(self.args.batch_sizes))]  # fmt: skip
-        return [*args, "--fp16"] if self.device == "cuda" else args
+        return self.export_command(formats, "--aoti-devices", self.device)
 
     def bench_args(self, backend: str, precision: str, graphs: bool) -> list[str]:
-        return ["bench", "--model", self.model, "--repository", str(self.repo), "--device", self.device,
-                "--backend", backend, "--figures", "engine", "--json", "--precision", precision,
-                "--cuda-graphs", "on" if graphs else "off", "--batch-sizes", ",".join(map(str, self.args.batch_sizes)),
-                "--seconds", str(self.args.seconds)]  # fmt: skip
+        more = ["--backend", backend, "--precision", precision, "--cuda-graphs", "on" if graphs else "off"]
+        return self.bench_command("engine", self.args.batch_sizes, *more)
 
     def decode_args(self) -> list[str]:
-        return ["bench", "--model", self.model, "--repository", str(self.repo), "--figures", "decode",
-                "--batch-sizes", str(self.args.decode_batch), "--seconds", str(self.args.seconds), "--json",
-                "--device", self.device, "--backend", "torchscript"]  # fmt: skip
+        return self.bench_command("decode", [self.args.decode_batch], "--backend", "torchscript")
 
     def serve_config(self) -> str:
         precision = "fp16" if self.device == "cuda" else "fp32"
@@ -115,9 +109,8 @@ class Check(StepRunner):
                 f"max_queue_delay_ms = 2.0\ninstances = {self.args.serve_instances}\n")  # fmt: skip
 
     def loadtest_args(self, url: str, mode: str) -> list[str]:
-        common = ["loadtest", "--url", url, "--model", self.model, "--json", "--duration",
-                  str(self.args.loadtest_s), "--warmup", str(self.args.loadtest_warmup_s),
-                  "--processes", str(self.args.loadtest_processes)]  # fmt: skip
+        common = ["loadtest", "--url", url, "--model", self.model,
+                  *self.load_flags(self.args.loadtest_warmup_s, self.args.loadtest_processes)]  # fmt: skip
         if mode == "closed":
             return [*common, "--mode", "closed", "--concurrency", ",".join(map(str, self.args.concurrency)),
                     "--image-size", "500x375"]  # fmt: skip
@@ -159,14 +152,8 @@ class Check(StepRunner):
 
     def export(self) -> dict[str, Any]:
         proc = self.cli(self.export_args(), timeout_s=600, log="export")
-        version = self.repo / self.model / "1"
-        files = {p.name: round(p.stat().st_size / 1e6, 2) for p in sorted(version.glob("model*"))}
-        if not files:
-            raise StepError(f"export wrote no artifact: {proc.stdout.strip()[-400:]}")
-        lines = proc.stdout.splitlines()
-        refused = [line for line in lines if "refused" in line or "skipped" in line]
-        parity = [line for line in lines if line.startswith("parity ")]
-        return {"model": self.model, "files_mb": files, "parity": parity, "refused_or_skipped": refused}
+        refused = [line for line in proc.stdout.splitlines() if "refused" in line or "skipped" in line]
+        return {**self.exported(proc, "model*"), "refused_or_skipped": refused}
 
     def bench(self) -> dict[str, Any]:
         runs: list[dict[str, Any]] = []
@@ -318,11 +305,7 @@ def bench_matrix() -> list[tuple[str, str, bool]]:
 
 
 def fill(args: argparse.Namespace) -> argparse.Namespace:
-    """The sizes not given, for the real run or the dry run."""
-    settle(args, SIZES, small=args.dry_run)
-    for key, (full, dry) in FIXED.items():
-        setattr(args, key, dry if args.dry_run else full)
-    return args
+    return runner.fill(args, SIZES, FIXED)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,12 +29,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from service.bench.flags import Flag, ints, settle, sized
+from service.bench import runner
+from service.bench.flags import Flag, ints, sized
 from service.bench.runner import ROOT, StepError, StepRunner, flags, on_cpus, parser, split_cores, step_summary
 
 SECTIONS = ("environment", "install", "export", "bench", "litserve", "serve", "detector")
@@ -83,17 +83,12 @@ class Speed(StepRunner):
 
     # ---- the commands ---------------------------------------------------------------------------------------
     def export_args(self) -> list[str]:
-        args = ["export", "--arch", self.model, "--name", self.model, "--repository", str(self.repo),
-                "--formats", "torchscript", "--no-latency",
-                "--max-batch-size", str(max(self.args.batch_sizes))]  # fmt: skip
-        return [*args, "--fp16"] if self.device == "cuda" else args
+        return self.export_command("torchscript")
 
     def bench_args(self, figures: str) -> list[str]:
         sizes = self.args.batch_sizes if figures == "engine" else [self.args.serve_batch]
-        return ["bench", "--model", self.model, "--repository", str(self.repo), "--device", self.device,
-                "--backend", "torchscript", "--precision", self.precision, "--cuda-graphs", "on",
-                "--figures", figures, "--batch-sizes", ",".join(map(str, sizes)),
-                "--seconds", str(self.args.seconds), "--json"]  # fmt: skip
+        return self.bench_command(figures, sizes, "--backend", "torchscript", "--precision", self.precision,
+                                  "--cuda-graphs", "on")  # fmt: skip
 
     def serve_config(self) -> str:
         return (f'backend = "torchscript"\ndevice = "{self.device}"\nprecision = "{self.precision}"\n'
@@ -105,9 +100,8 @@ class Speed(StepRunner):
 
     def loadtest_args(self, url: str, model: str, *, concurrency: int = 0, rate: float = 0.0) -> list[str]:
         load = _load_flags(str(concurrency) if concurrency else "", rate)
-        return ["loadtest", "--url", url, "--model", model, "--protocol", "image", *load, "--json",
-                "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.warmup_s),
-                "--processes", str(self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
+        return ["loadtest", "--url", url, "--model", model, "--protocol", "image", *load,
+                *self.load_flags(self.args.warmup_s, self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
 
     def detector_args(self, url: str) -> list[str]:
         return [*self.loadtest_args(url, DETECTOR.name, concurrency=8), "--task", "detect"]
@@ -119,9 +113,8 @@ class Speed(StepRunner):
 
     def drive_args(self, url: str, *, concurrency: str = "", rate: float = 0.0) -> list[str]:
         load = _load_flags(concurrency, rate)
-        return [sys.executable, "-m", "service.bench.drive", "--url", url, "--path", "/predict", *load, "--json",
-                "--duration", str(self.args.loadtest_s), "--warmup", str(self.args.warmup_s),
-                "--processes", str(self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
+        return [sys.executable, "-m", "service.bench.drive", "--url", url, "--path", "/predict", *load,
+                *self.load_flags(self.args.warmup_s, self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
@@ -136,12 +129,7 @@ class Speed(StepRunner):
         return env
 
     def export(self) -> dict[str, Any]:
-        proc = self.cli(self.export_args(), timeout_s=300, log="export")
-        files = {p.name: round(p.stat().st_size / 1e6, 2) for p in sorted((self.repo / self.model / "1").glob("*.pt"))}
-        if not files:
-            raise StepError(f"export wrote no artifact: {proc.stdout.strip()[-400:]}")
-        return {"model": self.model, "files_mb": files,
-                "parity": [ln for ln in proc.stdout.splitlines() if ln.startswith("parity ")]}  # fmt: skip
+        return self.exported(self.cli(self.export_args(), timeout_s=300, log="export"), "*.pt")
 
     def bench(self) -> dict[str, Any]:
         # On the servers' cores: the served figures are held against this pipeline, so it gets the same CPUs.
@@ -260,7 +248,7 @@ class Speed(StepRunner):
         from loadtest.scrape import scrape
 
         before = None if litserve else scrape(url, self.model)
-        cpu = CpuUse(pid)
+        cpu = runner.CpuClock(pid)
         if litserve:
             args = self.drive_args(url, concurrency=str(concurrency) if concurrency else "", rate=rate)
             proc = self.run(args, 120, log, cpus=self.client_cpus)
@@ -275,7 +263,7 @@ class Speed(StepRunner):
         step = out["steps"][0]
         split = step.get("server") or {}  # visionserve's own /metrics: where each request's time went
         stages = {k: split[k] for k in ("mean_batch_size", "mean_ms", "stages", "request_p99_ms") if k in split}
-        return {**step_summary(step), **cpu.done(int(answers)), **({"server": stages} if stages else {})}
+        return {**step_summary(step), **cpu.figures(int(answers)), **({"server": stages} if stages else {})}
 
     @contextlib.contextmanager
     def litserve_app(self, workers: int, port: int, ready_timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
@@ -338,23 +326,6 @@ class Speed(StepRunner):
                 lines += [f"{run['workers']} workers: {run.get('error') or run.get('skipped') or ''}", ""]
                 lines += _sweep(run) if "closed" in run else []
         return lines + super().draw(name, body)
-
-
-class CpuUse:
-    """The CPU a server's process tree used while one command ran: cores busy on average, and ms per answer."""
-
-    def __init__(self, pid: int) -> None:
-        from service.launcher import tree_cpu_s
-
-        self.read = lambda: tree_cpu_s(pid)
-        self.cpu0, self.t0 = self.read(), time.monotonic()
-
-    def done(self, answers: int) -> dict[str, float]:
-        cpu, wall = self.read() - self.cpu0, time.monotonic() - self.t0
-        out = {"server_cpu_s": round(cpu, 2), "server_cores_busy": round(cpu / wall, 2) if wall else 0.0}
-        if answers:
-            out["server_cpu_ms_per_image"] = round(1000 * cpu / answers, 3)
-        return out
 
 
 def _load_flags(concurrency: str, rate: float) -> list[str]:
@@ -431,11 +402,7 @@ def _sweep(body: dict[str, Any]) -> list[str]:
 
 
 def fill(args: argparse.Namespace) -> argparse.Namespace:
-    """The sizes not given, for the real run or the dry run."""
-    settle(args, SIZES, small=args.dry_run)
-    for key, (full, dry) in FIXED.items():
-        setattr(args, key, dry if args.dry_run else full)
-    return args
+    return runner.fill(args, SIZES, FIXED)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -25,12 +26,13 @@ from loadtest.pool import WorkerPool
 from loadtest.slo import SloSearch, search
 from loadtest.step import StepBounds, StepResult, StepSpec, run_step
 from service.bench.flags import Flag, add_flags, refused, settle, sized
+from service.bench.runner import CpuClock
 from service.core.arguments import integer_in, number_in
 from service.core.config import toml_value
 from service.core.percentile import percentile
 
-__all__ = ["VERDICT", "Flag", "Sampler", "add_flags", "closed_loop", "config_toml", "json_safe", "ms", "percentile",
-           "refused", "settle", "sized"]  # fmt: skip
+__all__ = ["VERDICT", "CpuClock", "Flag", "Sampler", "add_flags", "closed_loop", "config_toml", "json_safe", "ms",
+           "percentile", "refused", "settle", "sized"]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -77,14 +79,17 @@ def header(**fields: Any) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv), **fields}
 
 
-def conclude(results: dict[str, Any], began: float, out: str | Path | None) -> int:
-    """The verdict line (``results["passed"]``), the JSON at ``out``; the exit code (1: a target missed)."""
+def conclude(results: dict[str, Any], began: float, out: str | Path | None, as_json: bool = False) -> int:
+    """The verdict line (``results["passed"]``), the JSON at ``out`` and, ``as_json``, on stdout (the verdict then on
+    stderr); the exit code (1: a target missed)."""
     results["wall_s"] = time.perf_counter() - began
     if results["passed"] is not None:
         met = "every target met" if results["passed"] else "a target missed"
-        print(f"verdict: {met} ({results['wall_s']:.0f} s)")
+        print(f"verdict: {met} ({results['wall_s']:.0f} s)", file=sys.stderr if as_json else sys.stdout)
     if out:
         write_json(out, results)
+    if as_json:
+        print(json.dumps(json_safe(results)))
     return 0 if results["passed"] is not False else 1
 
 
@@ -116,15 +121,30 @@ def repository(root: Path, models: Mapping[str, tuple[Mapping[int, Path], str]])
     return root
 
 
+def in_process(args: argparse.Namespace, images: Path, figures: str, batch_sizes: str) -> dict[str, Any]:
+    """``visionserve bench``'s ``figures`` of ``--model`` in ``--repository`` for ``--bench-seconds`` each, on the
+    images in ``images``, in a process of its own (a served scenario's limit: no HTTP); its JSON."""
+    flags = ["--model", args.model, "--repository", args.repository, "--figures", figures, "--batch-sizes", batch_sizes]
+    cmd = [sys.executable, "-m", "service.cli", "bench", *flags, "--seconds", str(args.bench_seconds)]
+    done = subprocess.run([*cmd, "--images", str(images), "--json", "--no-progress"], capture_output=True, text=True)
+    done.check_returncode()
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def bounds(url: str, warmup_s: float, duration_s: float, **more: Any) -> StepBounds:
     options: dict[str, Any] = {"drain_s": 10.0, "timeout_s": 30.0, "max_requests": 10**8} | more
     return StepBounds(url=url, warmup_s=warmup_s, duration_s=duration_s, **options)
 
 
+def one_step(model: str, bodies: list[Payload], spec: StepSpec, where: StepBounds) -> StepResult:
+    """One step of the load tester (one process) sending ``bodies`` to ``model``."""
+    with WorkerPool(1, bodies) as pool:
+        return run_step(pool, spec, where, model)
+
+
 def closed_loop(model: str, images: Sequence[bytes], clients: int, where: StepBounds) -> StepResult:
     """One closed-loop step of the load tester (one process): ``clients`` clients sending ``images`` to ``model``."""
-    with WorkerPool(1, payloads(model, list(images))) as pool:
-        return run_step(pool, StepSpec("closed", concurrency=clients), where, model)
+    return one_step(model, payloads(model, list(images)), StepSpec("closed", concurrency=clients), where)
 
 
 def step_line(result: StepResult) -> str:
@@ -133,6 +153,12 @@ def step_line(result: StepResult) -> str:
         f"p50 {result.latency_ms(50):7.2f} ms, p99 {result.latency_ms(99):7.2f} ms, errors {result.errors or 0}"
         + limited
     )
+
+
+def step_figures(step: StepResult) -> dict[str, Any]:
+    """A load tester's step as the reports write it: its rates, p50/p99, errors and whether the client limited it."""
+    return {"requests_per_s": step.requests_per_s, "images_per_s": step.images_per_s, "p50_ms": step.latency_ms(50),
+            "p99_ms": step.latency_ms(99), "errors": step.errors, "client_limited": step.client_limited}  # fmt: skip
 
 
 def rate_search(model: str, bodies: list[Payload], p99_ms: float, where: StepBounds, **options: Any) -> SloSearch:
@@ -153,11 +179,35 @@ def open_loop(url: str, requests: Sequence[Request], rate: float, duration_s: fl
     return asyncio.run(run_open_loop(url, requests, rate=rate, duration_s=duration_s, **more))
 
 
+def quantiles(values_s: Sequence[float], prefix: str = "") -> dict[str, float]:
+    """``PREFIXp50_ms`` and ``PREFIXp99_ms`` of ``values_s`` (seconds)."""
+    return {f"{prefix}p50_ms": ms(values_s, 0.5), f"{prefix}p99_ms": ms(values_s, 0.99)}
+
+
+def ok_seconds(records: Sequence[Record]) -> list[float]:
+    """The latencies of the requests answered 200."""
+    return [r.latency_s for r in records if r.outcome == "200"]
+
+
 def latency(records: Sequence[Record]) -> dict[str, Any]:
     """Counts, outcomes and p50/p99 (ms, from each scheduled send) of the requests answered 200."""
-    ok = [r.latency_s for r in records if r.outcome == "200"]
-    outcomes = dict(Counter(r.outcome for r in records))
-    return {"count": len(records), "ok": len(ok), "outcomes": outcomes, "p50_ms": ms(ok, 0.5), "p99_ms": ms(ok, 0.99)}
+    ok, outcomes = ok_seconds(records), dict(Counter(r.outcome for r in records))
+    return {"count": len(records), "ok": len(ok), "outcomes": outcomes, **quantiles(ok)}
+
+
+def take_turns(sides: Sequence[str], rounds: int, measure: Callable[[str, int], tuple[dict[str, Any], list[float]]],
+               key: str = "side") -> tuple[list[dict[str, Any]], dict[str, list[float]]]:  # fmt: skip
+    """``rounds`` rounds of one ``measure(side, round)`` per side, the order reversing each round (AB, BA, ...) so
+    that a steady drift of the machine's speed falls on both alike: each round's ``{key, "round", **figures}`` and
+    every side's latencies (seconds) pooled."""
+    windows: list[dict[str, Any]] = []
+    pooled: dict[str, list[float]] = {side: [] for side in sides}
+    for k in range(1, rounds + 1):
+        for side in sides if k % 2 else sides[::-1]:
+            figures, ok = measure(side, k)
+            pooled[side] += ok
+            windows.append({key: side, "round": k, **figures})
+    return windows, pooled
 
 
 class Sampler(threading.Thread, Generic[T]):

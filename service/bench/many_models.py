@@ -57,6 +57,7 @@ from service.bench.coldstart import cold_in_process, cold_served, triton_load
 from service.bench.kit import (
     COUNT,
     POSITIVE,
+    CpuClock,
     Flag,
     Sampler,
     conclude,
@@ -305,9 +306,9 @@ def run_server(
         rss_empty, seen = rss_bytes(pid), {pid}
         scraper = Sampler(lambda: scrape(server, pid, args.scrape_from, seen), args.scrape_s, READ_ERRORS, False)
         scraper.start()
-        cpu_s, began = launcher.tree_cpu_s(server.process.pid), time.perf_counter()
+        cpu = CpuClock(server.process.pid)
         answers = drive(server.url, sequence, body, args)
-        cpu_share = (launcher.tree_cpu_s(server.process.pid) - cpu_s) / (time.perf_counter() - began)
+        cpu_share = cpu.cores()
         samples = [sample for _, sample in scraper.finish(last=False)]
         time.sleep(1.0)  # the catalog follows the engine within a beat
         began = time.perf_counter()

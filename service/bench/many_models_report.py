@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.bench.kit import VERDICT, ms, percentile
+from service.bench.kit import VERDICT, ms, percentile, quantiles
 
 Arrivals = list[tuple[float, str]]  # (due second, model)
 Rows = list[dict[str, Any]]
@@ -71,14 +71,11 @@ def beside_loads(answers: Sequence[Answer]) -> dict[str, Any]:
         max(((k, v) for k, v in stages(a.timing).items() if k != "total"), key=lambda kv: kv[1], default=("none", 0.0))
         for a in slowest
     ]
-    during_s, clear_s = [a.latency_s for a in during], [a.latency_s for a in clear]
     return {
         "hits_during_loads": len(during),
         "hits_clear": len(clear),
-        "during_loads_p50_ms": ms(during_s, 0.5),
-        "during_loads_p99_ms": ms(during_s, 0.99),
-        "clear_p50_ms": ms(clear_s, 0.5),
-        "clear_p99_ms": ms(clear_s, 0.99),
+        **quantiles([a.latency_s for a in during], "during_loads_"),
+        **quantiles([a.latency_s for a in clear], "clear_"),
         "slowest": [
             {
                 "ms": 1000 * a.latency_s,
@@ -131,46 +128,33 @@ def judge(args: argparse.Namespace, size: int, budget: int, sequence: Arrivals, 
     return {"correct": correct, "hit_rate": hits, "p99_hits": latency, "memory": memory}
 
 
+def hit_seconds(answers: Sequence[Answer], models: set[str] | None = None) -> list[float]:
+    """The latencies of the hits (answered 200 with no cold start), of ``models`` only when given."""
+    hits = [a for a in answers if a.outcome == "200" and a.cold_ms is None]
+    return [a.latency_s for a in hits if models is None or a.model in models]
+
+
 def _latency(args: argparse.Namespace, rounds: list[dict[str, Any]], answers: list[Answer]) -> dict[str, Any]:
     """Hits' latency on demand against the pinned server, per round and pooled."""
-    top = {m for m in [f"m{i:02d}" for i in range(args.capacity)]}
-    per_round = []
-    for r in rounds:
-        a_hits = [a.latency_s for a in r["a"]["answers"] if a.outcome == "200" and a.cold_ms is None]
-        a_top = [a.latency_s for a in r["a"]["answers"] if a.outcome == "200" and a.cold_ms is None and a.model in top]
-        b_all = [a.latency_s for a in r["b"]["answers"] if a.outcome == "200"]
-        per_round.append(
-            {
-                "order": r["order"],
-                "a_hits_p50_ms": ms(a_hits, 0.5),
-                "a_hits_p99_ms": ms(a_hits, 0.99),
-                "a_top_hits_p99_ms": ms(a_top, 0.99),
-                "b_p50_ms": ms(b_all, 0.5),
-                "b_p99_ms": ms(b_all, 0.99),
-                "ratio": ms(a_hits, 0.99) / ms(b_all, 0.99),
-            }
-        )
-    pooled_a = [a.latency_s for r in rounds for a in r["a"]["answers"] if a.outcome == "200" and a.cold_ms is None]
-    pooled_at = [
-        a.latency_s
-        for r in rounds
-        for a in r["a"]["answers"]
-        if a.outcome == "200" and a.cold_ms is None and a.model in top
-    ]
-    pooled_b = [a.latency_s for r in rounds for a in r["b"]["answers"] if a.outcome == "200"]
+    top = {f"m{i:02d}" for i in range(args.capacity)}
+
+    def sides(a: list[Answer], b: list[Answer]) -> dict[str, Any]:
+        a_hits, b_all = hit_seconds(a), [x.latency_s for x in b if x.outcome == "200"]
+        return {
+            **quantiles(a_hits, "a_hits_"),
+            "a_top_hits_p99_ms": ms(hit_seconds(a, top), 0.99),
+            **quantiles(b_all, "b_"),
+            "ratio": ms(a_hits, 0.99) / ms(b_all, 0.99),
+        }
+
+    per_round = [{"order": r["order"], **sides(r["a"]["answers"], r["b"]["answers"])} for r in rounds]
+    latency = sides([a for r in rounds for a in r["a"]["answers"]], [b for r in rounds for b in r["b"]["answers"]])
     misses = [a.latency_s for a in answers if a.outcome == "200" and a.cold_ms is not None]
     cold_ms = [a.cold_ms for a in answers if a.cold_ms is not None and math.isfinite(a.cold_ms)]
-    latency = {
+    latency |= {
         "rounds": per_round,
-        "a_hits_p50_ms": ms(pooled_a, 0.5),
-        "a_hits_p99_ms": ms(pooled_a, 0.99),
-        "a_top_hits_p99_ms": ms(pooled_at, 0.99),
-        "b_p50_ms": ms(pooled_b, 0.5),
-        "b_p99_ms": ms(pooled_b, 0.99),
-        "ratio": ms(pooled_a, 0.99) / ms(pooled_b, 0.99),
-        "ratio_top": ms(pooled_at, 0.99) / ms(pooled_b, 0.99),
-        "a_misses_p50_ms": ms(misses, 0.5),
-        "a_misses_p99_ms": ms(misses, 0.99),
+        "ratio_top": latency["a_top_hits_p99_ms"] / latency["b_p99_ms"],
+        **quantiles(misses, "a_misses_"),
         "cold_start_p50_ms": percentile(cold_ms, 0.5),
         "cold_start_max_ms": max(cold_ms, default=math.nan),
         "limit": args.p99_ratio,

@@ -26,9 +26,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-from service.bench.flags import Flag, add_flags
+from service.bench.flags import Flag, add_flags, settle
 from service.bench.wheels import CARRIED, choose_wheels, download_command
-from service.launcher import stop_process
+from service.launcher import stop_process, tree_cpu_s
 
 ROOT = Path(__file__).resolve().parents[2]
 # The environment step's probe: torch alone is needed; torchvision and onnxruntime are reported, or said missing.
@@ -54,6 +54,28 @@ IMPORT_PROBE = (
 )
 
 
+class CpuClock:
+    """The CPU time of ``pid``'s process tree from now on: in seconds, in cores busy, and as a load step's figures."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.began_s = pid, time.monotonic()
+        self.cpu_s = tree_cpu_s(pid) if pid else 0.0
+
+    def spent_s(self) -> float:
+        return tree_cpu_s(self.pid) - self.cpu_s if self.pid else 0.0
+
+    def cores(self) -> float:
+        return self.spent_s() / (time.monotonic() - self.began_s)
+
+    def figures(self, answers: int) -> dict[str, float]:
+        """CPU seconds, cores busy on average and, given the ``answers``, CPU ms per answer."""
+        cpu, wall = self.spent_s(), time.monotonic() - self.began_s
+        out = {"server_cpu_s": round(cpu, 2), "server_cores_busy": round(cpu / wall, 2) if wall else 0.0}
+        if answers:
+            out["server_cpu_ms_per_image"] = round(1000 * cpu / answers, 3)
+        return out
+
+
 class StepError(Exception):
     """A step that failed; its message goes into the report."""
 
@@ -69,6 +91,15 @@ def flags(*, what: str, out: str, budget_s: float, skippable: Sequence[str]) -> 
         ("--skip", "", f"comma-separated steps to skip, of: {', '.join(skippable)} (default: none)", names),
         ("--fail-step", None, "make this step fail, proving that the next still runs (default: none)"),
     ]
+
+
+def fill(args: argparse.Namespace, sizes: Mapping[str, tuple[Any, ...]],
+         fixed: Mapping[str, tuple[Any, Any]]) -> argparse.Namespace:  # fmt: skip
+    """The sizes not given (``sizes``: flags; ``fixed``: no flag sets them), for the real run or the dry run."""
+    settle(args, sizes, small=args.dry_run)
+    for key, (full, dry) in fixed.items():
+        setattr(args, key, dry if args.dry_run else full)
+    return args
 
 
 def parser(prog: str, doc: str | None, table: Sequence[Flag]) -> argparse.ArgumentParser:
@@ -229,6 +260,33 @@ class StepRunner:
             raise StepError(f"{' '.join(proc.args[2:5])} printed nothing: {proc.stderr.strip()[-400:]}")
         result: dict[str, Any] = json.loads(lines[-1])
         return result
+
+    # ---- the commands every GPU scenario issues, its own flags added (one builder each, for both runs) ---------
+    def export_command(self, formats: str, *more: str) -> list[str]:
+        """``visionserve export`` of the model with its initial weights into the repository, fp16 too on CUDA."""
+        args = ["export", "--arch", self.model, "--name", self.model, "--repository", str(self.repo), "--formats",
+                formats, *more, "--no-latency", "--max-batch-size", str(max(self.args.batch_sizes))]  # fmt: skip
+        return [*args, "--fp16"] if self.device == "cuda" else args
+
+    def bench_command(self, figures: str, sizes: Sequence[int], *more: str) -> list[str]:
+        """``visionserve bench``'s ``figures`` of the exported model at batch ``sizes``, as JSON."""
+        return ["bench", "--model", self.model, "--repository", str(self.repo), "--device", self.device, *more,
+                "--figures", figures, "--batch-sizes", ",".join(map(str, sizes)), "--seconds", str(self.args.seconds),
+                "--json"]  # fmt: skip
+
+    def load_flags(self, warmup_s: float, processes: int) -> list[str]:
+        """A load generator's measuring flags: JSON, ``--loadtest-s`` measured after ``warmup_s``, ``processes``."""
+        return ["--json", "--duration", str(self.args.loadtest_s), "--warmup", str(warmup_s),
+                "--processes", str(processes)]  # fmt: skip
+
+    def exported(self, proc: subprocess.CompletedProcess[str], pattern: str) -> dict[str, Any]:
+        """What the export step wrote (the files matching ``pattern``, in MB) and its parity lines; StepError when
+        it wrote none."""
+        found = sorted((self.repo / self.model / "1").glob(pattern))
+        if not found:
+            raise StepError(f"export wrote no artifact: {proc.stdout.strip()[-400:]}")
+        return {"model": self.model, "files_mb": {p.name: round(p.stat().st_size / 1e6, 2) for p in found},
+                "parity": [ln for ln in proc.stdout.splitlines() if ln.startswith("parity ")]}  # fmt: skip
 
     def step(self, name: str, fn: Callable[[], dict[str, Any]], *, after: str | None = None) -> None:
         """Run one step within its deadline; whatever it raises is its own error, and the next step still runs."""

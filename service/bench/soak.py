@@ -51,9 +51,12 @@ from service.bench.kit import (
     header,
     latency,
     ms,
+    ok_seconds,
     open_loop,
+    quantiles,
     rate_search,
     refused,
+    take_turns,
     write_json,
 )
 
@@ -135,21 +138,16 @@ def judge(urls: dict[str, str], good: list[Request], rate: float, args: argparse
     def window(url: str, seconds: float) -> list[Record]:
         return open_loop(url, good, rate, seconds, timeout_s=args.timeout_s)
 
+    def measure(server: str, round_: int) -> tuple[dict[str, Any], list[float]]:
+        records = window(urls[server], args.judge_window_s)
+        w = latency(records)
+        print(f"  round {round_}, {server:<5}: {w['count']} requests, {w['ok']} x 200, p50 {w['p50_ms']:7.2f} ms, p99 "
+              f"{w['p99_ms']:7.2f} ms", flush=True)  # fmt: skip
+        return w, ok_seconds(records)
+
     if args.judge_warmup_s > 0:
         window(urls["fresh"], args.judge_warmup_s)
-    windows: list[dict[str, Any]] = []
-    ok_s: dict[str, list[float]] = {"aged": [], "fresh": []}
-    for round_ in range(1, args.judge_rounds + 1):
-        for server in ("aged", "fresh") if round_ % 2 else ("fresh", "aged"):
-            records = window(urls[server], args.judge_window_s)
-            ok_s[server] += [r.latency_s for r in records if r.outcome == "200"]
-            w = {"server": server, "round": round_, **latency(records)}
-            windows.append(w)
-            print(
-                f"  round {round_}, {server:<5}: {w['count']} requests, {w['ok']} x 200, p50 {w['p50_ms']:7.2f} ms, "
-                f"p99 {w['p99_ms']:7.2f} ms",
-                flush=True,
-            )
+    windows, ok_s = take_turns(("aged", "fresh"), args.judge_rounds, measure, key="server")
     p99 = {s: ms(v, 0.99) for s, v in ok_s.items()}
     by_round = {(w["round"], w["server"]): w["p99_ms"] for w in windows}
     per_round = [by_round[k, "aged"] / by_round[k, "fresh"] for k in range(1, args.judge_rounds + 1)]
@@ -182,7 +180,7 @@ def summarise(
     per_10s = []
     for start in range(0, math.ceil(args.duration_s), 10):
         values = [r.latency_s for r in good if start <= r.due_s < start + 10]
-        per_10s.append({"start_s": start, "count": len(values), "p50_ms": ms(values, 0.5), "p99_ms": ms(values, 0.99)})
+        per_10s.append({"start_s": start, "count": len(values), **quantiles(values)})
     at_warmup = ([mb for t, mb in rss if t <= args.warmup_s] or [rss[0][1]])[-1]
     growth = max([mb for t, mb in rss if t >= args.warmup_s], default=at_warmup) - at_warmup
     criteria = {

@@ -33,7 +33,6 @@ Exit code 0 when every target is met, 1 when one is missed, 2 when it cannot run
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import secrets
@@ -49,7 +48,7 @@ import httpx
 from loadtest.cameras import RtspServer, rtsp_available
 from loadtest.scrape import bucket_quantile, parse
 from service import launcher
-from service.bench.kit import COUNT, POSITIVE, SHARE, Flag, header, json_safe, repository, write_json
+from service.bench.kit import COUNT, POSITIVE, SHARE, Flag, conclude, header, repository
 
 FLATNESS = 0.10  # the last window's age p99 within this share of the first's, either way
 RSS_GROWTH = 0.05  # the engine's and the front ends' RSS at the end over theirs after the warm-up, at most
@@ -351,7 +350,6 @@ def report(args: argparse.Namespace, r: dict[str, Any], say: Say) -> None:
         ", ".join(f"{x:.2f}" for x in r["load_average"]) + " -> " + ", ".join(f"{x:.2f}" for x in r["load_average_end"])
     )
     say(f"load average (1, 5, 15 min) at the start and the end: {loads}")
-    say(f"verdict: {'every target met' if r['passed'] else 'a target missed'}")
 
 
 def cameras_for(args: argparse.Namespace) -> RtspServer:
@@ -411,9 +409,4 @@ def main(args: argparse.Namespace) -> int:
             results["exit_code"] = running.stop()
     results["load_average_end"] = os.getloadavg()
     report(args, results, say)
-    results["wall_s"] = time.perf_counter() - began
-    if args.out:
-        write_json(args.out, results)
-    if args.json:
-        print(json.dumps(json_safe(results)))
-    return 0 if results["passed"] else 1
+    return conclude(results, began, args.out, as_json=args.json)

@@ -47,8 +47,7 @@ from typing import Any
 
 from loadtest.inputs import payloads
 from loadtest.plots import streams_over_time
-from loadtest.pool import WorkerPool
-from loadtest.step import StepSpec, run_step
+from loadtest.step import StepSpec
 from loadtest.stream_command import measure
 from loadtest.stream_report import all_frames, in_window, summarise, write_files
 from loadtest.streams import StreamPlan, preflight
@@ -64,6 +63,7 @@ from service.bench.kit import (
     conclude,
     config_toml,
     header,
+    one_step,
     repository,
     settle,
     sized,
@@ -152,8 +152,7 @@ def capacity(url: str, model: str, images: list[bytes], args: argparse.Namespace
 def one_shot(url: str, model: str, rate: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     """The load tester's open loop at ``rate`` (constant arrivals): latency from each scheduled send."""
     where = bounds(url, args.warmup, args.other_duration, drain_s=args.drain)
-    with WorkerPool(1, payloads(model, images)) as pool:
-        step = run_step(pool, StepSpec("open", rate=rate, arrival="constant"), where, model)
+    step = one_step(model, payloads(model, images), StepSpec("open", rate=rate, arrival="constant"), where)
     return {
         "rate": rate,
         "requests": step.requests,

@@ -52,6 +52,7 @@ from service.bench.kit import (
     closed_loop,
     conclude,
     header,
+    step_figures,
     step_line,
     workspace,
 )
@@ -156,8 +157,7 @@ def measure_capacity(args: argparse.Namespace, work: Path, primary: Path, pngs: 
         step = closed_loop(args.model, pngs, args.capacity_clients, where)
     clients = args.capacity_clients
     print(f"capacity: {step.requests_per_s:.0f} requests/s closed loop ({clients} clients), {step_line(step)}")
-    found = {"requests_per_s": step.requests_per_s, "clients": args.capacity_clients, "duration_s": args.capacity_s}
-    return found | {"p50_ms": step.latency_ms(50), "p99_ms": step.latency_ms(99), "errors": step.errors}
+    return {"clients": args.capacity_clients, "duration_s": args.capacity_s, **step_figures(step)}
 
 
 def run(args: argparse.Namespace, work: Path, results: dict[str, Any]) -> None:
