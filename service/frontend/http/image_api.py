@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, post
+from litestar.datastructures import MultiDict
 from litestar.enums import MediaType, ParamType
 from litestar.handlers import HTTPRouteHandler
 from litestar.openapi.datastructures import ResponseSpec
@@ -25,12 +26,12 @@ from litestar.params import FromPath, Parameter, PathParameter
 from litestar.response import Stream
 from multipart import MultipartSegment, ParserError, ParserLimitReached, PushMultipartParser  # type: ignore[import-untyped]
 
-from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError
+from service.core.errors import BadInputError, PayloadTooLargeError, UnsupportedMediaError, VisionServeError
 from service.core.parameters import MAX_INT, MAX_TIMEOUT_MS
 from service.core.tasks import TASKS, Field, Task, Want, fields
-from service.core.tasks.options import read
+from service.core.tasks.options import Options, read
 from service.frontend import request as path
-from service.frontend.http.validation import integer_queries, record_refused
+from service.frontend.http.validation import integer_queries
 from service.frontend.state import ServerState
 from service.frontend.timing import Timing
 
@@ -142,20 +143,20 @@ def image_route(task: type[Task]) -> HTTPRouteHandler:
         # priority and timeout_ms are refused by litestar before this runs (a 400 worded by validation.py); the
         # task's options by the task, from the same query.
         server = server_of(request)
-        values = query_values(request, task)
-        # Each option's range is the route's before the model is looked up (a 400 before a 404, as litestar's
-        # checks were); the classes named are the model's.
+        values = query_values(request.query_params, task.Options)
         try:
-            read(task.Options, values, None, text=True, said=QUERY)
-        except BadInputError:
-            record_refused(request)  # counted under its model, as litestar's refusals are
+            where = path.target(server, model, version, request.headers, aliases=False)
+        except VisionServeError:
+            read(task.Options, values, None, text=True, said=QUERY)  # a bad option is refused first (see parse)
             raise
-        where = path.target(server, model, version, request.headers, aliases=False)
         names: list[str | None] = []
 
         async def parse(where: path.Target) -> path.Ask:
             served = where.slot.task
             if served.name != task.name:
+                # Each option's range is the route's, refused before anything of the model (as litestar's checks
+                # were when they were the handler's signature); the classes named are the model's.
+                read(task.Options, values, None, text=True, said=QUERY)
                 raise BadInputError(
                     f"model {where.slot.name!r} is a {served.name} model: /{task.name} does not fit it; "
                     f"POST /v1/models/{where.slot.name}/{served.name} instead"
@@ -186,14 +187,11 @@ def image_route(task: type[Task]) -> HTTPRouteHandler:
     )(route)
 
 
-def query_values(request: Request[Any, Any, Any], task: type[Task]) -> dict[str, Any]:
-    """The query's text for each of the task's options it holds (``classes`` repeated: a list)."""
-    query = request.query_params
-    return {
-        f.name: query.getall(f.name) if f.kind == "classes" else query[f.name]
-        for f in fields(task.Options)
-        if f.name in query
-    }
+def query_values(query: MultiDict[Any], options: type[Options]) -> dict[str, Any]:
+    """The query's text for each of ``options`` it holds (``classes`` repeated: a list): what the image API and the
+    WebSocket stream read."""
+    present = [f for f in fields(options) if f.name in query]
+    return {f.name: query.getall(f.name) if f.kind == "classes" else query[f.name] for f in present}
 
 
 def _operation(task: type[Task]) -> type[Operation]:

@@ -27,8 +27,9 @@ from litestar.datastructures import MultiDict
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
-from service.core.tasks import Want, fields
+from service.core.tasks import Want
 from service.frontend import request as path
+from service.frontend.http.image_api import query_values
 from service.frontend.outbox import StreamSession
 from service.frontend.state import ModelSlot, ServerState
 from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_want
@@ -145,6 +146,4 @@ async def stream(
 def query_want(slot: ModelSlot, params: MultiDict[Any]) -> Want:
     """What each frame's answer holds, from the query: the model's task's options, read from their text as the
     image API reads them (``classes`` repeated)."""
-    named = {f.name: params.getall(f.name) if f.kind == "classes" else params[f.name]
-             for f in fields(slot.task.Options) if f.name in params}  # fmt: skip
-    return stream_want(slot, named, text=True)
+    return stream_want(slot, query_values(params, slot.task.Options), text=True)
