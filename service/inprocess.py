@@ -205,9 +205,10 @@ def _expire(future: asyncio.Future[Result | Failed], guard_s: float) -> None:
         future.set_exception(DeadlineExceededError(f"the engine did not answer within {guard_s:g} s"))
 
 
-def create_app(settings: ServerSettings) -> Litestar:
-    """The HTTP app (and gRPC, where ``settings.grpc_port`` says so) with its engine in this process."""
-    return create_http_app(settings, InProcessEngine(settings))
+def create_app(settings: ServerSettings, *, gpus: list[str] | None = None) -> Litestar:
+    """The HTTP app (and gRPC, where ``settings.grpc_port`` says so) with its engine in this process (``gpus``: as
+    :class:`InProcessEngine` takes them)."""
+    return create_http_app(settings, InProcessEngine(settings, gpus=gpus))
 
 
 class InProcessServer:
@@ -218,9 +219,16 @@ class InProcessServer:
             httpx.get(server.url + "/v2/health/ready")
 
     ``port`` 0 in the settings picks a free port (as ``grpc_port`` 0 leaves gRPC off; pass ``grpc=True`` for a free
-    gRPC port)."""
+    gRPC port); ``gpus``: as :class:`InProcessEngine` takes them ([]: the CPU alone)."""
 
-    def __init__(self, settings: ServerSettings, *, grpc: bool = False, log_level: str = "warning") -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        grpc: bool = False,
+        log_level: str = "warning",
+        gpus: list[str] | None = None,
+    ) -> None:
         from service.launcher import free_port
 
         changes: dict[str, Any] = {"host": "127.0.0.1", "port": settings.port or free_port()}
@@ -228,7 +236,7 @@ class InProcessServer:
             changes["grpc_port"] = free_port()
         self.settings = msgspec.structs.replace(settings, **changes)
         self.url = f"http://127.0.0.1:{self.settings.port}"
-        self.app = create_app(self.settings)
+        self.app = create_app(self.settings, gpus=gpus)
         options = uvicorn_options(self.settings, log_level)
         self._server = uvicorn.Server(uvicorn.Config(self.app, **options))
         self._thread: threading.Thread | None = None

@@ -37,9 +37,9 @@ ALLOWED = {
     "models": ("service.core",),
     "export": ("service.core", "service.runtime"),
     "loadtest": ("service.core",),
-    # The client speaks HTTP to a server and never reaches into one; only its in-process mode (client/local.py,
-    # `visionserve classify` without --url) loads a model, through the runtimes (see the test below).
-    "service/client": ("service.core", "service.runtime"),
+    # The client speaks HTTP to a server and never reaches into one; its in-process mode (`visionserve classify`
+    # without --url) starts one in its process, from the top (service.inprocess; see the test below).
+    "service/client": ("service.core", "service.inprocess"),
 }
 
 
@@ -119,13 +119,11 @@ def test_the_load_tester_talks_only_to_a_server() -> None:
 
 
 def test_the_client_stands_on_core_alone_but_for_its_in_process_mode() -> None:
-    """Only client/local.py may load runtimes; everything else the client imports is core, httpx and the like."""
+    """The client imports core, httpx and the like; only commands.py reaches the in-process server, inside the
+    command, for the mode without --url."""
     for path in modules("service/client"):
-        if path.name == "local.py":
-            continue
-        # commands.py imports local.py inside the command, for the mode without --url, and nowhere else
-        lazy_local = path.name == "commands.py"
-        bad = reaches(imports(path, top_level_only=lazy_local), "service.runtime", "service.client.local", "torch")
+        lazy = path.name == "commands.py"
+        bad = reaches(imports(path, top_level_only=lazy), "service.runtime", "service.inprocess", "torch")
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 

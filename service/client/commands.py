@@ -3,15 +3,19 @@ or in this process, to a CSV or JSON Lines file, with progress, retries, ``--res
 any image failed.
 
 The two commands are one run (:func:`run_files`, :func:`_run`); a :class:`Job` is all they differ in: the rows
-(:mod:`service.client.output`'s tables), the client's call and the in-process one, and the words of the summary.
+(:mod:`service.client.output`'s tables), the client's call and the words of the summary. Without ``--url`` the
+client talks to a server in this process (:func:`in_process`: the engine link's in-process side, bound to
+127.0.0.1), so a folder takes the server's request path either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic
@@ -25,12 +29,13 @@ from service.client.retry import RetryPolicy
 from service.client.summary import Tally, print_summary, progress_bar, reason_of
 from service.core.answers import ImageResult
 from service.core.arguments import add_option_flags, integer_in, number_in, option_flags
+from service.core.errors import ConfigError
+from service.core.tasks import Task
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from service.client.client import AsyncClient
-    from service.client.local import LocalModel
 
 # The flags' ranges: argparse refuses anything else as a usage error naming the flag (exit status 2). The top-k
 # range is the server's (image API ``top_k``); the others bound what one run may hold at once or wait for.
@@ -109,32 +114,25 @@ def _add_arguments(p: argparse.ArgumentParser, command: str, verb: str) -> None:
 
 @dataclass(frozen=True)
 class Job(Generic[R]):
-    """What one command is to the shared run: its name and the summary's verb, its rows, a failed image's result,
-    and its call through the client and in this process."""
+    """What one command is to the shared run: its name, task and the summary's verb, its rows, a failed image's
+    result, and its call through the client."""
 
     command: str
+    task: type[Task]
     done: str  # "classified 12 images in ..."
     table: Table[R]
     failed: Callable[[str], R]
     remote: Callable[[AsyncClient, list[bytes]], Awaitable[list[R]]]
-    local: Callable[[LocalModel, list[bytes], list[str]], list[R]]
 
 
 def task_job(args: argparse.Namespace, kind: Kind[R], done: str, table: Table[R]) -> Job[R]:
-    """The command of ``kind``'s task: its options from the flags, sent to a server (which checks them) or checked
-    once for the model loaded here."""
+    """The command of ``kind``'s task: its options from the flags, sent to the server (which checks them)."""
     options = option_flags(args, kind.task.Options)
-    checked: dict[int, Any] = {}  # the options as the loaded model takes them
-
-    def local(model: LocalModel, datas: list[bytes], names: list[str]) -> list[R]:
-        if id(model) not in checked:
-            checked[id(model)] = model.options(options)
-        return model.answer(datas, checked[id(model)], kind.result, names=names)
 
     async def remote(client: AsyncClient, datas: list[bytes]) -> list[R]:
         return await client.ask(kind, datas, options)
 
-    return Job(kind.action, done, table, lambda error: kind.result(error=error), remote, local)
+    return Job(kind.action, kind.task, done, table, lambda error: kind.result(error=error), remote)
 
 
 def classify_job(args: argparse.Namespace) -> Job[ImageResult]:
@@ -253,7 +251,8 @@ def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:
     interrupted = False
     try:
         if todo:
-            asyncio.run(_run(args, job, todo, output, tally, err))
+            with in_process(args, job, err) as url:
+                asyncio.run(_run(args, url, job, todo, output, tally, err))
     except KeyboardInterrupt:
         interrupted = True  # what was done is in the file (rows are flushed per request): --resume goes on
     finally:
@@ -265,55 +264,66 @@ def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:
     return 1 if tally.failed else 0
 
 
+@contextmanager
+def in_process(args: argparse.Namespace, job: Job[Any], err: Console) -> Iterator[str]:
+    """The server to send to: ``--url``, or without it one in this process on 127.0.0.1 (the engine link's
+    in-process side) serving ``--model`` alone from ``--repository`` on ``--device``, stopped at the end. A model
+    of another task is refused first, naming the command that fits."""
+    if args.url:
+        yield args.url
+        return
+    from service.core.repository import ModelRepository
+    from service.core.settings import ServerSettings
+    from service.core.tasks import task_named
+    from service.inprocess import InProcessServer
+
+    repository = Path(args.repository).resolve()
+    entry = ModelRepository(repository).model(args.model, deep=False)
+    served = task_named(entry.version(args.version).spec.task)
+    if served is not job.task:
+        raise ConfigError(
+            f"model {args.model!r} is a {served.name} model: visionserve {job.command} does not fit it; run "
+            f"visionserve {served.name} instead"
+        )
+    if not args.no_progress:
+        err.print(f"loading {args.model} from {args.repository} ...", highlight=False)
+    gpus = None if args.device in ("auto", "cuda") else [] if args.device == "cpu" else [args.device]
+    with tempfile.TemporaryDirectory(prefix="visionserve-") as view:  # the repository, seen as this model alone
+        (Path(view) / args.model).symlink_to(entry.path, target_is_directory=True)
+        settings = ServerSettings(repository=view, port=0, grpc_port=0, metrics=False)
+        with InProcessServer(settings, gpus=gpus) as server:
+            yield server.url
+
+
 async def _run(
-    args: argparse.Namespace, job: Job[R], todo: list[Path], output: Output[R], tally: Tally, err: Console
+    args: argparse.Namespace, url: str, job: Job[R], todo: list[Path], output: Output[R], tally: Tally, err: Console
 ) -> None:
+    from service.client.client import AsyncClient
+
     progress = progress_bar(job.command, not args.no_progress, err)
     task = progress.add_task(job.command, total=len(todo))
 
     def advance(n: int) -> None:
         progress.advance(task, n)
 
-    if args.url:
-        from service.client.client import AsyncClient
+    policy = RetryPolicy(max_attempts=args.max_attempts, max_total_s=args.max_retry_s)
+    client = AsyncClient(
+        url,
+        model=args.model,
+        version=args.version,
+        timeout_s=args.timeout,
+        retry=policy,
+        max_images_per_request=args.images_per_request,
+        max_concurrency=args.concurrency,  # sizes its connection pool; each call here is one request
+    )
 
-        policy = RetryPolicy(max_attempts=args.max_attempts, max_total_s=args.max_retry_s)
-        client = AsyncClient(
-            args.url,
-            model=args.model,
-            version=args.version,
-            timeout_s=args.timeout,
-            retry=policy,
-            max_images_per_request=args.images_per_request,
-            max_concurrency=args.concurrency,  # sizes its connection pool; each call here is one request
-        )
+    async def remote(datas: list[bytes], _names: list[str]) -> list[R]:
+        return await job.remote(client, datas)
 
-        async def remote(datas: list[bytes], _names: list[str]) -> list[R]:
-            return await job.remote(client, datas)
-
-        try:
-            with progress:
-                await run_files(todo, remote, chunk_size=args.images_per_request, concurrency=args.concurrency,
-                                output=output, tally=tally, advance=advance, failed=job.failed)  # fmt: skip
-        finally:
-            tally.requests, tally.retries = client.requests_sent, client.retries
-            await client.aclose()
-    else:
-        from service.client.local import LocalModel
-
-        if not args.no_progress:
-            err.print(f"loading {args.model} from {args.repository} ...", highlight=False)
-        local = LocalModel(args.repository, args.model, version=args.version, device=args.device)
-
-        async def in_process(datas: list[bytes], names: list[str]) -> list[R]:
-            return await asyncio.to_thread(job.local, local, datas, names)
-
-        try:
-            local.require(job.command)
-            with progress:
-                # Two chunks at once: one decodes in the pool while the other runs on the device.
-                await run_files(todo, in_process, chunk_size=local.max_batch_size, concurrency=2, output=output,
-                                tally=tally, advance=advance, failed=job.failed)  # fmt: skip
-        finally:
-            tally.requests = len(tally.latencies_s)
-            local.close()
+    try:
+        with progress:
+            await run_files(todo, remote, chunk_size=args.images_per_request, concurrency=args.concurrency,
+                            output=output, tally=tally, advance=advance, failed=job.failed)  # fmt: skip
+    finally:
+        tally.requests, tally.retries = client.requests_sent, client.retries
+        await client.aclose()

@@ -24,8 +24,9 @@ import msgspec
 
 from service.client.errors import ClientError
 from service.client.rollout import TOKEN_ENV, error_text
-from service.core.arguments import integer_in, number_in
+from service.core.arguments import add_option_flags, integer_in, number_in, option_flags
 from service.core.errors import ConfigError
+from service.core.tasks import TASKS
 
 __all__ = ["add_watch_arguments", "answer_line", "end_line", "event_data", "run_watch"]
 
@@ -81,6 +82,16 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds without a message before giving up (a camera that reconnects sends none meanwhile)",
     )
+    add_option_flags(
+        p.add_argument_group(
+            "the source's options", "given, the source is changed first (PATCH /v1/sources/ID, for every subscriber)"
+        ),
+        *_options(),
+    )
+
+
+def _options() -> list[Any]:
+    return [task.Options for task in TASKS.values()]
 
 
 def run_watch(args: argparse.Namespace) -> int:
@@ -128,31 +139,34 @@ def _watch(args: argparse.Namespace, token: str, out: IO[str], *, text: bool) ->
     report = sys.stderr if out is sys.stdout and not text else sys.stdout
     taken = 0
     try:
-        with httpx.Client(timeout=timeout) as client, client.stream("GET", target, headers=headers) as response:
-            if response.status_code != 200:
-                refusal = f"{base} answered {response.status_code}: {error_text(response.read())}"
-                if 400 <= response.status_code < 500:  # the request is wrong (token, source): asking again won't do
-                    print(f"visionserve watch: error: {refusal}", file=sys.stderr)
-                    return 2
-                raise ClientError(refusal, status=response.status_code)
-            kind = response.headers.get("content-type", "")
-            if not kind.startswith("text/event-stream"):
-                raise ClientError(f"{target} answered {kind or 'no content type'}, not an event stream")
-            for data in event_data(response.iter_lines()):
-                message = _decode(data)
-                status = message.get("status")
-                if status in FRAME_STATUSES:
-                    if not text and "\n" in data:  # an event of several data lines: one line of JSON all the same
-                        data = msgspec.json.encode(message).decode()
-                    out.write((answer_line(message) if text else data) + "\n")
-                    out.flush()  # each answer visible as it comes (a tail -f, a Ctrl-C keeps what was taken)
-                    taken += 1
-                    if args.count is not None and taken >= args.count:
-                        _say(report, f"took {_answers(taken)} from source {args.source}{_saved(args)}")
-                        return 0
-                    continue
-                _say(report, f"{end_line(message)} ({_answers(taken)}{_saved(args)})")
-                return 0 if status == "ended" else 1
+        with httpx.Client(timeout=timeout) as client:
+            if not _change(client, base, args, headers["Authorization"]):
+                return 2
+            with client.stream("GET", target, headers=headers) as response:
+                if response.status_code != 200:
+                    refusal = f"{base} answered {response.status_code}: {error_text(response.read())}"
+                    if 400 <= response.status_code < 500:  # the request is wrong (token, source): asking again won't do
+                        print(f"visionserve watch: error: {refusal}", file=sys.stderr)
+                        return 2
+                    raise ClientError(refusal, status=response.status_code)
+                kind = response.headers.get("content-type", "")
+                if not kind.startswith("text/event-stream"):
+                    raise ClientError(f"{target} answered {kind or 'no content type'}, not an event stream")
+                for data in event_data(response.iter_lines()):
+                    message = _decode(data)
+                    status = message.get("status")
+                    if status in FRAME_STATUSES:
+                        if not text and "\n" in data:  # an event of several data lines: one line of JSON all the same
+                            data = msgspec.json.encode(message).decode()
+                        out.write((answer_line(message) if text else data) + "\n")
+                        out.flush()  # each answer visible as it comes (a tail -f, a Ctrl-C keeps what was taken)
+                        taken += 1
+                        if args.count is not None and taken >= args.count:
+                            _say(report, f"took {_answers(taken)} from source {args.source}{_saved(args)}")
+                            return 0
+                        continue
+                    _say(report, f"{end_line(message)} ({_answers(taken)}{_saved(args)})")
+                    return 0 if status == "ended" else 1
     except httpx.TimeoutException as exc:
         waited = args.connect_timeout if isinstance(exc, httpx.ConnectTimeout) else args.read_timeout
         what = "accepted the connection" if isinstance(exc, httpx.ConnectTimeout) else "sent a message"
@@ -162,6 +176,21 @@ def _watch(args: argparse.Namespace, token: str, out: IO[str], *, text: bool) ->
     except httpx.HTTPError as exc:
         raise ClientError(f"{base}: the stream was lost after {_answers(taken)} ({exc})") from exc
     raise ClientError(f"{base} closed the stream before source {args.source} ended, after {_answers(taken)}")
+
+
+def _change(client: Any, base: str, args: argparse.Namespace, authorization: str) -> bool:
+    """The source's options the flags give, sent as a PATCH before watching; False (and why, on stderr) when the
+    server refused them."""
+    options = option_flags(args, *_options())
+    if not options:
+        return True
+    url = f"{base}/v1/sources/{quote(args.source, safe='')}"
+    response = client.patch(url, json=options, headers={"Authorization": authorization})
+    if response.status_code == 200:
+        return True
+    print(f"visionserve watch: error: {base} answered {response.status_code}: {error_text(response.content)}",
+          file=sys.stderr)  # fmt: skip
+    return False
 
 
 def event_data(lines: Iterable[str]) -> Iterator[str]:

@@ -115,10 +115,15 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted by argparse
 
 
-def add_option_flags(p: argparse.ArgumentParser, options: type[Options]) -> None:
-    """A flag for each of a task's options (``--score-threshold``), its range and help from the declaration; left
-    out, a flag is None and the option is the model's default."""
-    for f in fields(options):
+def add_option_flags(p: argparse.ArgumentParser, *options: type[Options]) -> None:
+    """A flag for each of the tasks' options (``--score-threshold``), its range and help from the declaration (an
+    option several tasks take: once, as the first declares it); left out, a flag is None and the option is the
+    model's default."""
+    seen: set[str] = set()
+    for f in (f for o in options for f in fields(o)):
+        if f.name in seen:
+            continue
+        seen.add(f.name)
         help = f.described
         if f.kind == "flag":
             p.add_argument(f.flag_name, action="store_true", default=None, help=help)
@@ -132,6 +137,7 @@ def add_option_flags(p: argparse.ArgumentParser, options: type[Options]) -> None
             p.add_argument(f.flag_name, type=kind, default=None, help=help)
 
 
-def option_flags(args: argparse.Namespace, options: type[Options]) -> dict[str, Any]:
-    """The task's options the command line set (by :func:`add_option_flags`)."""
-    return {f.name: getattr(args, f.name) for f in fields(options) if getattr(args, f.name, None) is not None}
+def option_flags(args: argparse.Namespace, *options: type[Options]) -> dict[str, Any]:
+    """The tasks' options the command line set (by :func:`add_option_flags`)."""
+    names = dict.fromkeys(f.name for o in options for f in fields(o))
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}

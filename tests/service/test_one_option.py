@@ -144,14 +144,21 @@ def test_the_python_client_takes_it_as_a_keyword(served: tuple[InProcessServer, 
             client.detect([FRAME], margn=2)
 
 
-def test_the_command_line_has_its_flag_with_its_range_and_help() -> None:
+COMMANDS = {  # each command line that takes a task's options, with the words it needs beside them
+    "detect": ["--model", "bright", "x.png"],
+    "watch": ["--url", "http://127.0.0.1:9", "--source", "cam"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_command_line_has_its_flag_with_its_range_and_help(command: str) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Detect, "Options", WiderOptions)
-        parser = build_parser("detect")
-        args = parser.parse_args(["detect", "--model", "bright", "x.png", "--margin", "2.5"])
+        parser = build_parser(command)
+        args = parser.parse_args([command, *COMMANDS[command], "--margin", "2.5"])
         assert option_flags(args, WiderOptions) == {"margin": 2.5}
         with pytest.raises(SystemExit) as refused:
-            parser.parse_args(["detect", "--model", "bright", "x.png", "--margin", "11"])
+            parser.parse_args([command, *COMMANDS[command], "--margin", "11"])
         assert refused.value.code == 2
-        helped = parser._subparsers._group_actions[0].choices["detect"].format_help()  # type: ignore[union-attr]
+        helped = parser._subparsers._group_actions[0].choices[command].format_help()  # type: ignore[union-attr]
     assert "--margin" in helped and DESCRIBED in helped

@@ -214,6 +214,22 @@ def test_count_stops_after_that_many_answers_with_the_token_from_the_environment
         httpx.delete(f"{served.url}/v1/sources/counted", headers=AUTH, timeout=30)
 
 
+def test_option_flags_change_the_source_first_and_a_refused_one_stops_with_status_2(
+    served: RunningServer, camera: MjpegServer
+) -> None:
+    create(served.url, {"url": camera.url, "model": "digits-detect", "id": "changed"})
+    try:
+        done = watch(served.url, "--source", "changed", "--count", "1", "--score-threshold", "0.9", token=ADMIN_TOKEN)
+        assert done.returncode == 0, done.stderr
+        assert source(served.url, "changed")["options"]["score_threshold"] == 0.9
+        refused = watch(served.url, "--source", "changed", "--classes", "no-such-class", token=ADMIN_TOKEN)
+        assert refused.returncode == 2 and "400" in refused.stderr and "classes" in refused.stderr, refused.stderr
+        assert refused.stdout == ""
+        assert source(served.url, "changed")["options"]["score_threshold"] == 0.9
+    finally:
+        httpx.delete(f"{served.url}/v1/sources/changed", headers=AUTH, timeout=30)
+
+
 def test_ctrl_c_stops_watching_quietly_with_status_130(served: RunningServer, camera: MjpegServer) -> None:
     create(served.url, {"url": camera.url, "model": "digits", "id": "interrupted"})
     try:
