@@ -10,7 +10,8 @@ original), so the edges land where ultralytics' ``scale_masks`` puts them.
 
 :func:`rle` writes COCO's compressed RLE of the full image (column-major runs, first a run of zeros, each count
 written as pycocotools' ``rleToString`` writes it), exactly what ``pycocotools.mask.decode`` reads; it is built
-from the box's region alone, never from a full-size array.
+from the box's region alone, never from a full-size array. :func:`polygons` traces the mask's pixel edges into
+rings (COCO's polygon form, the outer rings, and its holes apart: a COCO polygon cannot hold one).
 """
 
 from __future__ import annotations
@@ -116,3 +117,51 @@ def png(mask: Mask) -> str:
     buffer = io.BytesIO()
     Image.fromarray(full).save(buffer, format="PNG", optimize=True)
     return base64.b64encode(buffer.getvalue()).decode()
+
+
+_STEPS = ((1, 0), (0, 1), (-1, 0), (0, -1))  # east, south, west, north: each the one before turned right (y down)
+
+
+def polygons(mask: Mask) -> dict[str, list[list[float]]]:
+    """The mask's outline: ``{"polygons": [[x, y, x, y, ...], ...], "holes": [...]}``, each ring the boundary of a
+    4-connected part (``polygons``) or of a hole in one (``holes``) along the pixels' edges, in the image's pixel
+    coordinates (a pixel (col, row) spans x from col to col + 1), a vertex where the edge turns: an outer ring
+    clockwise as the image is shown (y down), a hole the other way round."""
+    region = mask.region
+    out: dict[str, list[list[float]]] = {"polygons": [], "holes": []}
+    if region.size == 0 or not region.any():
+        return out
+    inside = np.pad(region, 1)
+    starts: dict[tuple[int, int], list[int]] = {}
+    edges: list[tuple[int, int, int]] = []  # x, y of the edge's start (in the padded frame), its direction
+    # Each side of an inside pixel that borders an outside one, walked with the inside on its right.
+    for direction, (dr, dc), (ox, oy) in ((0, (-1, 0), (0, 0)), (1, (0, 1), (1, 0)), (2, (1, 0), (1, 1)),
+                                          (3, (0, -1), (0, 1))):  # fmt: skip
+        rows, cols = np.nonzero(inside & ~np.roll(inside, (-dr, -dc), axis=(0, 1)))
+        for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+            starts.setdefault((c + ox, r + oy), []).append(len(edges))
+            edges.append((c + ox, r + oy, direction))
+    used = [False] * len(edges)
+    for first in range(len(edges)):
+        if used[first]:
+            continue
+        ring: list[tuple[int, int]] = []
+        edge = first
+        while not used[edge]:
+            used[edge] = True
+            x, y, d = edges[edge]
+            ring.append((x, y))
+            end = (x + _STEPS[d][0], y + _STEPS[d][1])
+            # Where two edges leave a corner (pixels touching at it alone), the right turn: 4-connected parts.
+            edge = min(starts[end], key=lambda e: (edges[e][2] - d) % 4 if edges[e][2] != (d + 2) % 4 else 4)
+        corners = [p for i, p in enumerate(ring) if _turns(ring, i)]
+        area = sum(a[0] * b[1] - b[0] * a[1] for a, b in zip(corners, corners[1:] + corners[:1], strict=True))
+        flat = [float(v) for x, y in corners for v in (mask.x1 + x - 1, mask.y1 + y - 1)]
+        out["polygons" if area > 0 else "holes"].append(flat)
+    return out
+
+
+def _turns(ring: list[tuple[int, int]], i: int) -> bool:
+    """Whether the ring turns at its ``i``-th vertex (a straight run's inner vertices are left out)."""
+    (ax, ay), (bx, by), (cx, cy) = ring[i - 1], ring[i], ring[(i + 1) % len(ring)]
+    return (bx - ax) * (cy - by) != (by - ay) * (cx - bx)

@@ -29,7 +29,7 @@ from pycocotools import mask as coco_mask
 
 from service.client import Client
 from service.core.boxes import Transform
-from service.core.masks import Mask, instance_mask, rle
+from service.core.masks import Mask, instance_mask, polygons, rle
 from service.core.settings import ServerSettings
 from service.inprocess import InProcessServer
 
@@ -157,9 +157,56 @@ def test_png_masks_and_options_are_the_detect_routes(served: InProcessServer) ->
     shown = np.array(Image.open(io.BytesIO(base64.b64decode(instances[0]["mask"])))).astype(np.uint8)
     assert_rounded_corners(shown, 128, 64, (16, 8, 80, 40))
     assert bad.status_code == 400
-    assert bad.json()["error"] == "mask_format must be one of rle, png, got 'polygons' (query parameter)"
+    assert bad.json()["error"] == "mask_format must be one of rle, polygon, png, got 'polygons' (query parameter)"
     assert wrong_route.status_code == 400 and "POST /v1/models/seg/segment instead" in wrong_route.json()["error"]
     assert "mask_format" in {p["name"] for p in schema["paths"]["/v1/models/{model}/segment"]["post"]["parameters"]}
+
+
+def drawn(rings: dict[str, list[list[float]]], width: int, height: int) -> np.ndarray:
+    """The pixels whose centres lie inside an odd number of the rings (outer and holes alike): the mask they trace."""
+    from matplotlib.path import Path as Outline
+
+    ys, xs = np.mgrid[0:height, 0:width]
+    centres = np.stack([xs.ravel() + 0.5, ys.ravel() + 0.5], 1)
+    inside = np.zeros(width * height, dtype=bool)
+    for ring in rings["polygons"] + rings["holes"]:
+        inside ^= Outline(np.array(ring).reshape(-1, 2)).contains_points(centres)
+    return inside.reshape(height, width)
+
+
+def test_polygon_masks_are_the_outline_in_the_image_s_pixels(served: InProcessServer) -> None:
+    with served.client() as client:
+        r = client.post("/v1/models/seg/segment", params={"mask_format": "polygon"},
+                        content=picture(128, 64, (16, 8, 80, 40)), headers={"content-type": "image/png"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    [instance] = r.json()["results"][0]["instances"]
+    assert len(instance["mask"]["polygons"]) == 1 and instance["mask"]["holes"] == []
+    outline = drawn(instance["mask"], 128, 64)
+    assert_rounded_corners(outline.astype(np.uint8), 128, 64, (16, 8, 80, 40))
+    assert instance["area"] == int(outline.sum())
+
+
+def test_polygons_trace_every_part_and_hole_exactly_on_random_masks() -> None:
+    from scipy import ndimage
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        h, w = (int(v) for v in rng.integers(1, 30, 2))
+        region = rng.random((h, w)) < rng.uniform(0.2, 0.9)
+        x1, y1 = int(rng.integers(0, 6)), int(rng.integers(0, 6))
+        rings = polygons(Mask(region, x1, y1, 40, 40))
+        full = np.zeros((40, 40), dtype=bool)
+        full[y1 : y1 + h, x1 : x1 + w] = region
+        assert (drawn(rings, 40, 40) == full).all()
+        assert len(rings["polygons"]) == ndimage.label(region)[1]  # one outer ring a 4-connected part
+    assert polygons(Mask(np.ones((3, 3), dtype=bool), 2, 1, 10, 10))["polygons"] == [
+        [2.0, 1.0, 5.0, 1.0, 5.0, 4.0, 2.0, 4.0]
+    ]
+    ring = np.ones((5, 5), dtype=bool)
+    ring[2, 2] = False
+    assert polygons(Mask(ring, 0, 0, 5, 5))["holes"] == [
+        [2.0, 3.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0]
+    ]  # the other way round
 
 
 def test_v2_answers_masks_as_rle_strings_beside_the_boxes(served: InProcessServer) -> None:

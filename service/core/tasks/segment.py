@@ -6,7 +6,9 @@ its coefficients times the prototypes, resampled to the image's own pixels and c
 
 Answers: the image API, streams and sources each image's ``{"width", "height", "instances": [{"box", "label",
 "index", "score", "area", "mask"}]}``, the mask COCO's compressed RLE of the full image (``{"size": [h, w],
-"counts"}``, what ``pycocotools.mask.decode`` reads) or, with ``mask_format=png``, a base64 PNG of it. v2 answers
+"counts"}``, what ``pycocotools.mask.decode`` reads); with ``mask_format=polygon`` its outline,
+``{"polygons": [[x, y, ...], ...], "holes": [...]}`` (the outer rings, COCO's polygon form, and the holes in them
+apart); with ``mask_format=png``, a base64 PNG of it. v2 answers
 ``DETECTIONS`` and ``NUM_DETECTIONS`` as a detector does, and ``MASKS``: BYTES ``[N, max_detections]``, each
 instance's RLE as JSON (empty past the image's count), in the input's pixels for a v2 tensor input.
 """
@@ -21,21 +23,24 @@ import numpy as np
 
 from service.core.boxes import Transform, listed, to_original
 from service.core.layouts import anchor_rows, keep, seg_outputs
-from service.core.masks import instance_mask, png, rle
+from service.core.masks import instance_mask, png, polygons, rle
 from service.core.status import InferResult
 from service.core.tasks.base import OutputSpec, OutputTensor, Post, Transforms, Want
 from service.core.tasks.detect import DETECTIONS, NUM_DETECTIONS, Detect, DetectOptions
 
 MASKS = "MASKS"
-ENCODINGS = {"rle": rle, "png": png}
+ENCODINGS = {"rle": rle, "polygon": polygons, "png": png}
 
 
 class SegmentOptions(DetectOptions, frozen=True, kw_only=True):
     """A segmenter's options: detection's, and how each mask is written."""
 
     mask_format: Annotated[
-        Literal["rle", "png"],
-        msgspec.Meta(description="rle (COCO's compressed RLE) or png (base64)", extra={"v2": False}),
+        Literal["rle", "polygon", "png"],
+        msgspec.Meta(
+            description="rle (COCO's compressed RLE), polygon (outer rings, holes apart) or png (base64)",
+            extra={"v2": False},
+        ),
     ] = "rle"
 
 
