@@ -224,8 +224,10 @@ def answer_line(message: dict[str, Any]) -> str:
         return f"{head}  expired" + (f" ({stage})" if stage else "")
     if status == "error":
         return f"{head}  error: {message.get('error', '')}"
-    if "detections" in message:
-        boxes = message["detections"] or []
+    if "classes" in message:  # a semantic model's: the classes present, each with its pixel count
+        return f"{head}  " + (", ".join(f"{_label(c)} {c.get('area')} px" for c in message["classes"]) or "none")
+    if "detections" in message or "instances" in message:
+        boxes = message.get("detections", message.get("instances")) or []
         shown = ", ".join(f"{_label(d)} {_score(d)}" for d in boxes[:SHOWN])
         more = f", +{len(boxes) - SHOWN} more" if len(boxes) > SHOWN else ""
         return f"{head}  {len(boxes)} box{'' if len(boxes) == 1 else 'es'}" + (f": {shown}{more}" if boxes else "")

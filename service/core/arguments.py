@@ -115,7 +115,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted by argparse
 
 
-def add_option_flags(p: argparse.ArgumentParser, *options: type[Options]) -> None:
+def add_option_flags(p: argparse._ActionsContainer, *options: type[Options]) -> None:
     """A flag for each of the tasks' options (``--score-threshold``), its range and help from the declaration (an
     option several tasks take: once, as the first declares it); left out, a flag is None and the option is the
     model's default."""

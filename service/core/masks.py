@@ -71,6 +71,45 @@ def instance_mask(logits: np.ndarray, box: np.ndarray, where: Transform, input_s
     return Mask(sampled >= 0, x1, y1, where.width, where.height)  # sigmoid >= 0.5; NaN is never >= 0
 
 
+_STRIP_PIXELS = 1 << 20  # a semantic map is resampled this many image pixels at a time, a class's logits each
+
+
+def class_masks(
+    logits: np.ndarray, where: Transform, input_size: tuple[int, int], wanted: tuple[int, ...] | None = None
+) -> list[tuple[int, Mask]]:
+    """A semantic model's answer for one image: each class that wins some pixel, with its mask in the image's own
+    pixels. ``logits`` ``[C, h, w]`` cover the model's input (``input_size``); each image pixel's centre is taken to
+    the logits' grid as :func:`instance_mask` takes it, the logits of the classes that win somewhere on the grid
+    are sampled there bilinearly, and the pixel goes to the highest (a partition of the image: every pixel one
+    class, none two). ``wanted``: only these classes' masks (None: all)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    _, grid_h, grid_w = logits.shape
+    winners = np.unique(np.nan_to_num(logits, nan=-np.inf).argmax(axis=0))
+    present = [int(c) for c in winners if wanted is None or int(c) in wanted]
+    if not present:
+        return []
+    in_w, in_h = input_size
+    xs = ((np.arange(where.width) + 0.5) * where.scale_x + where.pad_x) * (grid_w / in_w)
+    across = _weights(xs, grid_w).T
+    best = np.empty((where.height, where.width), dtype=np.int32)
+    rows = max(1, _STRIP_PIXELS // max(1, where.width))
+    candidates = winners.astype(np.int64)
+    for top in range(0, where.height, rows):
+        ys = ((np.arange(top, min(top + rows, where.height)) + 0.5) * where.scale_y + where.pad_y) * (grid_h / in_h)
+        down = _weights(ys, grid_h)
+        sampled = np.stack([down @ logits[c] @ across for c in candidates])
+        best[top : top + len(ys)] = candidates[np.nan_to_num(sampled, nan=-np.inf).argmax(axis=0)]
+    out = []
+    for c in present:
+        inside = best == c
+        cols, lines = np.flatnonzero(inside.any(axis=0)), np.flatnonzero(inside.any(axis=1))
+        if len(cols) == 0:
+            continue  # won on the grid, but no image pixel's centre lies where it wins
+        x1, x2, y1, y2 = int(cols[0]), int(cols[-1]) + 1, int(lines[0]), int(lines[-1]) + 1
+        out.append((c, Mask(inside[y1:y2, x1:x2], x1, y1, where.width, where.height)))
+    return out
+
+
 def rle(mask: Mask) -> dict[str, object]:
     """COCO's compressed RLE of the full image: ``{"size": [height, width], "counts": "..."}``."""
     h, w = mask.height, mask.width

@@ -299,6 +299,10 @@ def test_answer_lines_are_compact() -> None:
         "frame 4  pts 0.267  age 12.3 ms  7 boxes: " + ", ".join(["3 0.50"] * 5) + ", +2 more"
     )
     assert answer_line(base | {"status": "result", "detections": []}).endswith("  0 boxes")
+    instances = [{"box": [0, 0, 1, 1], "label": "3", "index": 3, "score": 0.5, "area": 1, "mask": {}}]
+    assert answer_line(base | {"status": "result", "instances": instances}).endswith("  1 box: 3 0.50")
+    classes = [{"label": "road", "index": 0, "area": 900, "mask": {}}, {"label": "car", "index": 2, "area": 60}]
+    assert answer_line(base | {"status": "result", "classes": classes}).endswith("  road 900 px, car 60 px")
     assert answer_line(base | {"pts": None, "status": "expired", "stage": "queue"}) == (
         "frame 4  pts -  age 12.3 ms  expired (queue)"
     )

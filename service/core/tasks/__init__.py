@@ -10,8 +10,9 @@ from service.core.tasks.classify import Classify, ClassifyOptions
 from service.core.tasks.detect import Detect, DetectOptions
 from service.core.tasks.options import Field, Options, fields
 from service.core.tasks.segment import Segment, SegmentOptions
+from service.core.tasks.semantic import Semantic, SemanticOptions
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (Classify, Detect, Segment)}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (Classify, Detect, Segment, Semantic)}
 
 
 def task_for(spec: Any) -> Task:
@@ -26,6 +27,7 @@ def task_named(name: str) -> type[Task]:
 
 __all__ = [
     "TASKS", "Classify", "ClassifyOptions", "Detect", "DetectOptions", "Field", "Options", "OutputSpec",
-    "OutputTensor", "Post", "Segment", "SegmentOptions", "Task", "Transforms", "Want", "Wanted", "bytes_tensor",
+    "OutputTensor", "Post", "Segment", "SegmentOptions", "Semantic", "SemanticOptions",
+    "Task", "Transforms", "Want", "Wanted", "bytes_tensor",
     "fields", "task_for", "task_named",
 ]  # fmt: skip

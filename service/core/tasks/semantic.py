@@ -1,0 +1,169 @@
+"""Semantic segmentation: one class a pixel. The graph's one output is each class's logits over its input
+(``[N, C, h, w]``, torchvision's ``lraspp``/``deeplabv3`` ``out``); each image's answer is a mask for every class
+that wins some pixel of it, in the image's own pixels (:func:`service.core.masks.class_masks`: the logits sampled
+bilinearly at each pixel's centre, undoing the letterbox, and the pixel given to the highest).
+
+Answers: the image API, streams and sources ``{"width", "height", "classes": [{"label", "index", "area",
+"mask"}]}``, by class index, each mask as a segmenter's (``mask_format``: COCO's RLE, polygons or a PNG). v2
+answers ``MASKS``: BYTES ``[N, C]``, class c's RLE as JSON at column c (empty where it wins nowhere), in the input's
+pixels for a v2 tensor input. A rollout compares the two versions' class maps (:class:`PixelComparison`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from service.core.boxes import Transform, identity
+from service.core.comparison import Comparison
+from service.core.config import RolloutConfig
+from service.core.errors import BadInputError
+from service.core.masks import class_masks
+from service.core.parameters import flag
+from service.core.status import InferResult
+from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted
+from service.core.tasks.options import Options
+from service.core.tasks.segment import ENCODINGS, MASKS, rle
+
+
+class SemanticOptions(Options, frozen=True, kw_only=True):
+    """A semantic model's options: which classes' masks, and how each is written."""
+
+    classes: Annotated[tuple[int, ...] | None, msgspec.Meta(
+        description="only these classes' masks (labels or indices)", extra={"kind": "classes"})] = None  # fmt: skip
+    mask_format: Annotated[
+        Literal["rle", "polygon", "png"],
+        msgspec.Meta(
+            description="rle (COCO's compressed RLE), polygon (outer rings, holes apart) or png (base64)",
+            extra={"v2": False},
+        ),
+    ] = "rle"
+
+
+class ClassMask(msgspec.Struct, frozen=True):
+    label: str
+    index: int
+    area: int
+    mask: Any
+
+
+class SemanticResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One image's answer from a semantic model: its size and a mask for each class present; or why not."""
+
+    filename: str | None = None
+    width: int | None = None
+    height: int | None = None
+    classes: list[ClassMask] | None = None
+    error: str | None = None
+
+
+class SemanticResponse(msgspec.Struct):
+    model: str
+    version: int
+    results: list[SemanticResult]
+
+
+class Semantic(Task):
+    name = "semantic"
+    summary = "Label every pixel of images"
+    about = "Each image's classes present, a mask each in the image's own pixels."
+    Options = SemanticOptions
+    output_name = "masks"
+    output_names = (MASKS,)
+    gate = "pixels"
+    resize = "letterbox"
+    result_type = SemanticResult
+    response_type = SemanticResponse
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
+        self.size = (spec.input.width, spec.input.height)
+        self.input = identity(*self.size)
+
+    def outputs(self) -> list[OutputSpec]:
+        return [OutputSpec(MASKS, "BYTES", [len(self.labels)])]
+
+    def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
+        wanted = []
+        for i, (name, params) in enumerate(outputs or [(MASKS, {})]):
+            if name != MASKS:
+                raise BadInputError(f"unknown output {name!r}: this model has MASKS")
+            wanted.append(Wanted(name, None, flag(f"outputs[{i}].parameters.binary_data", params.get("binary_data"),
+                                                  binary)))  # fmt: skip
+        return tuple(wanted)
+
+    def masks(self, result: InferResult, options: SemanticOptions, transforms: Transforms) -> list[list[Any]]:
+        """Each image's (class, mask) pairs, by class index."""
+        logits = result.logits
+        each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(logits)
+        return [class_masks(row, where, self.size, options.classes) for row, where in zip(logits, each, strict=True)]
+
+    def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
+        options: SemanticOptions = want.options or self.default
+        found = self.masks(result, options, transforms)
+        if want.outputs:
+            strings = []
+            for pairs in found:
+                row = [""] * len(self.labels)
+                for c, mask in pairs:
+                    if c < len(row):
+                        row[c] = json.dumps(rle(mask))
+                strings += row
+            return Post([OutputTensor(MASKS, "BYTES", [len(found), len(self.labels)], strings=strings)], [])
+        encode = ENCODINGS[options.mask_format]
+        answers = [
+            [{"label": self._label(c), "index": c, "area": m.area, "mask": encode(m)} for c, m in pairs]
+            for pairs in found
+        ]
+        return Post([], answers)
+
+    def _label(self, c: int) -> str:
+        return self.labels[c] if c < len(self.labels) else str(c)
+
+    def comparison(self, config: RolloutConfig) -> Comparison:
+        return PixelComparison(list(self.labels), confidence=config.confidence, min_agreement=config.min_box_f1)
+
+    def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
+        assert shown is not None  # a decoded image has its transform (the masks' image)
+        return {"classes": rows, "width": shown.width, "height": shown.height}
+
+
+class PixelComparison(Comparison):
+    """A candidate's class maps beside the primary's: an image agrees when the share of the model's pixels given
+    the same class is at least ``min_agreement`` (``[rollout] min_box_f1``)."""
+
+    def __init__(self, labels: list[str], *, confidence: float, min_agreement: float) -> None:
+        super().__init__(labels, confidence=confidence)
+        self.measure = "pixel agreement"
+        self.min_agreement = min_agreement
+        self.share_sum = 0.0
+
+    def rows(self, result: InferResult, ok: list[int]) -> np.ndarray:
+        return np.asarray(result.logits[ok]).argmax(axis=1)  # [N, h, w]: each grid cell's class
+
+    def record(
+        self, primary: np.ndarray, candidate: np.ndarray, primary_s: float, candidate_s: float,
+        sizes: tuple[int, int] = (1, 1),
+    ) -> None:  # fmt: skip
+        n = len(primary)
+        if n == 0:
+            return
+        same = primary == candidate if primary.shape == candidate.shape else np.zeros(primary.shape, dtype=bool)
+        shares = same.reshape(n, -1).mean(axis=1)
+        self.share_sum += float(shares.sum())
+        self.agreed += int((shares >= self.min_agreement).sum())
+        self.samples += n
+        self.record_times(n, primary_s, candidate_s, sizes)
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        out.update(
+            measure=f"images whose class maps agree with the primary's on >= {self.min_agreement:g} of the pixels",
+            topk=None,
+            topk_overlap=None,
+            pixel_agreement_mean=self.share_sum / self.samples if self.samples else None,
+        )
+        return out
