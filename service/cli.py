@@ -32,6 +32,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "service.client.commands",
         "find the objects in image files and folders with a detector, to CSV/JSONL, via a server or in-process",
     ),
+    "segment": (
+        "service.client.commands",
+        "outline the objects in image files and folders with a segmenter, to COCO JSON/JSONL/CSV, via a server or "
+        "in-process",
+    ),
     "export": ("export.commands", "export to ONNX, TorchScript or AOTInductor with proven parity into a repository"),
     "tune": ("service.tune.commands", "find the settings that serve the most at a p99 target here, and prove it"),
     "rollout": ("service.client.rollout", "start, watch, promote or abort a server's rollout of a candidate version"),

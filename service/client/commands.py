@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Generic
 from service.client.client import DEFAULT_MAX_IMAGES_PER_REQUEST
 from service.client.errors import ClientError
 from service.client.images import discover
-from service.client.kinds import CLASSIFY, DETECT, DetectedImage, Kind, R
-from service.client.output import ClassifyTable, DetectTable, Output, Table
+from service.client.kinds import CLASSIFY, DETECT, SEGMENT, DetectedImage, Kind, R, SegmentedImage
+from service.client.output import ClassifyTable, CocoResults, DetectTable, Output, SegmentTable, Table, overlay
 from service.client.retry import RetryPolicy
 from service.client.summary import Tally, print_summary, progress_bar, reason_of
 from service.core.answers import ImageResult
@@ -51,6 +51,24 @@ Chunk = Callable[[list[bytes], list[str]], Awaitable[list[R]]]
 def add_classify_arguments(p: argparse.ArgumentParser) -> None:
     _add_arguments(p, "classify", "Classify")
     add_option_flags(p, CLASSIFY.task.Options)
+
+
+def add_segment_arguments(p: argparse.ArgumentParser) -> None:
+    _add_arguments(p, "segment", "Find and outline the objects in")
+    p.epilog = (
+        "--out F.json: COCO's results JSON (what COCO.loadRes reads: masks as compressed RLE, boxes x, y, w, h), "
+        "written at the end; .jsonl: one line per image with its instances and masks; CSV: a row per instance "
+        "(a detection's columns and its area)."
+    )
+    p.add_argument(
+        "--annotations",
+        default=None,
+        metavar="FILE",
+        help="with --out F.json: a COCO annotations file whose image ids (by file name) and category ids (by "
+        "name) the results take; default: an image's id is its file's stem where a number, else its place",
+    )
+    p.add_argument("--overlays", default=None, metavar="DIR", help="also write each image with its masks drawn")
+    add_option_flags(p, SEGMENT.task.Options)
 
 
 def add_detect_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,6 +164,11 @@ def detect_job(args: argparse.Namespace) -> Job[DetectedImage]:
     return task_job(args, DETECT, "searched", DetectTable(args.box_format or default.box_format))
 
 
+def segment_job(args: argparse.Namespace) -> Job[SegmentedImage]:
+    default: Any = SEGMENT.task.Options()
+    return task_job(args, SEGMENT, "segmented", SegmentTable(args.box_format or default.box_format))
+
+
 async def run_files(
     files: Sequence[Path],
     chunk_of: Chunk[R],
@@ -233,6 +256,12 @@ def run_detect(args: argparse.Namespace) -> int:
     return _run_command(args, detect_job(args))
 
 
+def run_segment(args: argparse.Namespace) -> int:
+    if (args.mask_format or "rle") != "rle" and Path(args.out or "").suffix.lower() == ".json":
+        raise ConfigError("--out F.json is COCO's results JSON, whose masks are RLE: leave --mask-format out")
+    return _run_command(args, segment_job(args))
+
+
 def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:
     from rich.console import Console
 
@@ -245,7 +274,12 @@ def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:
     if not files:
         err.print(f"no image files under {', '.join(args.paths)}", highlight=False)
         return 2
-    output: Output[Any] = Output(args.out, job.table, resume=args.resume, overwrite=args.overwrite)
+    overlays = Path(args.overlays) if getattr(args, "overlays", None) else None
+    output: Output[Any] = Output(
+        args.out, job.table, resume=args.resume, overwrite=args.overwrite,
+        coco=CocoResults([str(f) for f in files], getattr(args, "annotations", None)),
+        each=(lambda path, result: overlay(path, result, overlays)) if overlays else None,
+    )  # fmt: skip
     todo = [f for f in files if str(f) not in output.done]
     tally = Tally(boxes=0 if job.table.counts_boxes else None)
     interrupted = False

@@ -1,9 +1,11 @@
 """The file ``visionserve classify`` and ``visionserve detect`` write: CSV or JSON Lines (by the extension), written
 as answers arrive, so that an interrupted run keeps what it did and ``--resume`` can go on from there.
 
-One :class:`Output` for both commands; what a row holds is its :class:`Table`'s: :class:`ClassifyTable` writes one
+One :class:`Output` for every command; what a row holds is its :class:`Table`'s: :class:`ClassifyTable` writes one
 row per image (its top-k), :class:`DetectTable` one CSV row per box, and one with empty label and box for an image
-with none (so that ``--resume`` knows it was done), and one JSON Lines line per image.
+with none (so that ``--resume`` knows it was done), and one JSON Lines line per image; :class:`SegmentTable` a
+detection's rows with each instance's area (masks in JSON Lines), and COCO's results JSON for ``.json``
+(:class:`CocoResults`, written at the end: what ``COCO.loadRes`` reads).
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ import csv
 import io
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Generic, Protocol, TypeVar
+from typing import IO, Any, Generic, Protocol, TypeVar
 
 import msgspec
+import numpy as np
 
 from service.client.kinds import DetectedImage, SegmentedImage
 from service.core.answers import Detection, ImageResult, Prediction
 from service.core.errors import ConfigError
+from service.core.tasks.segment import Instance
 
-FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "coco"}
 BOX_COLUMNS = {"xyxy": ("x1", "y1", "x2", "y2"), "xywh": ("x", "y", "w", "h"), "cxcywh": ("cx", "cy", "w", "h")}
 R_contra = TypeVar("R_contra", contravariant=True)
 R = TypeVar("R", ImageResult, DetectedImage, SegmentedImage)
@@ -149,20 +154,150 @@ class DetectTable:
         return row.path if row.error is None and row.detections is not None else None
 
 
+class SegmentRow(msgspec.Struct, omit_defaults=False):
+    """One line of a segmentation's JSON Lines output: one image, its size and its instances (masks included)."""
+
+    path: str
+    model: str | None
+    version: int | None
+    width: int | None
+    height: int | None
+    instances: list[Instance] | None
+    error: str | None
+
+
+class SegmentTable(DetectTable):
+    """A detection's CSV rows with each instance's ``area`` before ``error`` (masks do not fit a cell: JSON Lines
+    or COCO's JSON hold them); JSON Lines: one line per image with its instances; ``.json``: COCO's results."""
+
+    def header(self) -> list[str]:
+        return [*super().header()[:-1], "area", "error"]
+
+    def csv_rows(self, path: str, result: SegmentedImage) -> list[list[object]]:  # type: ignore[override]
+        found = DetectedImage(width=result.width, height=result.height, error=result.error, model=result.model,
+                              version=result.version, detections=_as_detections(result.instances))  # fmt: skip
+        rows = super().csv_rows(path, found)
+        areas: list[object] = [i.area for i in result.instances or []] or [""]
+        return [[*row[:-1], area, row[-1]] for row, area in zip(rows, areas, strict=False)]
+
+    def json_line(self, path: str, result: SegmentedImage) -> bytes:  # type: ignore[override]
+        failed = result.error is not None
+        return msgspec.json.encode(SegmentRow(
+            path=path, model=result.model, version=result.version, width=None if failed else result.width,
+            height=None if failed else result.height, instances=None if failed else result.instances,
+            error=result.error,
+        ))  # fmt: skip
+
+    def json_done(self, line: str) -> str | None:
+        row = msgspec.json.decode(line, type=SegmentRow)
+        return row.path if row.error is None and row.instances is not None else None
+
+
+def _as_detections(instances: list[Instance] | None) -> list[Detection] | None:
+    if instances is None:
+        return None
+    return [Detection(box=i.box, label=i.label, index=i.index, score=i.score) for i in instances]
+
+
+class CocoResults:
+    """COCO's results JSON of a segmenter's answers (``[{"image_id", "category_id", "segmentation", "bbox",
+    "score"}]``, the masks compressed RLE, the boxes x, y, w, h), what ``COCO.loadRes`` reads. Ids from
+    ``annotations`` (a COCO annotations file: images by ``file_name``, categories by ``name``) where given; else an
+    image's id is its file's stem where that is a number (COCO's ``000000139.jpg`` is 139), or its place in
+    ``paths`` (from 1), and a category's id is the model's class index."""
+
+    def __init__(self, paths: list[str], annotations: str | None = None) -> None:
+        self.images: dict[str, int] = {}
+        self.categories: dict[str, int] | None = None
+        if annotations:
+            try:
+                known = msgspec.json.decode(Path(annotations).read_bytes())
+                by_name = {str(i["file_name"]): int(i["id"]) for i in known["images"]}
+                self.categories = {str(c["name"]): int(c["id"]) for c in known["categories"]}
+            except (OSError, msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(f"--annotations {annotations}: not a COCO annotations file ({exc})") from None
+            self.images = {p: by_name[Path(p).name] for p in paths if Path(p).name in by_name}
+        else:
+            for n, p in enumerate(paths, start=1):
+                stem = Path(p).stem
+                self.images[p] = int(stem) if stem.isdigit() else n
+        self.items: list[dict[str, object]] = []
+
+    def add(self, path: str, result: SegmentedImage) -> None:
+        image = self.images.get(path)
+        for i in result.instances or [] if image is not None else []:
+            category = i.index if self.categories is None else self.categories.get(i.label)
+            if category is None:
+                continue  # a class the annotations do not name
+            x1, y1, x2, y2 = i.box
+            self.items.append({"image_id": image, "category_id": category, "segmentation": i.mask,
+                               "bbox": [x1, y1, x2 - x1, y2 - y1], "score": i.score})  # fmt: skip
+
+
+def overlay(path: str, result: SegmentedImage, folder: Path) -> None:
+    """The image with each instance's mask filled translucently (a colour a class), its box and label drawn, as
+    ``folder``/<file's stem>.png."""
+    from PIL import Image, ImageDraw, ImageOps
+
+    from service.core.masks import decoded
+
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened).convert("RGB")
+    pixels = np.asarray(image, dtype=np.float32)
+    for i in result.instances or []:
+        colour = np.array(PALETTE[i.index % len(PALETTE)], dtype=np.float32)
+        inside = decoded(i.mask) if isinstance(i.mask, dict) else np.zeros(pixels.shape[:2], dtype=bool)
+        if inside.shape == pixels.shape[:2]:
+            pixels[inside] = 0.5 * pixels[inside] + 0.5 * colour
+    drawn = Image.fromarray(pixels.round().astype(np.uint8))
+    pen = ImageDraw.Draw(drawn)
+    for i in result.instances or []:
+        pen.rectangle(i.box, outline=PALETTE[i.index % len(PALETTE)], width=2)
+        pen.text((i.box[0] + 2, i.box[1] + 1), f"{i.label} {i.score:.2f}", fill=(255, 255, 255))
+    folder.mkdir(parents=True, exist_ok=True)
+    drawn.save(folder / f"{Path(path).stem}.png")
+
+
+PALETTE = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
+           (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212)]  # fmt: skip
+
+
 class Output(Generic[R]):
     """Rows to a file (or stdout when ``path`` is None), as ``table`` lays them out. With ``resume``, the paths an
     existing file already holds a result for are in :attr:`done` and new rows are appended; its failed rows are
     dropped so those images are tried again and every path keeps its rows once."""
 
-    def __init__(self, path: str | None, table: Table[R], *, resume: bool = False, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | None,
+        table: Table[R],
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        coco: CocoResults | None = None,
+        each: Callable[[str, R], None] | None = None,
+    ) -> None:
         self.path = Path(path) if path else None
         self.table: Table[R] = table
         self.format = self._format()
         self.done: set[str] = set()
+        self.each: Callable[[str, R], None] | None = each  # every result, as written (segment --overlays)
+        self.coco = coco if self.format == "coco" else None
+        if self.format == "coco":
+            if coco is None:
+                raise ConfigError(f"--out {self.path}: COCO's results JSON is for segmenters (segment --out F.json)")
+            if resume:
+                raise ConfigError("--resume goes on from a .csv or .jsonl --out; COCO's JSON is written at the end")
+            assert self.path is not None
+            if self.path.exists() and self.path.stat().st_size > 0 and not overwrite:
+                raise ConfigError(f"{self.path} exists: pass --overwrite to replace it, or name another file")
+            self._file: IO[str] = io.StringIO()
+            self._csv: Any = None
+            return
         if self.path is None:
             if resume:
                 raise ConfigError("--resume needs --out FILE: the results of the earlier run are read from it")
-            self._file: IO[str] = sys.stdout
+            self._file = sys.stdout
             self._start_csv(write_header=True)
             return
         exists = self.path.exists() and self.path.stat().st_size > 0
@@ -226,7 +361,11 @@ class Output(Generic[R]):
 
     def write(self, path: str, result: R) -> None:
         """``result``'s rows; an image's rows go in one write (an interrupted run cuts between images)."""
-        if self._csv is not None:
+        if self.each is not None:
+            self.each(path, result)
+        if self.coco is not None:
+            self.coco.add(path, result)  # type: ignore[arg-type]
+        elif self._csv is not None:
             buf = io.StringIO()
             csv.writer(buf, lineterminator="\n").writerows(self.table.csv_rows(path, result))
             self._file.write(buf.getvalue())
@@ -237,6 +376,11 @@ class Output(Generic[R]):
         self._file.flush()
 
     def close(self) -> None:
+        if self.coco is not None and self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_bytes(msgspec.json.encode(self.coco.items))
+            os.replace(tmp, self.path)
         if self._file is not sys.stdout:
             self._file.close()
         else:

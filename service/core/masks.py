@@ -204,3 +204,24 @@ def _turns(ring: list[tuple[int, int]], i: int) -> bool:
     """Whether the ring turns at its ``i``-th vertex (a straight run's inner vertices are left out)."""
     (ax, ay), (bx, by), (cx, cy) = ring[i - 1], ring[i], ring[(i + 1) % len(ring)]
     return (bx - ax) * (cy - by) != (by - ay) * (cx - bx)
+
+
+def decoded(mask: dict[str, object]) -> np.ndarray:
+    """The full-size bool array of a compressed RLE ``{"size": [h, w], "counts": "..."}`` (:func:`rle`'s inverse,
+    pycocotools' ``rleFrString`` then its decode)."""
+    h, w = (int(v) for v in mask["size"])  # type: ignore[attr-defined]
+    text = str(mask["counts"])
+    counts: list[int] = []
+    i = 0
+    while i < len(text):
+        x, k, more = 0, 0, True
+        while more:
+            c = ord(text[i]) - 48
+            x |= (c & 0x1F) << (5 * k)
+            more = bool(c & 0x20)
+            i, k = i + 1, k + 1
+            if not more and c & 0x10:
+                x |= -1 << (5 * k)
+        counts.append(x + counts[-2] if len(counts) > 2 else x)
+    flat = np.repeat(np.arange(len(counts)) % 2 == 1, counts)
+    return flat.reshape(w, h).T if flat.size == h * w else np.zeros((h, w), dtype=bool)
