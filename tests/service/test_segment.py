@@ -29,7 +29,7 @@ from pycocotools import mask as coco_mask
 
 from service.client import Client
 from service.core.boxes import Transform
-from service.core.masks import Mask, instance_mask, polygons, rle
+from service.core.masks import Mask, decoded, instance_mask, polygons, rle
 from service.core.settings import ServerSettings
 from service.inprocess import InProcessServer
 
@@ -258,6 +258,7 @@ def test_rle_matches_pycocotools_encoder_on_random_masks() -> None:
         full = np.zeros((h, w), dtype=np.uint8)
         full[y1:y2, x1:x2] = region
         assert rle(Mask(region, x1, y1, w, h))["counts"] == coco_mask.encode(np.asfortranarray(full))["counts"].decode()
+        assert (decoded(rle(Mask(region, x1, y1, w, h))) == full.astype(bool)).all()  # and read back as it was
 
 
 def test_the_python_client_segments(served: InProcessServer) -> None:
