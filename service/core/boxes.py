@@ -220,13 +220,16 @@ def _greedy(over: np.ndarray, alive: np.ndarray) -> np.ndarray:
     return keep
 
 
-def match(found: np.ndarray, truth: np.ndarray, min_iou: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+def match(
+    found: np.ndarray, truth: np.ndarray, min_iou: float = 0.5, overlaps: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """One-to-one matches of ``found`` rows ``[M, 6]`` to ``truth`` rows ``[G, 6]`` (their scores unused): the
-    best scored found row first, each to the free truth box of its class it overlaps most, at IoU >= ``min_iou``.
-    (found indices, truth indices) of the pairs, in that order."""
+    best scored found row first, each to the free truth box of its class it overlaps most, at IoU >= ``min_iou``
+    (``overlaps``: the pairs' IoU ``[M, G]`` where not the boxes', a segmenter's masks'). (found indices, truth
+    indices) of the pairs, in that order."""
     if len(found) == 0 or len(truth) == 0:
         return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
-    overlaps = iou_matrix(found[:, :4], truth[:, :4])
+    overlaps = iou_matrix(found[:, :4], truth[:, :4]) if overlaps is None else np.array(overlaps, dtype=np.float32)
     overlaps[found[:, CLASS][:, None] != truth[:, CLASS][None, :]] = 0.0
     taken = np.zeros(len(truth), dtype=bool)
     pairs: list[tuple[int, int]] = []

@@ -110,6 +110,25 @@ def class_masks(
     return out
 
 
+def mask_ious(a: list[Mask], b: list[Mask]) -> np.ndarray:
+    """Intersection over union of each mask of ``a`` with each of ``b`` (one image's): ``[len(a), len(b)]``, each
+    pair counted over the overlap of their regions alone (0 where the regions do not meet)."""
+    out = np.zeros((len(a), len(b)), dtype=np.float32)
+    for i, m in enumerate(a):
+        for j, n in enumerate(b):
+            x1, y1 = max(m.x1, n.x1), max(m.y1, n.y1)
+            x2 = min(m.x1 + m.region.shape[1], n.x1 + n.region.shape[1])
+            y2 = min(m.y1 + m.region.shape[0], n.y1 + n.region.shape[0])
+            if x2 <= x1 or y2 <= y1:
+                continue
+            mine = m.region[y1 - m.y1 : y2 - m.y1, x1 - m.x1 : x2 - m.x1]
+            theirs = n.region[y1 - n.y1 : y2 - n.y1, x1 - n.x1 : x2 - n.x1]
+            inter = int((mine & theirs).sum())
+            union = m.area + n.area - inter
+            out[i, j] = inter / union if union else 0.0
+    return out
+
+
 def rle(mask: Mask) -> dict[str, object]:
     """COCO's compressed RLE of the full image: ``{"size": [height, width], "counts": "..."}``."""
     h, w = mask.height, mask.width

@@ -268,3 +268,34 @@ def test_the_python_client_segments(served: InProcessServer) -> None:
     first = (found.instances or [])[0]
     decoded = coco_mask.decode({"size": first.mask["size"], "counts": first.mask["counts"].encode()})
     assert_rounded_corners(decoded, 64, 64, (8, 12, 40, 36))
+
+
+def test_a_rollout_judges_a_segmenter_on_its_masks() -> None:
+    """Two versions whose boxes agree but whose masks do not: the boxes' comparison would pass the candidate, the
+    masks' does not; the same masks agree."""
+    import msgspec
+
+    from service.core.config import RolloutConfig
+    from service.core.spec import ModelSpec
+    from service.core.status import InferResult
+    from service.core.tasks import Segment
+
+    spec = msgspec.convert({"name": "seg", "architecture": "a", "task": "segment", "resize": "letterbox",
+                            "output_layout": "yolo-seg", "input": {"height": IN, "width": IN}, "resize_size": IN,
+                            "labels": list(LABELS), "mean": [0, 0, 0], "std": [1, 1, 1]}, ModelSpec)  # fmt: skip
+    comparison = Segment(spec).comparison(RolloutConfig())
+    head = np.zeros((1, 8, 1), dtype=np.float32)
+    head[0, :, 0] = [32, 32, 32, 32, 0, 0.9, 0, 1]  # one box, the middle half, class one, coefficient 1
+    left = np.full((1, 1, GRID, GRID), -10.0, dtype=np.float32)
+    left[..., 8 : 24 // 2 + 4, 4:8] = 10.0  # a strip in its left quarter
+    right = np.full((1, 1, GRID, GRID), -10.0, dtype=np.float32)
+    right[..., 4:12, 8:12] = 10.0  # its right half
+
+    def rows(protos: np.ndarray) -> object:
+        return comparison.rows(InferResult({"output0": head, "output1": protos}, [None]), [0])
+
+    comparison.record(rows(left), rows(right), 0.01, 0.01)
+    comparison.record(rows(left), rows(left), 0.01, 0.01)
+    summary = comparison.summary()
+    assert (comparison.samples, comparison.agreed) == (2, 1)
+    assert summary["measure"].startswith("images whose masks' F1")

@@ -24,14 +24,19 @@ MATCH_IOU = 0.5
 IOU_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
-def box_f1(primary: np.ndarray, candidate: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-    """(F1, the matched pairs' IoU, the matched pairs' score shift) of one image's kept rows ``[M, 6]``."""
+def box_f1(
+    primary: np.ndarray, candidate: np.ndarray, overlaps: np.ndarray | None = None
+) -> tuple[float, np.ndarray, np.ndarray]:
+    """(F1, the matched pairs' IoU, the matched pairs' score shift) of one image's kept rows ``[M, 6]``;
+    ``overlaps``: each candidate row's IoU with each primary row where not their boxes' (a segmenter's masks')."""
     if len(primary) == 0 and len(candidate) == 0:
         return 1.0, np.zeros(0), np.zeros(0)
     if len(primary) == 0 or len(candidate) == 0:
         return 0.0, np.zeros(0), np.zeros(0)
-    rows, cols = match(candidate, primary, MATCH_IOU)  # best scored first, each to its best free partner
-    ious = iou_matrix(candidate[rows, :4], primary[cols, :4]).diagonal() if len(rows) else np.zeros(0)
+    rows, cols = match(candidate, primary, MATCH_IOU, overlaps)  # best scored first, each to its best free partner
+    if overlaps is None:
+        overlaps = iou_matrix(candidate[:, :4], primary[:, :4])
+    ious = overlaps[rows, cols] if len(rows) else np.zeros(0)
     shifts = (candidate[rows, 4] - primary[cols, 4]).astype(np.float64)
     return 2.0 * len(rows) / (len(primary) + len(candidate)), ious, shifts
 
@@ -44,6 +49,7 @@ class BoxComparison(Comparison):
     ) -> None:
         super().__init__(labels, confidence=confidence)
         self.measure = "box agreement"
+        self.what = "boxes'"
         self.min_box_f1 = min_box_f1
         self.layout = layout
         self.options = options  # the model's defaults: both versions' boxes as the server answers them
@@ -69,7 +75,7 @@ class BoxComparison(Comparison):
         if n == 0:
             return
         for mine, theirs in zip(primary, candidate, strict=True):
-            f1, ious, shifts = box_f1(mine, theirs)
+            f1, ious, shifts = self.agreement(mine, theirs)
             self.f1_sum += f1
             self.agreed += int(f1 >= self.min_box_f1)
             self.pairs += len(ious)
@@ -83,10 +89,14 @@ class BoxComparison(Comparison):
         self.samples += n
         self.record_times(n, primary_s, candidate_s, sizes)
 
+    def agreement(self, primary: Any, candidate: Any) -> tuple[float, np.ndarray, np.ndarray]:
+        """One image's (F1, the matched pairs' IoU, their score shifts), as :func:`box_f1` reads them."""
+        return box_f1(primary, candidate)
+
     def summary(self) -> dict[str, Any]:
         out = super().summary()
         out.update(
-            measure=f"images whose boxes' F1 against the primary's (same class, IoU >= {MATCH_IOU}) >= "
+            measure=f"images whose {self.what} F1 against the primary's (same class, IoU >= {MATCH_IOU}) >= "
             f"{self.min_box_f1:g}",
             topk=None,
             topk_overlap=None,

@@ -22,10 +22,13 @@ import msgspec
 import numpy as np
 
 from service.core.boxes import Transform, listed, to_original
+from service.core.comparison import Comparison
+from service.core.config import RolloutConfig
 from service.core.layouts import anchor_rows, keep, seg_outputs
-from service.core.masks import instance_mask, png, polygons, rle
+from service.core.masks import instance_mask, mask_ious, png, polygons, rle
 from service.core.status import InferResult
 from service.core.tasks.base import OutputSpec, OutputTensor, Post, Transforms, Want
+from service.core.tasks.box_comparison import BoxComparison, box_f1
 from service.core.tasks.detect import DETECTIONS, NUM_DETECTIONS, Detect, DetectOptions
 
 MASKS = "MASKS"
@@ -141,3 +144,29 @@ class Segment(Detect):
     def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
         assert shown is not None  # a decoded image has its transform (the masks' image)
         return {"instances": rows, "width": shown.width, "height": shown.height}
+
+    def comparison(self, config: RolloutConfig) -> Comparison:
+        return MaskComparison(self, confidence=config.confidence, min_f1=config.min_box_f1)
+
+
+class MaskComparison(BoxComparison):
+    """A candidate segmenter's instances beside the primary's: a detector's comparison (the same counts, verdict
+    and summary), each pair matched on its masks' IoU (in the model's input pixels) rather than its boxes'."""
+
+    def __init__(self, task: Segment, *, confidence: float, min_f1: float) -> None:
+        super().__init__(list(task.labels), confidence=confidence, min_box_f1=min_f1, layout=task.layout,
+                         options=task.default)  # fmt: skip
+        self.task = task
+        self.measure = "mask agreement"
+        self.what = "masks'"
+
+    def rows(self, result: InferResult, ok: list[int]) -> Any:
+        """Each image's kept rows and their masks, in the input's pixels."""
+        outputs = {name: array[ok] for name, array in result.outputs.items()}
+        options: Any = self.options
+        kept, masks = self.task.instances(InferResult(outputs, [None] * len(ok)), options)
+        return list(zip(kept, masks, strict=True))
+
+    def agreement(self, primary: Any, candidate: Any) -> tuple[float, np.ndarray, np.ndarray]:
+        (mine, my_masks), (theirs, their_masks) = primary, candidate
+        return box_f1(mine, theirs, mask_ious(their_masks, my_masks))
