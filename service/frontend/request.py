@@ -22,7 +22,7 @@ import numpy as np
 
 from service.core.boxes import Transform
 from service.core.decoding import Decoded
-from service.core.errors import VisionServeError
+from service.core.errors import RuntimeFailure, VisionServeError
 from service.core.parameters import version_number
 from service.core.status import InferResult
 from service.core.tasks import OutputTensor, Want
@@ -236,6 +236,13 @@ def postprocess(
         done.predictions = [None] * len(errors)
         for row, i in enumerate(good):
             done.predictions[i] = post.predictions[row]
+    for row, reason in post.failed.items():  # that image alone fails (the others' answers stand)
+        i = good[row] if good is not None else row
+        if not ask.each:
+            raise RuntimeFailure(f"image {i}: {reason}" if ask.named else reason)
+        done.errors[i] = RuntimeFailure(reason)
+        if done.predictions:
+            done.predictions[i] = None
     return done
 
 

@@ -38,7 +38,8 @@ GRID = 16
 LABELS = ("zero", "one", "two")
 
 
-def build_segmenter(path: Path) -> None:
+def build_segmenter(path: Path, *, nan_when_dark: bool = False) -> None:
+    """BrightSeg, or (``nan_when_dark``) one whose prototypes are NaN for an image with no bright pixel."""
     import torch
 
     class BrightSeg(torch.nn.Module):
@@ -56,6 +57,8 @@ def build_segmenter(path: Path) -> None:
             decoy = torch.cat([one[:, None] * torch.tensor([8.0, 8.0, 4.0, 4.0, 0.1, 0.0, 0.0, 1.0])], 1)
             head = torch.stack([found, decoy], 2)  # [N, 8, 2]
             share = torch.nn.functional.avg_pool2d(bright[:, None], IN // GRID)  # [N, 1, 16, 16]
+            if nan_when_dark:
+                share = share / bright.amax((1, 2)).reshape(-1, 1, 1, 1)  # 0 / 0 where nothing is bright
             return head, share * 20 - 10
 
     with warnings.catch_warnings():
@@ -299,3 +302,17 @@ def test_a_rollout_judges_a_segmenter_on_its_masks() -> None:
     summary = comparison.summary()
     assert (comparison.samples, comparison.agreed) == (2, 1)
     assert summary["measure"].startswith("images whose masks' F1")
+
+
+def test_an_image_whose_masks_are_nan_fails_alone(tmp_path: Path) -> None:
+    version = segmenter_repo(tmp_path) / "seg" / "1"
+    build_segmenter(version / "model.onnx", nan_when_dark=True)
+    with InProcessServer(ServerSettings(repository=str(tmp_path), port=0, grpc_port=0)) as server:
+        dark = picture(64, 64, (0, 0, 0, 0))
+        with Client(server.url, model="seg") as client:
+            good, spoilt = client.segment([picture(64, 64, (8, 12, 40, 36)), dark])
+        with server.client() as http:
+            alone = http.post("/v1/models/seg/segment", content=dark, headers={"content-type": "image/png"})
+    assert good.ok and len(good.instances or []) == 1
+    assert not spoilt.ok and "NaN" in (spoilt.error or "")
+    assert alone.status_code == 500 and "NaN" in alone.json()["error"]  # one image sent: the request is that image

@@ -111,3 +111,20 @@ def test_a_large_image_is_mapped_in_strips_alike() -> None:
     assert [c for c, _ in pairs] == [0, 1]
     assert sum(m.area for _, m in pairs) == 3000 * 2000
     assert class_masks(logits, where, (IN, IN), (1,))[0][1].area == pairs[1][1].area
+
+
+def test_nan_logits_fail_their_image_alone() -> None:
+    import msgspec
+
+    from service.core.spec import ModelSpec
+    from service.core.status import InferResult
+    from service.core.tasks import Semantic, Want
+
+    spec = msgspec.convert({"name": "l", "architecture": "a", "task": "semantic", "input": {"height": IN, "width": IN},
+                            "resize_size": IN, "labels": list(LABELS), "mean": [0, 0, 0], "std": [1, 1, 1]},
+                           ModelSpec)  # fmt: skip
+    logits = np.zeros((2, 3, GRID, GRID), dtype=np.float32)
+    logits[1, 1, 3, 3] = np.nan
+    post = Semantic(spec).postprocess(InferResult({"out": logits}, [None, None]), Want())
+    assert list(post.failed) == [1] and "NaN" in post.failed[1]
+    assert post.predictions[1] == [] and post.predictions[0][0]["label"] == "background"

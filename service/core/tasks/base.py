@@ -95,6 +95,7 @@ class Post:
     tensors: list[OutputTensor]
     predictions: list[list[dict[str, object]]]
     detections: list[int] | None = None
+    failed: dict[int, str] = field(default_factory=dict)  # rows whose answer the model spoilt (NaN masks): why
 
 
 class Task:

@@ -95,31 +95,34 @@ class Segment(Detect):
 
     def instances(
         self, result: InferResult, options: DetectOptions, transforms: Transforms = None
-    ) -> tuple[list[np.ndarray], list[list[Any]]]:
-        """Each image's kept rows (in its own pixels) and each row's mask."""
+    ) -> tuple[list[np.ndarray], list[list[Any]], dict[int, str]]:
+        """Each image's kept rows (in its own pixels) and each row's mask; and the images whose masks the model
+        answered as NaN or infinite (no rows: that image fails alone)."""
         head_name, protos_name = seg_outputs(result.outputs)
         heads, protos = result.outputs[head_name], result.outputs[protos_name]
         classes, count = len(self.labels), protos.shape[1]
         each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(heads)
-        kept_rows, masks = [], []
-        for head, proto, where in zip(heads, protos, each, strict=True):
+        kept_rows, masks, failed = [], [], {}
+        for row, (head, proto, where) in enumerate(zip(heads, protos, each, strict=True)):
             values = np.asarray(head, dtype=np.float32)
             rows, anchors = anchor_rows(values[: 4 + classes], classes, options.score_threshold)
             kept = keep(self.layout, rows, options)
             # Which anchor each kept row came from (suppression keeps rows, not their places).
             matches = (rows[None, :, :] == kept[:, None, :]).all(axis=2).argmax(axis=1)
             coefficients = values[4 + classes : 4 + classes + count][:, anchors[matches]].T  # [M, P]
-            logits = (coefficients @ np.asarray(proto, dtype=np.float32).reshape(count, -1)).reshape(
-                len(kept), *proto.shape[1:]
-            )
+            proto = np.asarray(proto, dtype=np.float32)
+            if len(kept) and not (np.isfinite(coefficients).all() and np.isfinite(proto).all()):
+                failed[row] = "the model answered masks that are not numbers (NaN or infinite)"
+                kept = kept[:0]
+            logits = (coefficients[: len(kept)] @ proto.reshape(count, -1)).reshape(len(kept), *proto.shape[1:])
             shown = to_original(kept, where)
             kept_rows.append(shown)
             masks.append([instance_mask(m, box, where, self.size) for m, box in zip(logits, shown[:, :4], strict=True)])
-        return kept_rows, masks
+        return kept_rows, masks, failed
 
     def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
         options: SegmentOptions = want.options or self.default
-        kept, masks = self.instances(result, options, transforms)
+        kept, masks, failed = self.instances(result, options, transforms)
         each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(kept)
         tensors = [self._seg_tensor(out.name, kept, masks, options.max_detections) for out in want.outputs]
         answers = []
@@ -130,7 +133,7 @@ class Segment(Detect):
                     {**d, "area": m.area, "mask": encode(m)}
                     for d, m in zip(listed(rows, where, options, self.labels), found, strict=True)
                 ])  # fmt: skip
-        return Post(tensors, answers, [len(k) for k in kept])
+        return Post(tensors, answers, [len(k) for k in kept], failed)
 
     def _seg_tensor(self, name: str, kept: list[np.ndarray], masks: list[list[Any]], most: int) -> OutputTensor:
         if name != MASKS:
@@ -164,7 +167,7 @@ class MaskComparison(BoxComparison):
         """Each image's kept rows and their masks, in the input's pixels."""
         outputs = {name: array[ok] for name, array in result.outputs.items()}
         options: Any = self.options
-        kept, masks = self.task.instances(InferResult(outputs, [None] * len(ok)), options)
+        kept, masks, _ = self.task.instances(InferResult(outputs, [None] * len(ok)), options)
         return list(zip(kept, masks, strict=True))
 
     def agreement(self, primary: Any, candidate: Any) -> tuple[float, np.ndarray, np.ndarray]:

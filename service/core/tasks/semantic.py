@@ -104,6 +104,9 @@ class Semantic(Task):
     def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
         options: SemanticOptions = want.options or self.default
         found = self.masks(result, options, transforms)
+        reason = "the model answered logits that are not numbers (NaN or infinite)"
+        failed = {row: reason for row, logits in enumerate(result.logits) if not np.isfinite(logits).all()}
+        found = [[] if row in failed else pairs for row, pairs in enumerate(found)]
         if want.outputs:
             strings = []
             for pairs in found:
@@ -112,13 +115,15 @@ class Semantic(Task):
                     if c < len(row):
                         row[c] = json.dumps(rle(mask))
                 strings += row
-            return Post([OutputTensor(MASKS, "BYTES", [len(found), len(self.labels)], strings=strings)], [])
+            return Post(
+                [OutputTensor(MASKS, "BYTES", [len(found), len(self.labels)], strings=strings)], [], None, failed
+            )
         encode = ENCODINGS[options.mask_format]
         answers = [
             [{"label": self._label(c), "index": c, "area": m.area, "mask": encode(m)} for c, m in pairs]
             for pairs in found
         ]
-        return Post([], answers)
+        return Post([], answers, None, failed)
 
     def _label(self, c: int) -> str:
         return self.labels[c] if c < len(self.labels) else str(c)
