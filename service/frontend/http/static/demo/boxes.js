@@ -1,10 +1,11 @@
-// ---- Boxes: a detector's answer drawn over its image (boxes.js) ----
+// ---- Boxes: a detector's answer drawn over its image, a segmenter's masks filled under them (boxes.js) ----
 const BOX_REQUEST_THRESHOLD = @REQUEST_SCORE_THRESHOLD@;  // asked of the server once; the slider filters above it, here
 const BOX_FONT_PX = 12;                 // label size on screen, whatever the image's scale
 const SVG_NS = 'http://www.w3.org/2000/svg';
-const modelTasks = {};                  // model name -> 'classify' | 'detect', from /v1/models
+const modelTasks = {};                  // model name -> 'classify' | 'detect' | 'segment' | ..., from /v1/models
+let maskIds = 0;                        // each drawn mask's SVG <mask> id
 
-const isDetector = (name = $('model').value) => modelTasks[name] === 'detect';
+const isDetector = (name = $('model').value) => ['detect', 'segment'].includes(modelTasks[name]);
 const scoreThreshold = () => Number($('score').value);
 const keptBoxes = (detections) => (detections || []).filter(d => d.score >= scoreThreshold());
 const percentText = (score) => (100 * score).toFixed(1) + '%';
@@ -47,6 +48,12 @@ function paintBoxes(svg) {
     text.textContent = `${d.label} ${percentText(d.score)}`;  // text, never markup
     const background = svgEl('rect', {class: 'tag-bg', height: tagHeight});
     const group = svgEl('g', {class: 'box'});
+    if (typeof d.mask === 'string') {  // a segmenter's mask, a PNG of the image's size: its inside filled, see-through
+      const id = `mask-${++maskIds}`, whole = {x: 0, y: 0, width, height};
+      const mask = svgEl('mask', {id, maskUnits: 'userSpaceOnUse', ...whole});
+      mask.append(svgEl('image', {href: `data:image/png;base64,${d.mask}`, preserveAspectRatio: 'none', ...whole}));
+      group.append(mask, svgEl('rect', {class: 'fill', mask: `url(#${id})`, ...whole}));
+    }
     group.append(svgEl('rect', {class: 'outline', x: x1, y: y1, width: Math.max(0, x2 - x1),
       height: Math.max(0, y2 - y1)}), svgEl('g', {class: 'tag'}));
     group.lastChild.append(background, text);

@@ -132,8 +132,9 @@ async function classify(item) {
   const run = ++item.run;  // an answer to an older run (before the model or top-k changed) is dropped
   const card = item.card;
   card.setAttribute('aria-busy', 'true');
-  const detector = isDetector(), model = encodeURIComponent($('model').value);
-  const url = detector ? `/v1/models/${model}/detect?score_threshold=${BOX_REQUEST_THRESHOLD}`
+  const detector = isDetector(), task = modelTasks[$('model').value], model = encodeURIComponent($('model').value);
+  const masks = task === 'segment' ? '&mask_format=png' : '';  // a PNG a mask: the overlay draws it as it comes
+  const url = detector ? `/v1/models/${model}/${task}?score_threshold=${BOX_REQUEST_THRESHOLD}${masks}`
     : `/v1/models/${model}/classify?top_k=` + encodeURIComponent($('topk').value);
   const form = new FormData();
   form.append('file', item.file, item.file.name || 'pasted');
@@ -151,7 +152,7 @@ async function classify(item) {
       .map(k => `${k} ${st[k].toFixed(1)} ms`).join(', ') + `; round trip ${roundTrip.toFixed(1)} ms`;
     if (!r.ok) error = body.error || `${r.status} ${r.statusText}`;
     else if (body.results[0].error) error = body.results[0].error;
-    else if (detector) found = body.results[0];
+    else if (detector) found = {detections: body.results[0].instances, ...body.results[0]};  // a segmenter's too
     else predictions = body.results[0].predictions;
   } catch (e) {
     error = `The request failed: ${e.message}`;
