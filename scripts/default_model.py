@@ -11,12 +11,8 @@ its ``training.json`` holds the canvas generator's parameters, the held-out spli
 and the seconds it took. ``make serve`` serves copies of both with no torch installed; ``make default-model`` runs
 this script to make them again.
 
-``--check`` holds the shipped models to their records (exit 1 otherwise). ``digits`` is trained again in a scratch
-folder: the new run's validation accuracy within a point of the shipped record, the shipped ONNX model's own
-accuracy on the same validation split within a point of its record, and its parity record within the gate. The
-detector is not trained again (its run takes about 3 minutes, too long for the test that runs ``--check``): the
-shipped ONNX model's own mAP@0.5 on held-out canvases made again from its recorded generator is within a point of
-its record, and its detection parity record within the gate.
+``--check`` holds the shipped models to their records (exit 1 otherwise, :func:`check`, :func:`check_detector`); the
+detector is not trained again (about 3 minutes, too long for the test that runs ``--check``).
 """
 
 from __future__ import annotations
@@ -45,10 +41,21 @@ MODELS = ("digits", DETECTOR)
 BORDER_CUT = 0.15
 
 
-def build(out: Path, work: Path, *, epochs: int | None = None) -> dict[str, Any]:
-    """Train and export into ``out``/digits; the training record (what training.json holds)."""
+def export_onnx(checkpoint: Path, out: Path, name: str, whose: str) -> None:
+    """Export ``checkpoint`` to ONNX into ``out``/``name`` (the last one gone) behind export's parity gate."""
     from export.exporter import ExportRequest, export_source
     from export.sources import from_checkpoint
+
+    if (out / name).exists():
+        shutil.rmtree(out / name)
+    request = ExportRequest(name=name, repository=str(out), formats=("onnx",), latency=False, version=1)
+    report = export_source(from_checkpoint(checkpoint), request)
+    if not report.ok:
+        raise SystemExit(f"default_model: {whose} export failed its parity gate: {report}")
+
+
+def build(out: Path, work: Path, *, epochs: int | None = None) -> dict[str, Any]:
+    """Train and export into ``out``/digits; the training record (what training.json holds)."""
     from models.config import TrainConfig
     from models.train import train
 
@@ -56,12 +63,7 @@ def build(out: Path, work: Path, *, epochs: int | None = None) -> dict[str, Any]
     config = TrainConfig(out=str(checkpoint)) if epochs is None else TrainConfig(out=str(checkpoint), epochs=epochs)
     started = time.perf_counter()
     result = train(config)
-    if (out / "digits").exists():
-        shutil.rmtree(out / "digits")
-    request = ExportRequest(name="digits", repository=str(out), formats=("onnx",), latency=False, version=1)
-    report = export_source(from_checkpoint(checkpoint), request)
-    if not report.ok:
-        raise SystemExit(f"default_model: the export failed its parity gate: {report}")
+    export_onnx(checkpoint, out, "digits", "the")
     record = result.record
     training = {
         "architecture": config.arch, "dataset": config.dataset, "epochs": record.epochs, "seed": record.seed,
@@ -91,8 +93,6 @@ def build_detector(out: Path, work: Path) -> dict[str, Any]:
     behind the detection parity gate; the training record (what training.json holds)."""
     import msgspec
 
-    from export.exporter import ExportRequest, export_source
-    from export.sources import from_checkpoint
     from models.canvases import CanvasParams
     from models.commands import TASK_DEFAULTS
     from models.config import TrainConfig
@@ -108,12 +108,7 @@ def build_detector(out: Path, work: Path) -> dict[str, Any]:
     started = time.perf_counter()
     result = train_detector(config, progress=_EpochLines(), generator=generator)
     train_s = time.perf_counter() - started
-    if (out / DETECTOR).exists():
-        shutil.rmtree(out / DETECTOR)
-    request = ExportRequest(name=DETECTOR, repository=str(out), formats=("onnx",), latency=False, version=1)
-    report = export_source(from_checkpoint(checkpoint), request)
-    if not report.ok:
-        raise SystemExit(f"default_model: the detector's export failed its parity gate: {report}")
+    export_onnx(checkpoint, out, DETECTOR, "the detector's")
     onnx_bytes = (out / DETECTOR / "1" / "model.onnx").stat().st_size
     if onnx_bytes > MAX_ONNX_BYTES:
         raise SystemExit(f"default_model: the detector's model.onnx is {onnx_bytes} bytes, over {MAX_ONNX_BYTES}")
@@ -190,7 +185,8 @@ def onnx_map(model_dir: Path, recorded: dict[str, Any]) -> float:
 
 
 def check(shipped: Path, work: Path) -> list[str]:
-    """What is wrong with the shipped digits model against a fresh run (empty: nothing)."""
+    """What is wrong with the shipped digits model (empty: nothing): a fresh run's validation accuracy, and the shipped
+    ONNX model's own on the same split, within a point of its record, and its parity record within the gate."""
     recorded = json.loads((shipped / "digits" / "training.json").read_text())
     fresh = build(work / "repo", work, epochs=int(recorded["epochs"]))
     problems = []
@@ -209,7 +205,8 @@ def check(shipped: Path, work: Path) -> list[str]:
 
 
 def check_detector(shipped: Path) -> list[str]:
-    """What is wrong with the shipped detector against its own record (empty: nothing); not trained again."""
+    """What is wrong with the shipped detector against its own record (empty: nothing): the ONNX model's own mAP@0.5
+    on held-out canvases made again from its recorded generator within a point, its detection parity in the gate."""
     model_dir = shipped / DETECTOR
     recorded = json.loads((model_dir / "training.json").read_text())
     problems = []

@@ -44,11 +44,8 @@ def copy_checkout(target: Path) -> None:
 
 
 def answered(port: int, image: bytes) -> bool:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/models/digits/classify?top_k=3",
-        data=image,
-        headers={"Content-Type": "image/png"},
-    )
+    url = f"http://127.0.0.1:{port}/v1/models/digits/classify?top_k=3"
+    request = urllib.request.Request(url, data=image, headers={"Content-Type": "image/png"})
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return bool(response.status == 200 and b'"label"' in response.read())
@@ -69,9 +66,7 @@ def measure(work: Path, *, timeout_s: float, pip_cache: bool) -> dict[str, Any]:
     with open(log, "wb") as out:
         started = time.perf_counter()
         command = ["make", "serve", f"PORT={port}", "SERVE_ARGS=--log-level info"]
-        make = subprocess.Popen(
-            command, cwd=work, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        make = subprocess.Popen(command, cwd=work, stdout=out, stderr=out, env=env, start_new_session=True)
     try:
         while not answered(port, image):
             if make.poll() is not None:
@@ -102,13 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.keep:
-        work = Path(args.keep)
-        work.mkdir(parents=True, exist_ok=False)
-        figures = measure(work, timeout_s=args.timeout_s, pip_cache=args.pip_cache)
-    else:
-        with tempfile.TemporaryDirectory(prefix="first-answer-") as tmp:
-            figures = measure(Path(tmp), timeout_s=args.timeout_s, pip_cache=args.pip_cache)
+    with tempfile.TemporaryDirectory(prefix="first-answer-") as tmp:
+        if args.keep:
+            Path(args.keep).mkdir(parents=True, exist_ok=False)
+        figures = measure(Path(args.keep or tmp), timeout_s=args.timeout_s, pip_cache=args.pip_cache)
     print(f"first answer to the README's curl: {figures['first_answer_s']} s after `make serve`"
           f" (pip cache {'on' if figures['pip_cache'] else 'off'})")  # fmt: skip
     print(f"serving environment: {figures['environment_mb']} MB; import torch there: "

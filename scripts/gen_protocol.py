@@ -43,16 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         descriptors = Path(tmp) / "inference.pb"
         descriptors.write_bytes(files.SerializeToString())
-        code = protoc.main(
-            [
-                "protoc",
-                f"--descriptor_set_in={descriptors}",
-                f"--python_out={args.out}",
-                f"--pyi_out={args.out}",
-                "model_config.proto",
-                "grpc_service.proto",
-            ]
-        )
+        flags = [f"--descriptor_set_in={descriptors}", f"--python_out={args.out}", f"--pyi_out={args.out}"]
+        code = protoc.main(["protoc", *flags, "model_config.proto", "grpc_service.proto"])
     if code != 0:
         print(f"protoc failed with {code}", file=sys.stderr)
         return 1

@@ -185,12 +185,9 @@ def summarise(sides: Sequence[Side]) -> dict[str, Any]:
     a, b = sides
     medians: dict[str, dict[str, Any]] = {}
     for side in sides:
-        row: dict[str, Any] = {}
-        for key in FIGURES:
-            values = [s[key] for s in side.steps if s[key] is not None and math.isfinite(s[key])]
-            row[key] = statistics.median(values) if values else None
-        row["errors"] = sum(sum(s["errors"].values()) for s in side.steps)
-        medians[side.name] = row
+        finite = {key: [s[key] for s in side.steps if s[key] is not None and math.isfinite(s[key])] for key in FIGURES}
+        medians[side.name] = {key: statistics.median(v) if v else None for key, v in finite.items()}
+        medians[side.name]["errors"] = sum(sum(s["errors"].values()) for s in side.steps)
     ratios: dict[str, Any] = {}
     for key in RATIOS:
         per_round = [r for x, y in zip(a.steps, b.steps, strict=True) if (r := ratio_of(x[key], y[key])) is not None]
@@ -226,21 +223,13 @@ def report(sides: Sequence[Side], summary: dict[str, Any]) -> None:
 
 def parse_sides(args: argparse.Namespace) -> list[Side]:
     sides = []
-    for side in ("a", "b"):
-        protocol = getattr(args, f"{side}_protocol") or args.protocol
-        url = getattr(args, f"{side}_url")
+    for side in "ab":
+        own = {name: getattr(args, f"{side}_{name}") for name, *_ in SIDE_FLAGS}
+        protocol, url = own["protocol"] or args.protocol, own["url"]
         if url is not None and protocol == "grpc":
             raise ValueError(f"--{side}-url takes the image or v2 protocol: gRPC is for servers started here")
-        sides.append(
-            Side(
-                side.upper(),
-                getattr(args, f"{side}_repository") or args.repository,
-                shlex.split(getattr(args, f"{side}_flags")),
-                protocol,
-                url.rstrip("/") if url else None,
-                getattr(args, f"{side}_python"),
-            )
-        )
+        flags, url = shlex.split(own["flags"]), url.rstrip("/") if url else None
+        sides.append(Side(side.upper(), own["repository"] or args.repository, flags, protocol, url, own["python"]))
     return sides
 
 
@@ -260,16 +249,10 @@ def main(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         start(sides, 0, logs, server_cpus)
         stack.callback(stop, sides)
-        pools = {
-            s.name: stack.enter_context(
-                WorkerPool(
-                    args.processes,
-                    payloads(args.model, images, protocol=s.protocol, per_request=args.images_per_request),
-                )
-            )
-            for s in sides
-        }
+        pools = {}
         for side in sides:
+            bodies = payloads(args.model, images, protocol=side.protocol, per_request=args.images_per_request)
+            pools[side.name] = stack.enter_context(WorkerPool(args.processes, bodies))
             command = shlex.join(side.server.command) if side.server else "(running)"
             print(f"{side.name}: {side.describe()}\n   {command}", flush=True)
         print(f"server logs: {logs}", flush=True)
@@ -285,8 +268,7 @@ def main(args: argparse.Namespace) -> int:
             order = sides if k % 2 == 0 else sides[::-1]
             if args.together:  # both at once: they split the same cores, and their weather, between them
                 with ThreadPoolExecutor(len(order)) as threads:
-                    futures = {s.name: threads.submit(one, s) for s in order}
-                    done = {name: future.result() for name, future in futures.items()}
+                    done = {s.name: figures for s, figures in zip(order, threads.map(one, order), strict=True)}
             else:
                 done = {s.name: one(s) for s in order}
             for side in sides:
@@ -301,11 +283,6 @@ def main(args: argparse.Namespace) -> int:
     report(sides, summary)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
-        results = {
-            "config": config,
-            "sides": {s.name: {"describe": s.describe(), "rounds": s.steps} for s in sides},
-            "cpus": os.cpu_count(),
-            **summary,
-        }
-        write_json(args.json, results)
+        rounds = {s.name: {"describe": s.describe(), "rounds": s.steps} for s in sides}
+        write_json(args.json, {"config": config, "sides": rounds, "cpus": os.cpu_count(), **summary})
     return 1 if any(summary["medians"][s.name]["errors"] for s in sides) else 0

@@ -39,14 +39,8 @@ def cold_in_process(version: Path, max_batch_size: int, repeats: int) -> dict[st
         warm_up(runtime, max_batch_size)
         t3 = time.perf_counter()
         runtime.close()
-        runs.append(
-            {
-                "read_ms": 1000 * (t1 - t0),
-                "build_ms": 1000 * (t2 - t1),
-                "warmup_ms": 1000 * (t3 - t2),
-                "total_ms": 1000 * (t3 - t0),
-            }
-        )
+        parts = {"read_ms": t1 - t0, "build_ms": t2 - t1, "warmup_ms": t3 - t2, "total_ms": t3 - t0}
+        runs.append({k: 1000 * seconds for k, seconds in parts.items()})
     later = runs[1:] or runs
     median = {k: statistics.median(r[k] for r in later) for k in runs[0]}
     return {"file_bytes": size, "first": runs[0], "median_later": median, "runs": runs}
@@ -57,12 +51,8 @@ def cold_served(server: launcher.RunningServer, model: str, body: bytes) -> dict
     figures: dict[str, Any] = {}
     for which in ("first", "second"):
         started = time.perf_counter()
-        r = httpx.post(
-            f"{server.url}/v1/models/{model}/classify",
-            content=body,
-            headers={"Content-Type": "image/jpeg"},
-            timeout=120,
-        )
+        url = f"{server.url}/v1/models/{model}/classify"
+        r = httpx.post(url, content=body, headers={"Content-Type": "image/jpeg"}, timeout=120)
         r.raise_for_status()
         figures[f"{which}_request_ms"] = 1000 * (time.perf_counter() - started)
         figures[f"{which}_cold_start_ms"] = cold_start_ms(r.headers.get("server-timing"))
@@ -107,31 +97,15 @@ def triton_load(args: argparse.Namespace, version: Path, work: Path) -> dict[str
     tdir = found[-1]
     run = (work / "triton").resolve()  # tritonserver runs in it: every path it is given must be absolute
     _triton_folder(run, tdir, version, args.cold_max_batch_size)
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        [sysconfig.get_config_var("LIBDIR"), str(tdir.parents[1] / "nvidia_pytriton.libs")]
-    )
+    libraries = [sysconfig.get_config_var("LIBDIR"), str(tdir.parents[1] / "nvidia_pytriton.libs")]
+    env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(libraries))
     env["PATH"] = os.pathsep.join([str(peers / ".venv-triton" / "bin"), env.get("PATH", "")])
     port = launcher.free_port()
     log = (run / "triton.log").open("wb")
-    process = subprocess.Popen(
-        [
-            str(tdir / "bin" / "tritonserver"),
-            f"--model-repository={run / 'models'}",
-            f"--backend-directory={run / 'backends'}",
-            "--model-control-mode=explicit",
-            f"--http-port={port}",
-            "--http-address=127.0.0.1",
-            "--allow-grpc=false",
-            "--allow-metrics=false",
-            "--exit-timeout-secs=5",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=run,
-        start_new_session=True,
-    )
+    where = [f"--model-repository={run / 'models'}", f"--backend-directory={run / 'backends'}", f"--http-port={port}"]
+    fixed = "--model-control-mode=explicit --http-address=127.0.0.1 --allow-grpc=false --allow-metrics=false"
+    command = [str(tdir / "bin" / "tritonserver"), *where, *fixed.split(), "--exit-timeout-secs=5"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -147,11 +121,8 @@ def triton_load(args: argparse.Namespace, version: Path, work: Path) -> dict[str
         load_ms = 1000 * (time.perf_counter() - started)
         if r.status_code != 200:
             return {"ran": False, "why": f"the load answered {r.status_code}: {r.text[:300]}"}
-        parts = [
-            line
-            for line in (run / "triton.log").read_text(errors="replace").splitlines()
-            if "visionserve-bench" in line
-        ]
+        lines = (run / "triton.log").read_text(errors="replace").splitlines()
+        parts = [line for line in lines if "visionserve-bench" in line]
         figures = dict(kv.split("=") for kv in parts[-1].split()[1:]) if parts else {}
         return {"ran": True, "load_ms": load_ms, **{k: float(v) for k, v in figures.items()}}
     finally:

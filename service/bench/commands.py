@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from service.bench.flags import FIGURES
 from service.bench.kit import Flag, add_flags
 from service.core.arguments import HelpFormatter, comma_ints
 
@@ -62,6 +64,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if isinstance(sys.stdout, io.TextIOWrapper):  # each figure printed as it comes, under a pipe too
+        sys.stdout.reconfigure(line_buffering=True)
     return int(args._scenario(args))
 
 
@@ -76,7 +80,6 @@ def _names(allowed: Sequence[str]) -> Any:
 
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")
-FIGURES = ("engine", "pipeline", "decode", "batcher", "fake", "candidates")
 BACKENDS = ("onnxruntime", "torchscript", "aoti")
 FLAGS: list[Flag] = [
     ("--repository", "model_repository", "model repository folder"),
@@ -104,62 +107,62 @@ FLAGS: list[Flag] = [
 ]
 
 
+# Each line of the engine's report that the result holds (its key there), formatted from the result and the few
+# words _print_run adds to it.
+RUN_LINES = [
+    ("decode_cpu_images_per_s", "  decode, CPU pool: {decode_cpu_images_per_s:.1f} images/s; nvJPEG: {nvjpeg}"),
+    ("pipeline_images_per_s", "  pipeline ({stages}, batch {largest}): {pipeline_images_per_s:.1f} images/s"),
+    (
+        "postprocess_ms_per_image",
+        "    of which per image: forward {compute_ms_per_image:.3f} ms, suppression + mapping "
+        "{postprocess_ms_per_image:.3f} ms = {postprocess_share:.1%} of the forward ({candidates_per_image:.0f} "
+        "candidates, {above_threshold_per_image:.1f} above the score threshold, {detections_per_image:.1f} kept)",
+    ),
+    ("at_skipped", "  at 1,000 candidates: skipped ({at_skipped})"),
+    (
+        "at",
+        "  at {at[candidates_per_image]:.0f} candidates (the graph's TopK raised): pipeline "
+        "{at[pipeline_images_per_s]:.1f} images/s, forward {at[compute_ms_per_image]:.3f} ms/image\n"
+        "    suppression + mapping, the model's candidates: {at[model][postprocess_ms_per_image]:.3f} ms/image = "
+        "{at[model][postprocess_share]:.1%} of the forward beside the decoding threads; its own CPU time "
+        "{at[model][postprocess_cpu_ms_per_image]:.3f} ms = {at[model][postprocess_cpu_share]:.1%} "
+        "({at[model][above_threshold_per_image]:.1f} above the threshold; target <= 5%)\n"
+        "    suppression + mapping, dense candidates: {at[dense][postprocess_ms_per_image]:.3f} ms/image = "
+        "{at[dense][postprocess_share]:.1%} of the forward ({at[dense][above_threshold_per_image]:.0f} above the "
+        "threshold; target <= 5%)\n"
+        "  a YOLO head (640 input, 80 classes, 8,400 anchors, {at[yolo][above_threshold]:.0f} above 0.25): decode + "
+        "suppression {at[yolo][decode_suppress_ms_per_image]:.3f} ms/image (target <= 3 ms)",
+    ),
+    (
+        "pipeline_gpu_decode_images_per_s",
+        "  pipeline with GPU JPEG decode: {pipeline_gpu_decode_images_per_s:.1f} images/s",
+    ),
+    (
+        "batcher_images_per_s",
+        "  batcher ({concurrency} submitters): {batcher_images_per_s:.1f} images/s, efficiency "
+        "{batcher_efficiency:.3f} of the pipeline, mean batch {batcher_mean_batch_size:.1f}",
+    ),
+    ("fake_items_per_s", "  batcher alone (no-op runtime): {fake_items_per_s:.0f} items/s"),
+]
+
+
 def _print_run(out: Any, result: dict[str, Any]) -> None:
+    gpu, at = result.get("decode_gpu_images_per_s"), result.get("at_1000")
     shown = result["device"].startswith("cuda") or result["precision"] == "int8"
-    precision = f", {result['precision']}" if shown else ""
-    graphs = ", CUDA graphs" if result.get("cuda_graphs") else ""
-    lines = [f"{result['model']} v{result['version']} on {result['device']} ({result['runtime']}{precision}{graphs})"]
+    words = {
+        "shown": f", {result['precision']}" if shown else "",
+        "graphs": ", CUDA graphs" if result.get("cuda_graphs") else "",
+        "nvjpeg": f"{gpu:.1f} images/s" if gpu is not None else f"skipped ({result.get('decode_gpu_skipped')})",
+        "stages": "decode + letterbox + run + suppression" if "postprocess_ms_per_image" in result else "decode + run",
+        "largest": max(result["batch_sizes"]),
+    }
+    if at:
+        words["at_skipped" if "skipped" in at else "at"] = at.get("skipped", at)
+    r = result | words
+    lines = ["{model} v{version} on {device} ({runtime}{shown}{graphs})".format_map(r)]
     lines += [f"  engine, batch {n:>4}: {rate:10.1f} images/s" for n, rate in result["engine_images_per_s"].items()]
-    if "decode_cpu_images_per_s" in result:
-        gpu = result.get("decode_gpu_images_per_s")
-        gpu_text = f"{gpu:.1f} images/s" if gpu is not None else f"skipped ({result.get('decode_gpu_skipped')})"
-        lines.append(f"  decode, CPU pool: {result['decode_cpu_images_per_s']:.1f} images/s; nvJPEG: {gpu_text}")
-    if "pipeline_images_per_s" in result:
-        largest = max(result["batch_sizes"])
-        stages = "decode + letterbox + run + suppression" if "postprocess_ms_per_image" in result else "decode + run"
-        lines.append(f"  pipeline ({stages}, batch {largest}): {result['pipeline_images_per_s']:.1f} images/s")
-    if "postprocess_ms_per_image" in result:
-        lines += _detect_lines(result)
-    if "pipeline_gpu_decode_images_per_s" in result:
-        lines.append(f"  pipeline with GPU JPEG decode: {result['pipeline_gpu_decode_images_per_s']:.1f} images/s")
-    if "batcher_images_per_s" in result:
-        lines.append(
-            f"  batcher ({result['concurrency']} submitters): {result['batcher_images_per_s']:.1f} images/s, "
-            f"efficiency {result['batcher_efficiency']:.3f} of the pipeline, "
-            f"mean batch {result['batcher_mean_batch_size']:.1f}"
-        )
-    if "fake_items_per_s" in result:
-        lines.append(f"  batcher alone (no-op runtime): {result['fake_items_per_s']:.0f} items/s")
+    lines += [line.format_map(r) for key, line in RUN_LINES if key in r]
     out.print("\n".join(lines))
-
-
-def _detect_lines(result: dict[str, Any]) -> list[str]:
-    """A detector's pipeline figures: forward pass and suppression + mapping per image, and at 1,000 candidates."""
-    lines = [
-        f"    of which per image: forward {result['compute_ms_per_image']:.3f} ms, suppression + mapping "
-        f"{result['postprocess_ms_per_image']:.3f} ms = {100 * result['postprocess_share']:.1f}% of the forward "
-        f"({result['candidates_per_image']:.0f} candidates, {result['above_threshold_per_image']:.1f} above the "
-        f"score threshold, {result['detections_per_image']:.1f} kept)"
-    ]
-    at = result.get("at_1000")
-    if at and "skipped" in at:
-        lines.append(f"  at 1,000 candidates: skipped ({at['skipped']})")
-    elif at:
-        model, dense = at["model"], at["dense"]
-        lines += [
-            f"  at {at['candidates_per_image']:.0f} candidates (the graph's TopK raised): pipeline "
-            f"{at['pipeline_images_per_s']:.1f} images/s, forward {at['compute_ms_per_image']:.3f} ms/image",
-            f"    suppression + mapping, the model's candidates: {model['postprocess_ms_per_image']:.3f} ms/image = "
-            f"{100 * model['postprocess_share']:.1f}% of the forward beside the decoding threads; its own CPU time "
-            f"{model['postprocess_cpu_ms_per_image']:.3f} ms = {100 * model['postprocess_cpu_share']:.1f}% "
-            f"({model['above_threshold_per_image']:.1f} above the threshold; target <= 5%)",
-            f"    suppression + mapping, dense candidates: {dense['postprocess_ms_per_image']:.3f} ms/image = "
-            f"{100 * dense['postprocess_share']:.1f}% of the forward ({dense['above_threshold_per_image']:.0f} above "
-            "the threshold; target <= 5%)",
-            f"  a YOLO head (640 input, 80 classes, 8,400 anchors, {at['yolo']['above_threshold']:.0f} above 0.25): "
-            f"decode + suppression {at['yolo']['decode_suppress_ms_per_image']:.3f} ms/image (target <= 3 ms)",
-        ]
-    return lines
 
 
 def _print_compared(out: Any, compared: dict[str, Any], model: str) -> None:
@@ -186,18 +189,11 @@ def main(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     backends: tuple[str, ...] = args.backend or ()
+    same = ("model", "repository", "device", "batch_sizes", "seconds", "concurrency", "images", "precision", "figures")
     options = BenchOptions(
-        model=args.model,
-        repository=args.repository,
-        device=args.device,
+        **{k: getattr(args, k) for k in same},
         backend=backends[0] if len(backends) == 1 else None,
-        batch_sizes=args.batch_sizes,
-        seconds=args.seconds,
-        concurrency=args.concurrency,
-        images=args.images,
-        precision=args.precision,
         cuda_graphs=args.cuda_graphs == "on",
-        figures=args.figures,
     )
     say = None if args.no_progress else lambda m: err.print(f"[dim]... {m}[/dim]")
     out = Console(file=sys.stdout, width=max(Console().width, 100))

@@ -24,7 +24,7 @@ import io
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from loadtest.answers import Known
+from service.bench.pipeline import Pipeline, timed
 from service.core.boxes import Transform, suppress, to_original
 from service.core.config import ModelConfig
 from service.core.decoding import Preprocessor
@@ -104,10 +105,8 @@ def in_process_answers(
     version, spec = entry.latest, entry.latest.spec
     config = msgspec.structs.replace(entry.config, device="cpu")
     runtime = make_runtime(version, config, choose_backend(version, config, "cpu"), "cpu")
-    pool = Preprocessor(spec)
-    task = Detect(spec)
-    out: dict[str, list[Known]] = {}
-    try:
+    task, out = Detect(spec), dict[str, list[Known]]()
+    with closing(runtime), closing(Preprocessor(spec)) as pool:
         for name, data in zip(names, images, strict=True):
             decoding = pool.submit(data)
             pixels = decoding.result()
@@ -115,30 +114,22 @@ def in_process_answers(
             outputs = runtime.submit_outputs(pixels[np.newaxis]).result()
             kept = task.kept(InferResult(outputs, [None]), task.default, [decoding.transform])[0]
             out[name] = [_known(row[:4], spec.labels[int(row[5])], 1) for row in kept]
-    finally:
-        pool.close()
-        runtime.close()
     return out
 
 
-class DetectPipeline:
+class DetectPipeline(Pipeline):
     """The in-process detection path: decoding the next batch (in the pool, transforms kept) overlaps running and
     post-processing the current one. Counts the seconds spent in the forward pass and in suppression and mapping."""
 
     def __init__(self, jpegs: list[bytes], size: int, runtime: RuntimeLike, pool: Preprocessor) -> None:
-        self.jpegs, self.size, self.runtime, self.pool = jpegs, size, runtime, pool
-        self.options = DetectOptions(max_detections=runtime.spec.max_detections)
-        self.cursor = 0
+        self.pool, self.options = pool, DetectOptions(max_detections=runtime.spec.max_detections)
         self.images = self.kept = self.candidates = self.above = 0
         self.compute_s = self.post_s = self.post_cpu_s = 0.0
-        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-decode")
-        self._next = self._decoder.submit(self._decode_next)
+        super().__init__(jpegs, size, runtime, self._decode)
 
-    def _decode_next(self) -> tuple[np.ndarray, list[Transform]]:
-        futures = [self.pool.submit(self.jpegs[(self.cursor + i) % len(self.jpegs)]) for i in range(self.size)]
-        self.cursor += self.size
+    def _decode(self, chunk: list[bytes]) -> tuple[np.ndarray, list[Transform]]:
         arrays, transforms = [], []
-        for future in futures:
+        for future in [self.pool.submit(data) for data in chunk]:
             try:
                 arrays.append(future.result())
             except VisionServeError:
@@ -148,8 +139,7 @@ class DetectPipeline:
         return np.stack(arrays), transforms
 
     def __call__(self) -> int:
-        batch, transforms = self._next.result()
-        self._next = self._decoder.submit(self._decode_next)
+        batch, transforms = self.batch()
         started = time.perf_counter()
         outputs = self.runtime.submit_outputs(batch).result()
         ran, ran_cpu = time.perf_counter(), time.thread_time()
@@ -168,37 +158,26 @@ class DetectPipeline:
     def figures(self, rate: float) -> dict[str, Any]:
         """The pipeline's images/s (``rate``), and per image: forward and post-processing ms, their ratio,
         candidates from the graph, those above the score threshold and detections kept."""
-        n = max(self.images, 1)
+        n, compute_s = max(self.images, 1), self.compute_s or float("nan")
         return {
             "pipeline_images_per_s": rate,
             "compute_ms_per_image": 1000 * self.compute_s / n,
             "postprocess_ms_per_image": 1000 * self.post_s / n,
-            "postprocess_share": self.post_s / self.compute_s if self.compute_s else float("nan"),
+            "postprocess_share": self.post_s / compute_s,
             "postprocess_cpu_ms_per_image": 1000 * self.post_cpu_s / n,
-            "postprocess_cpu_share": self.post_cpu_s / self.compute_s if self.compute_s else float("nan"),
+            "postprocess_cpu_share": self.post_cpu_s / compute_s,
             "candidates_per_image": self.candidates / n,
             "above_threshold_per_image": self.above / n,
             "detections_per_image": self.kept / n,
         }
 
-    def close(self) -> None:
-        self._decoder.shutdown(wait=True)
-
 
 def pipeline_figures(
-    timed: Callable[[float, Callable[[], int]], float],
-    jpegs: list[bytes],
-    size: int,
-    runtime: RuntimeLike,
-    pool: Preprocessor,
-    seconds: float,
+    jpegs: list[bytes], size: int, runtime: RuntimeLike, pool: Preprocessor, seconds: float
 ) -> dict[str, Any]:
-    """:class:`DetectPipeline`'s figures over ``seconds`` at batch ``size`` (``timed``: the bench's clock)."""
-    step = DetectPipeline(jpegs, size, runtime, pool)
-    try:
+    """:class:`DetectPipeline`'s figures over ``seconds`` at batch ``size``."""
+    with closing(DetectPipeline(jpegs, size, runtime, pool)) as step:
         return step.figures(timed(seconds, step))
-    finally:
-        step.close()
 
 
 def thousand_graph(onnx_path: Path, out: Path, k: int = THOUSAND) -> Path:
@@ -268,35 +247,28 @@ def yolo_head(seed: int = 0, objects: int = 60, anchors: int = 8400, classes: in
     return out[None]
 
 
-def time_yolo(seconds: float, heads: int = 4) -> dict[str, float]:
-    """The server's decode and suppression of :func:`yolo_head` outputs (layouts.image_rows, then suppress with
-    the defaults and ultralytics' max_det 300), per image, in turns over ``heads`` seeds."""
-    from service.core.layouts import image_rows
-
-    options = DetectOptions(max_detections=300)
-    outputs = [{"output0": yolo_head(seed)} for seed in range(heads)]
-    above = float(np.mean([len(image_rows("yolo", o, 80, options.score_threshold)[0]) for o in outputs]))
+def seconds_each(items: list[Any], work: Callable[[Any], object], seconds: float, at_least: int) -> float:
+    """Seconds per item of ``work`` on ``items`` in turns, over ``seconds`` and at least ``at_least`` items."""
     done, started = 0, time.perf_counter()
-    while done < 4 * heads or time.perf_counter() - started < seconds:
-        rows = image_rows("yolo", outputs[done % heads], 80, options.score_threshold)[0]
-        suppress(rows, options)
-        done += 1
-    return {"decode_suppress_ms_per_image": 1000 * (time.perf_counter() - started) / done, "above_threshold": above}
-
-
-def time_postprocess(
-    candidates: list[np.ndarray], transform: Transform, options: DetectOptions, seconds: float
-) -> float:
-    """Seconds per image of suppression and mapping over ``candidates`` (each image's rows), in turns."""
-    done, started = 0, time.perf_counter()
-    while done < len(candidates) or time.perf_counter() - started < seconds:
-        to_original(suppress(candidates[done % len(candidates)], options), transform)
+    while done < at_least or time.perf_counter() - started < seconds:
+        work(items[done % len(items)])
         done += 1
     return (time.perf_counter() - started) / done
 
 
+def time_yolo(seconds: float, heads: int = 4) -> dict[str, float]:
+    """The server's decode and suppression of :func:`yolo_head` outputs (layouts.image_rows, then suppress with
+    the defaults and ultralytics' max_det 300), per image, in turns over ``heads`` seeds."""
+    options = DetectOptions(max_detections=300)
+    outputs = [{"output0": yolo_head(seed)} for seed in range(heads)]
+    above = float(np.mean([len(image_rows("yolo", o, 80, options.score_threshold)[0]) for o in outputs]))
+    each_s = seconds_each(
+        outputs, lambda o: suppress(image_rows("yolo", o, 80, options.score_threshold)[0], options), seconds, 4 * heads
+    )
+    return {"decode_suppress_ms_per_image": 1000 * each_s, "above_threshold": above}
+
+
 def thousand(
-    timed: Callable[[float, Callable[[], int]], float],
     version: ModelVersion,
     config: ModelConfig,
     device: str,
@@ -317,18 +289,15 @@ def thousand(
             return {"skipped": str(exc)}
         wider = dataclasses.replace(version, path=Path(scratch), files={"onnx": path}, fp16_files={}, int8_files={})
         chosen = msgspec.structs.replace(config, backend="onnxruntime", precision="fp32")
-        runtime = make_runtime(wider, chosen, "onnxruntime", device, cuda_graphs=False)
-        try:
+        with closing(make_runtime(wider, chosen, "onnxruntime", device, cuda_graphs=False)) as runtime:
             warm_up(runtime, size)
-            measured = pipeline_figures(timed, jpegs, size, runtime, pool, seconds)
-        finally:
-            runtime.close()
+            measured = pipeline_figures(jpegs, size, runtime, pool, seconds)
     forward_s = measured["compute_ms_per_image"] / 1000
     options = DetectOptions(max_detections=spec.max_detections)
     rng = np.random.default_rng(0)
     dense = [dense_candidates(rng, spec.input.width, len(spec.labels)) for _ in range(64)]
     where = Transform(spec.input.width * 4, spec.input.height * 4, 0.25, 0.25)
-    dense_s = time_postprocess(dense, where, options, seconds / 2)
+    dense_s = seconds_each(dense, lambda rows: to_original(suppress(rows, options), where), seconds / 2, len(dense))
     above = float(np.mean([(d[:, 4] >= options.score_threshold).sum() for d in dense]))
     model = ("postprocess_ms_per_image", "postprocess_share", "postprocess_cpu_ms_per_image", "postprocess_cpu_share",
              "above_threshold_per_image", "detections_per_image")  # fmt: skip

@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         row: dict[str, Any] = {"pipeline_images_per_s": pipeline, "in_process": limit, "served": {}}
         share = limit.get("postprocess_share")
         post = f"; suppression + mapping {100 * share:.1f}% of the forward" if share is not None else ""
-        print(f"round {r + 1}: in-process pipeline {pipeline:.1f} images/s (batch {PIPELINE_BATCH}{post})", flush=True)
+        print(f"round {r + 1}: in-process pipeline {pipeline:.1f} images/s (batch {PIPELINE_BATCH}{post})")
         with launcher.start(repo, workers=args.workers, log=scratch / f"server-{r}.log") as server:
             for per in args.images_per_request:
                 bodies = payloads(args.model, corpus.images, per_request=per, task="detect", names=corpus.names)

@@ -1,11 +1,6 @@
 """The load tester's engine (``loadtest``'s worker processes, steps, histograms and report fields) against a plain
-HTTP route that takes one image as a ``multipart/form-data`` file: how ``make gpu-speed`` loads LitServe.
-
-``visionserve loadtest`` itself posts to visionserve's own routes (``/v1/models/M/classify``, ``/v2/...``), and a
-LitServe app parses a raw body as JSON, so the same clients, schedules and merging are driven here with another
-body and path. Prints one JSON object (``--json``) shaped as loadtest's: ``{"steps": [...]}``, plus ``sent``.
-
-    python -m service.bench.drive --url http://127.0.0.1:8100 --path /predict --concurrency 8,64 --json
+HTTP route that takes one image as a ``multipart/form-data`` file: how ``make gpu-speed`` loads LitServe, which parses
+a raw body as JSON. Prints one JSON object (``--json``) shaped as loadtest's: ``{"steps": [...]}``, plus ``sent``.
 """
 
 from __future__ import annotations
@@ -30,11 +25,6 @@ def form_payload(path: str, field: str, data: bytes) -> Payload:
     return Payload(path, {"content-type": f"multipart/form-data; boundary={boundary}"}, body, 1)
 
 
-def _sizes(text: str) -> tuple[int, int]:
-    width, _, height = text.partition("x")
-    return int(width), int(height)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("drive", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--url", required=True, help="server address")
@@ -57,8 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from service.core.samples import photo_like_jpegs
 
     args = build_parser().parse_args(argv)
-    url = args.url.rstrip("/")
-    bodies = [form_payload(args.path, args.field, j) for j in photo_like_jpegs(32, _sizes(args.image_size))]
+    url, (width, _, height) = args.url.rstrip("/"), args.image_size.partition("x")
+    bodies = [form_payload(args.path, args.field, j) for j in photo_like_jpegs(32, (int(width), int(height)))]
     bounds = StepBounds(url=url, warmup_s=args.warmup, duration_s=args.duration, drain_s=args.drain,
                         timeout_s=args.timeout, max_requests=1_000_000, scrape=False)  # fmt: skip
     if args.mode == "closed":

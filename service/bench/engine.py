@@ -1,55 +1,43 @@
 """``visionserve bench``: the engine's limits in-process, with no HTTP. The yardstick served throughput is held
 against.
 
-Four figures, on the same model, device and images:
-
-- ``engine_images_per_s[B]``: the runtime alone on ready uint8 batches of size B (no preprocessing).
-- ``pipeline_images_per_s``: decode and preprocess real JPEG files in the decoding pool, stack, run; at the
-  largest batch size, with no batcher: the best a server could do without dynamic batching's costs.
-- ``batcher_images_per_s``: many concurrent submitters of one JPEG each, through the decoding pool and the
-  batcher: what the server's engine does. ``batcher_efficiency`` is its ratio to the pipeline figure.
-- ``fake_items_per_s``: the batcher alone, with a runtime that does no work: its own overhead ceiling.
-
-A detector's pipeline figure includes suppression and mapping; ``candidates`` adds its figures at 1,000
-candidates an image (:mod:`service.bench.detect`).
-
-And, on request (``figures``), ``decode_cpu_images_per_s`` (the CPU decoding pool on every core) beside
-``decode_gpu_images_per_s`` (nvJPEG batch decode, resize and crop on the GPU) on the same JPEGs.
-
-:func:`compare_backends` runs the same figures once per backend, in one process, and names the fastest per batch
-size: the measurement behind ``backend = "auto"``.
+Four figures, on the same model, device and images (docs/performance.md, "The engine in-process", says more):
+``engine_images_per_s[B]``, the runtime alone on ready uint8 batches of size B; ``pipeline_images_per_s``, decode,
+stack and run at the largest batch size with no batcher; ``batcher_images_per_s``, many submitters of one JPEG each
+through the decoding pool and the batcher (``batcher_efficiency``: its ratio to the pipeline); ``fake_items_per_s``,
+the batcher alone with a runtime that does no work. On request, the CPU decoding pool beside nvJPEG, and a
+detector's suppression figures (:mod:`service.bench.detect`). :func:`compare_backends` runs the same figures once per
+backend and names the fastest per batch size: the measurement behind ``backend = "auto"``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import platform
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from service.bench import detect
-from service.bench.detect import default_images
+from service.bench.flags import FIGURES
+from service.bench.pipeline import Pipeline, timed
 from service.core.config import ModelConfig
 from service.core.decoding import GpuJpegDecoder, Preprocessor
 from service.core.errors import ConfigError
-from service.core.repository import ModelRepository, ModelVersion, random_batch
+from service.core.repository import ModelRepository, random_batch
 from service.core.samples import image_files, photo_like_jpegs
-from service.core.spec import ModelSpec
 from service.core.tasks import Detect, task_for
 from service.engine.batcher import Batcher, InferRequest
 from service.engine.model import batcher_config, cuda_devices, plan_devices, serving_precision
 from service.runtime import FakeRuntime, RuntimeLike, choose_backend, make_runtime, warm_up
 
 Say = Callable[[str], None]
-
-
-FIGURES = ("engine", "pipeline", "decode", "batcher", "fake", "candidates")
+Make = Callable[[int], Awaitable[InferRequest]]
 ROUNDS = 4  # compare_backends: turns per batch size
 
 
@@ -76,89 +64,145 @@ def load_images(folder: str) -> list[bytes]:
         raise ConfigError(f"--images {folder} holds no JPEG, PNG or WebP files") from None
 
 
-def _timed(seconds: float, step: Callable[[], int], min_rounds: int = 3) -> float:
-    """Items per second of ``step`` (which returns how many items it did) over ``seconds`` (one warm-up round)."""
-    step()
-    done = rounds = 0
-    started = time.perf_counter()
-    while rounds < min_rounds or time.perf_counter() - started < seconds:
-        done += step()
-        rounds += 1
-    return done / (time.perf_counter() - started)
+def _pipeline_rate(seconds: float, jpegs: list[bytes], size: int, runtime: RuntimeLike, decode: Any) -> float:
+    def stacked(chunk: list[bytes]) -> np.ndarray:
+        return np.stack([a for a in decode(chunk) if isinstance(a, np.ndarray)])
+
+    with closing(Pipeline(jpegs, size, runtime, stacked)) as step:
+        return timed(seconds, step)
 
 
-async def _drive(
-    batcher: Batcher, make: Callable[[int], Any], concurrency: int, seconds: float, warmup_s: float
-) -> float:
-    """Images per second through ``batcher`` from ``concurrency`` submitters; ``make(i)`` gives one request."""
-    counting = False
-    done = 0
+async def _batcher_figure(
+    runtime: RuntimeLike, make: Make, name: str, config: ModelConfig, concurrency: int, seconds: float, warmup_s: float
+) -> tuple[float, float]:
+    """Images per second through a batcher on ``runtime`` from ``concurrency`` submitters (``make(i)``: the i-th
+    request) and its mean batch size."""
+    batcher = Batcher([runtime], batcher_config(config), name=name)
+    counting, done = False, 0
     stop_at = time.perf_counter() + warmup_s + seconds
 
-    async def submitter(k: int) -> None:
+    async def submitter(i: int) -> None:
         nonlocal done
-        i = k
         while time.perf_counter() < stop_at:
-            request = await make(i)
-            await batcher.submit(request)
+            await batcher.submit(await make(i))
             if counting:
                 done += 1
             i += concurrency
 
-    tasks = [asyncio.create_task(submitter(k)) for k in range(concurrency)]
-    await asyncio.sleep(warmup_s)
-    counting, started = True, time.perf_counter()
-    await asyncio.gather(*tasks)
-    return done / (time.perf_counter() - started)
+    try:
+        tasks = [asyncio.create_task(submitter(k)) for k in range(concurrency)]
+        await asyncio.sleep(warmup_s)
+        counting, started = True, time.perf_counter()
+        await asyncio.gather(*tasks)
+        return done / (time.perf_counter() - started), batcher.images / max(batcher.batches, 1)
+    finally:
+        await batcher.close(timeout_s=5, close_runtimes=False)  # the caller closes the runtime
 
 
 def run_bench(options: BenchOptions, say: Say | None = None) -> dict[str, Any]:
     """Measure and return the figures (see the module docstring) as a JSON-ready dict."""
+    from service.bench import detect
+
     say = say or (lambda _m: None)
     entry = ModelRepository(options.repository).model(options.model)
-    version = entry.latest
+    version, spec = entry.latest, entry.latest.spec
     config = _bench_config(entry.config, options)
     devices, _degraded, note = plan_devices(config, cuda_devices())
     device = devices[0]
     backend = choose_backend(version, config, device)
-    spec: ModelSpec = version.spec
-    largest = max(options.batch_sizes)
+    figures, largest = set(options.figures), max(options.batch_sizes)
     concurrency = options.concurrency or 2 * largest
     if options.images:
         jpegs, described = load_images(options.images), options.images
     elif isinstance(task_for(spec), Detect):
-        jpegs, described = default_images()
+        jpegs, described = detect.default_images()
     else:
         jpegs = photo_like_jpegs()
         described = f"{len(jpegs)} generated 500x375 JPEGs"
     say(f"loading {options.model} v{version.version} ({backend}) on {device}")
     runtime = make_runtime(version, config, backend, device, cuda_graphs=options.cuda_graphs)
     warm_up(runtime, largest)
-    pool = Preprocessor(spec)
-    result: dict[str, Any] = {
-        "model": options.model,
-        "version": version.version,
-        "device": device,
-        "runtime": backend,
-        "precision": serving_precision(config, [device]),
-        "cuda_graphs": options.cuda_graphs and device.startswith("cuda"),
-        "figures": list(options.figures),
-        "input": [spec.input.channels, spec.input.height, spec.input.width],
-        "batch_sizes": list(options.batch_sizes),
-        "images": described,
-        "decode_workers": pool.workers,
-        "concurrency": concurrency,
-        "max_queue_delay_ms": config.max_queue_delay_ms,
-        "seconds_per_figure": options.seconds,
-        "python": platform.python_version(),
-    }
-    if note:
-        result["note"] = note
-    try:
-        _measure(result, options, say, runtime=runtime, pool=pool, jpegs=jpegs, config=config, version=version)
-    finally:
-        pool.close()
-        runtime.close()
+    with closing(runtime), closing(Preprocessor(spec)) as pool:
+        result: dict[str, Any] = {
+            "model": options.model,
+            "version": version.version,
+            "device": device,
+            "runtime": backend,
+            "precision": serving_precision(config, [device]),
+            "cuda_graphs": options.cuda_graphs and device.startswith("cuda"),
+            "figures": list(options.figures),
+            "input": [spec.input.channels, spec.input.height, spec.input.width],
+            "batch_sizes": list(options.batch_sizes),
+            "images": described,
+            "decode_workers": pool.workers,
+            "concurrency": concurrency,
+            "max_queue_delay_ms": config.max_queue_delay_ms,
+            "seconds_per_figure": options.seconds,
+            "python": platform.python_version(),
+        }
+        if note:
+            result["note"] = note
+        result.update(_figures(options, figures, version, config, spec, device, runtime, pool, jpegs, say))
+    return result
+
+
+def _figures(
+    options: BenchOptions, figures: set[str], version: Any, config: ModelConfig, spec: Any, device: str,
+    runtime: RuntimeLike, pool: Preprocessor, jpegs: list[bytes], say: Say,
+) -> dict[str, Any]:  # fmt: skip
+    """The figures ``options`` ask for, on the loaded ``runtime`` and the decoding ``pool``."""
+    from service.bench import detect
+
+    largest = max(options.batch_sizes)
+    concurrency = options.concurrency or 2 * largest
+    result: dict[str, Any] = {}
+    result["engine_images_per_s"] = {}
+    for size in options.batch_sizes if "engine" in figures else ():
+        say(f"engine: batch {size}")
+        batch = random_batch(spec, size)
+
+        def engine_step(b: np.ndarray = batch) -> int:
+            return len(runtime.run(b))
+
+        result["engine_images_per_s"][str(size)] = timed(options.seconds, engine_step)
+    if "decode" in figures:
+        result.update(_decode_figures(jpegs, largest, device, pool, options, say))
+    # A detector's pipeline reads its output layout as the server does: suppressed, or only selected where the
+    # graph suppressed its rows itself (the 1,000-candidate figure needs a "candidates" graph: detect.py).
+    if isinstance(task_for(spec), Detect) and ("pipeline" in figures or "batcher" in figures):
+        say(f"pipeline: decode + resize + run + suppression (where the server does it) and mapping, batch {largest}")
+        result.update(detect.pipeline_figures(jpegs, largest, runtime, pool, options.seconds))
+        if "candidates" in figures:
+            say(f"the same graph emitting {detect.THOUSAND} candidates an image, and dense candidates")
+            result["at_1000"] = detect.thousand(version, config, device, jpegs, largest, pool, options.seconds)
+    elif "pipeline" in figures or "batcher" in figures:  # the batcher's efficiency is measured against it
+        say(f"pipeline: decode + preprocess + run, batch {largest}")
+        result["pipeline_images_per_s"] = _pipeline_rate(options.seconds, jpegs, largest, runtime, pool.decode_many)
+        if device.startswith("cuda") and options.gpu_decode:
+            say("pipeline with GPU JPEG decoding")
+            decoder = GpuJpegDecoder(spec, device)
+            rate = _pipeline_rate(options.seconds, jpegs, largest, runtime, lambda c: decoder.decode_many(c, pool))
+            result["pipeline_gpu_decode_images_per_s"] = rate
+    if "batcher" in figures:
+        say(f"batcher: {concurrency} concurrent submitters of one JPEG each")
+
+        async def one_jpeg(i: int) -> InferRequest:
+            array = await asyncio.wrap_future(pool.submit(jpegs[i % len(jpegs)]))
+            return InferRequest(request_id=str(i), model=options.model, images=array[np.newaxis])
+
+        served = _batcher_figure(runtime, one_jpeg, options.model, config, concurrency, options.seconds, 1.0)
+        result["batcher_images_per_s"], result["batcher_mean_batch_size"] = asyncio.run(served)
+        result["batcher_efficiency"] = result["batcher_images_per_s"] / result["pipeline_images_per_s"]
+    if "fake" in figures:
+        say("batcher alone, with a runtime that does no work")
+        images = random_batch(spec, 1)
+
+        async def ready(i: int) -> InferRequest:
+            return InferRequest(request_id="", model="fake", images=images)
+
+        with closing(FakeRuntime(spec, name="fake")) as fake:
+            idle = _batcher_figure(fake, ready, "fake", config, concurrency, options.seconds, 0.5)
+            result["fake_items_per_s"], result["fake_mean_batch_size"] = asyncio.run(idle)
     return result
 
 
@@ -170,79 +214,21 @@ def _bench_config(config: ModelConfig, options: BenchOptions) -> ModelConfig:
     return msgspec.structs.replace(config, **overrides)
 
 
-def _measure(
-    result: dict[str, Any],
-    options: BenchOptions,
-    say: Say,
-    *,
-    runtime: RuntimeLike,
-    pool: Preprocessor,
-    jpegs: list[bytes],
-    config: ModelConfig,
-    version: ModelVersion,
-) -> None:
-    """Each figure asked for, into ``result``."""
-    figures, spec = set(options.figures), version.spec
-    device, largest, concurrency = result["device"], max(options.batch_sizes), result["concurrency"]
-    engine: dict[str, float] = {}
-    for size in options.batch_sizes if "engine" in figures else ():
-        say(f"engine: batch {size}")
-        batch = random_batch(spec, size)
-
-        def engine_step(b: np.ndarray = batch) -> int:
-            return len(runtime.run(b))
-
-        engine[str(size)] = _timed(options.seconds, engine_step)
-    result["engine_images_per_s"] = engine
-    if "decode" in figures:
-        result.update(_decode_figures(jpegs, largest, spec, device, pool, options, say))
-    # A detector's pipeline reads its output layout as the server does: suppressed, or only selected where the graph
-    # suppressed its rows itself (the 1,000-candidate figure needs a "candidates" graph: service/bench/detect.py).
-    if isinstance(task_for(spec), Detect) and ("pipeline" in figures or "batcher" in figures):
-        say(f"pipeline: decode + resize + run + suppression (where the server does it) and mapping, batch {largest}")
-        result.update(detect.pipeline_figures(_timed, jpegs, largest, runtime, pool, options.seconds))
-        if "candidates" in figures:
-            say(f"the same graph emitting {detect.THOUSAND} candidates an image, and dense candidates")
-            result["at_1000"] = detect.thousand(_timed, version, config, device, jpegs, largest, pool, options.seconds)
-    elif "pipeline" in figures or "batcher" in figures:  # the batcher's efficiency is measured against it
-        say(f"pipeline: decode + preprocess + run, batch {largest}")
-        step = _Pipeline(jpegs, largest, runtime, pool.decode_many)
-        result["pipeline_images_per_s"] = _timed(options.seconds, step)
-        if device.startswith("cuda") and options.gpu_decode:
-            say("pipeline with GPU JPEG decoding")
-            gpu = GpuJpegDecoder(spec, device)
-            step = _Pipeline(jpegs, largest, runtime, lambda chunk: gpu.decode_many(chunk, pool))
-            result["pipeline_gpu_decode_images_per_s"] = _timed(options.seconds, step)
-    if "batcher" in figures:
-        say(f"batcher: {concurrency} concurrent submitters of one JPEG each")
-        result["batcher_images_per_s"], result["batcher_mean_batch_size"] = asyncio.run(
-            _batcher_figure(runtime, pool, jpegs, config, concurrency, options)
-        )
-        result["batcher_efficiency"] = result["batcher_images_per_s"] / result["pipeline_images_per_s"]
-    if "fake" in figures:
-        say("batcher alone, with a runtime that does no work")
-        result["fake_items_per_s"], result["fake_mean_batch_size"] = asyncio.run(
-            _fake_figure(spec, config, concurrency, options)
-        )
-
-
 def _decode_figures(
-    jpegs: list[bytes], size: int, spec: ModelSpec, device: str, pool: Preprocessor, options: BenchOptions, say: Say
+    jpegs: list[bytes], size: int, device: str, pool: Preprocessor, options: BenchOptions, say: Say
 ) -> dict[str, Any]:
     """Images per second decoded (and resized, cropped) in batches of ``size``: the CPU pool, and nvJPEG on CUDA."""
-    cursor = [0]
+    images = itertools.cycle(jpegs)
 
     def chunk() -> list[bytes]:
-        start = cursor[0]
-        cursor[0] += size
-        return [jpegs[(start + i) % len(jpegs)] for i in range(size)]
+        return list(itertools.islice(images, size))
 
     say(f"decode: CPU pool of {pool.workers} threads, batches of {size}")
-    out: dict[str, Any] = {"decode_cpu_images_per_s": _timed(options.seconds, lambda: len(pool.decode_many(chunk())))}
+    out: dict[str, Any] = {"decode_cpu_images_per_s": timed(options.seconds, lambda: len(pool.decode_many(chunk())))}
     if device.startswith("cuda") and options.gpu_decode:
         say(f"decode: nvJPEG on {device}, batches of {size}")
-        gpu = GpuJpegDecoder(spec, device)
-        out["decode_gpu_images_per_s"] = _timed(options.seconds, lambda: len(gpu.decode_many(chunk(), pool)))
+        gpu = GpuJpegDecoder(pool.spec, device)
+        out["decode_gpu_images_per_s"] = timed(options.seconds, lambda: len(gpu.decode_many(chunk(), pool)))
     else:
         out["decode_gpu_skipped"] = "no CUDA device" if not device.startswith("cuda") else "GPU decode turned off"
     return out
@@ -262,8 +248,10 @@ def compare_backends(options: BenchOptions, backends: Sequence[str], say: Say | 
     entry = ModelRepository(options.repository).model(options.model)
     version = entry.latest
     config = _bench_config(entry.config, replace(options, backend=None))
-    devices, _degraded, _note = plan_devices(config, cuda_devices())
-    device = devices[0]
+    device = plan_devices(config, cuda_devices())[0][0]
+    keys = [str(n) for n in options.batch_sizes]
+    done = {b: dict.fromkeys(keys, 0) for b in backends}
+    spent = {b: dict.fromkeys(keys, 0.0) for b in backends}
     runtimes: dict[str, RuntimeLike] = {}
     try:
         for backend in backends:
@@ -271,39 +259,28 @@ def compare_backends(options: BenchOptions, backends: Sequence[str], say: Say | 
             chosen = msgspec.structs.replace(config, backend=backend)
             runtimes[backend] = make_runtime(version, chosen, backend, device, cuda_graphs=options.cuda_graphs)
             warm_up(runtimes[backend], max(options.batch_sizes))
-        done = {b: {str(n): 0 for n in options.batch_sizes} for b in backends}
-        spent = {b: {str(n): 0.0 for n in options.batch_sizes} for b in backends}
-        slice_s = options.seconds / ROUNDS
-        for size in options.batch_sizes:
+        for size, key in zip(options.batch_sizes, keys, strict=True):
             say(f"engine, in turns: batch {size}")
             batch = random_batch(version.spec, size)
             for r in range(ROUNDS):
-                for backend in backends if r % 2 == 0 else tuple(reversed(backends)):
-                    runtime = runtimes[backend]
+                for backend in backends if r % 2 == 0 else backends[::-1]:
                     started = time.perf_counter()
                     while True:  # at least one batch per slice
-                        done[backend][str(size)] += len(runtime.run(batch))
-                        if time.perf_counter() - started >= slice_s:
+                        done[backend][key] += len(runtimes[backend].run(batch))
+                        if time.perf_counter() - started >= options.seconds / ROUNDS:
                             break
-                    spent[backend][str(size)] += time.perf_counter() - started
+                    spent[backend][key] += time.perf_counter() - started
     finally:
         for runtime in runtimes.values():
             runtime.close()
-    rates = {b: {k: done[b][k] / spent[b][k] for k in done[b]} for b in backends}
-    runs: list[dict[str, Any]] = []
+    rates = {b: {k: done[b][k] / spent[b][k] for k in keys} for b in backends}
+    fastest = {k: max(backends, key=lambda b: rates[b][k]) for k in keys}
     rest = tuple(f for f in options.figures if f != "engine")
+    runs = []
     for backend in backends:
-        run: dict[str, Any] = {"runtime": backend, "device": device, "engine_images_per_s": rates[backend]}
         more = run_bench(replace(options, backend=backend, figures=rest), say) if rest else {}
-        run.update({k: v for k, v in more.items() if k not in ("engine_images_per_s", "runtime")})
-        runs.append(run)
-    fastest: dict[str, str] = {}
-    ratios: dict[str, dict[str, float]] = {b: {} for b in backends}
-    for key in (str(n) for n in options.batch_sizes):
-        best = max(backends, key=lambda b: rates[b][key])
-        fastest[key] = best
-        for backend in backends:
-            ratios[backend][key] = rates[backend][key] / rates[best][key]
+        more = {k: v for k, v in more.items() if k not in ("engine_images_per_s", "runtime")}
+        runs.append({"runtime": backend, "device": device, "engine_images_per_s": rates[backend], **more})
     return {
         "model": options.model,
         "device": device,
@@ -314,65 +291,5 @@ def compare_backends(options: BenchOptions, backends: Sequence[str], say: Say | 
         "python": platform.python_version(),
         "runs": runs,
         "fastest": fastest,
-        "ratio_to_fastest": ratios,
+        "ratio_to_fastest": {b: {k: rates[b][k] / rates[fastest[k]][k] for k in keys} for b in backends},
     }
-
-
-class _Pipeline:
-    """The in-process limit without a batcher: decoding the next batch overlaps running the current one."""
-
-    def __init__(
-        self, jpegs: list[bytes], size: int, runtime: RuntimeLike, decode: Callable[[list[bytes]], list[Any]]
-    ) -> None:
-        self.jpegs, self.size, self.runtime, self.decode = jpegs, size, runtime, decode
-        self.cursor = 0
-        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-decode")
-        self._next = self._decoder.submit(self._decode_next)
-
-    def _decode_next(self) -> np.ndarray:
-        chunk = [self.jpegs[(self.cursor + i) % len(self.jpegs)] for i in range(self.size)]
-        self.cursor += self.size
-        return np.stack([a for a in self.decode(chunk) if isinstance(a, np.ndarray)])
-
-    def __call__(self) -> int:
-        batch = self._next.result()
-        self._next = self._decoder.submit(self._decode_next)
-        return len(self.runtime.run(batch))
-
-
-async def _batcher_figure(
-    runtime: RuntimeLike,
-    pool: Preprocessor,
-    jpegs: list[bytes],
-    config: ModelConfig,
-    concurrency: int,
-    options: BenchOptions,
-) -> tuple[float, float]:
-    batcher = Batcher([runtime], batcher_config(config), name=options.model)
-
-    async def make(i: int) -> InferRequest:
-        array = await asyncio.wrap_future(pool.submit(jpegs[i % len(jpegs)]))
-        return InferRequest(request_id=str(i), model=options.model, images=array[np.newaxis])
-
-    try:
-        rate = await _drive(batcher, make, concurrency, options.seconds, warmup_s=1.0)
-        return rate, batcher.images / max(batcher.batches, 1)
-    finally:
-        await batcher.close(timeout_s=5, close_runtimes=False)  # run_bench closes the runtime
-
-
-async def _fake_figure(
-    spec: ModelSpec, config: ModelConfig, concurrency: int, options: BenchOptions
-) -> tuple[float, float]:
-    fake = FakeRuntime(spec, name="fake")
-    batcher = Batcher([fake], batcher_config(config), name="fake")
-    images = random_batch(spec, 1)
-
-    async def make(i: int) -> InferRequest:
-        return InferRequest(request_id="", model="fake", images=images)
-
-    try:
-        rate = await _drive(batcher, make, concurrency, options.seconds, warmup_s=0.5)
-        return rate, batcher.images / max(batcher.batches, 1)
-    finally:
-        await batcher.close(timeout_s=5)

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 Flag = tuple[Any, ...]  # (flag, default, help[, type, or a tuple of choices])
+FIGURES = ("engine", "pipeline", "decode", "batcher", "fake", "candidates")  # `bench engine --figures`
 
 
 def add_flags(p: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:

@@ -56,8 +56,7 @@ def main(args: argparse.Namespace) -> int:
     pipeline = limit["pipeline_images_per_s"]
     print(
         f"{args.model} in-process: pipeline {pipeline:.1f} images/s; runtime alone at batch 1 "
-        f"{limit['engine_images_per_s']['1']:.1f} images/s",
-        flush=True,
+        f"{limit['engine_images_per_s']['1']:.1f} images/s"
     )
     served: dict[str, Any] = results.setdefault("served", {})
     with (
@@ -73,8 +72,7 @@ def main(args: argparse.Namespace) -> int:
                 f"{args.model} c={concurrency}: {row['images_per_s']:.1f} images/s = {row['of_pipeline']:.3f} of the "
                 f"pipeline; {row['server_cpu_ms_per_request']:.2f} server CPU ms/request, mean batch "
                 f"{row['mean_batch_size'] or math.nan:.2f}, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, "
-                f"errors {sum(row['errors'].values())}",
-                flush=True,
+                f"errors {sum(row['errors'].values())}"
             )
     if args.json:
         write_json(args.json, results)

@@ -1,26 +1,10 @@
 """Prove every GPU path in one command (``make gpu-check``, ``visionserve bench gpu-check``), and write one report of
 every number.
 
-On a GPU machine, in order, each step a subprocess through the command line (``python -m service.cli ...``) so that
-what is measured is what users run:
-
-1. environment: device name, driver, torch / CUDA / torchvision / onnxruntime versions, providers, GPU count;
-2. install: what the machine lacks, from wheels carried in ``.whl/`` into ``.site/`` (never torch, numpy or another
-   package the machine brings, even when a wheel is there);
-3. ``pytest -m gpu``: every CUDA test (the run fails when one fails);
-4. export: resnet50 (224x224, initial weights) as TorchScript, AOTInductor for CUDA and ONNX (where onnxruntime has
-   its CUDA provider), fp32 and fp16, gated;
-5. bench: each GPU runtime alone at batch 1-128, per precision and CUDA graphs on/off (no bf16 AOTInductor);
-6. decode: nvJPEG batch decode against the CPU decoding pool on every core, on the same JPEGs;
-7. serve resnet50 fp16 and load it over HTTP: closed loop at 1..256 clients, then the highest open-loop rate whose
-   p99 stays under 15 ms;
-8. train smallcnn on digits on CUDA (AMP, channels-last), and with DDP through torchrun where two GPUs exist.
-
-Every step that cannot run says why in the report (``skipped``); one that fails is recorded with its reason and the
-next one still runs; the report is written after every step. ``--dry-run``: the same steps and arguments on the CPU
-with tiny sizes (smallcnn, 8x8 digits, short durations, one thread), so CI proves the command itself. Exit 1 when a
-GPU test fails or a step errs, else 0. Budget: 545 s (dry run too), a share per step (:data:`STEP_SHARE_S`); a step
-may use what earlier steps left, never what later ones are owed; its commands are stopped at its deadline.
+Each step a subprocess through the command line (``python -m service.cli ...``), so that what is measured is what
+users run: environment, install (from the carried wheels), ``pytest -m gpu``, export, bench, decode, serve_loadtest
+and train. Each fails alone, within its share of the budget (545 s); ``--dry-run``: the same steps on the CPU with tiny
+sizes. Exit 1 when a GPU test fails or a step errs. The steps, their shares and the wheels: docs/gpu-check.md.
 """
 
 from __future__ import annotations
@@ -36,7 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from service.bench import runner
 from service.bench.flags import Flag, ints, sized
 from service.bench.runner import ROOT, StepError, StepRunner, flags, last_line, parser, step_summary
 from service.bench.wheels import download_command
@@ -75,11 +58,13 @@ class Check(StepRunner):
     # CPU: 35 s now.
     steps: ClassVar[dict[str, float]] = {"environment": 35, "install": 20, "gpu_tests": 150, "export": 130,
                                          "bench": 90, "decode": 20, "serve_loadtest": 80, "train": 20}  # fmt: skip
+    after: ClassVar[dict[str, str]] = dict.fromkeys(("bench", "decode", "serve_loadtest"), "export")
     # The modules a step cannot run without, beyond torch (checked once the carried wheels are installed).
     needs: ClassVar[dict[str, tuple[str, ...]]] = {
         "gpu_tests": ("pytest",), "export": ("onnx", "onnxscript"), "bench": ("onnxruntime",), "decode": ("PIL",),
         "serve_loadtest": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"), "train": ("sklearn",),
     }  # fmt: skip
+    sizes, fixed = SIZES, FIXED
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
@@ -133,8 +118,6 @@ class Check(StepRunner):
             env["driver"] = smi.stdout.strip().splitlines()[0] if smi.returncode == 0 and smi.stdout else None
         self.gpus = int(env["gpus"])
         self.ort_cuda = "CUDAExecutionProvider" in (env.get("onnxruntime_providers") or [])
-        if not self.dry and not self.gpus:
-            raise StepError("no usable CUDA device: run with --dry-run on a machine without a GPU")
         return env
 
     def gpu_tests(self) -> dict[str, Any]:
@@ -160,10 +143,7 @@ class Check(StepRunner):
         skipped: list[dict[str, Any]] = []
         for backend, precision, graphs in bench_matrix():
             label = {"backend": backend, "precision": precision, "cuda_graphs": graphs}
-            reason = self._bench_skip(backend, precision, graphs)
-            if reason is None and self.step_left_s() < 10:
-                reason = "this step's share of the time is spent"
-            if reason is not None:
+            if (reason := self._bench_skip(backend, precision, graphs)) is not None:
                 skipped.append({**label, "reason": reason})
                 continue
             log = f"bench-{backend}-{precision}-{'graphs' if graphs else 'eager'}"
@@ -172,9 +152,9 @@ class Check(StepRunner):
             except StepError as exc:
                 runs.append({**label, "error": str(exc)})
                 self.report["errors"][f"bench {log}"] = str(exc)
-                continue
-            result = self.json_line(proc)
-            runs.append({**label, "device": result["device"], "engine_images_per_s": result["engine_images_per_s"]})
+            else:
+                result = self.json_line(proc)
+                runs.append({**label, "device": result["device"], "engine_images_per_s": result["engine_images_per_s"]})
         return {"model": self.model, "batch_sizes": self.args.batch_sizes, "runs": runs, "skipped": skipped}
 
     def _bench_skip(self, backend: str, precision: str, graphs: bool) -> str | None:
@@ -192,7 +172,7 @@ class Check(StepRunner):
             return "on the CPU: reduced precision and CUDA graphs are GPU-only (measured once, fp32)"
         if backend == "onnxruntime" and not graphs and self.device == "cuda":
             return "CUDA graphs are a torch-runtime setting; onnxruntime measured once"
-        return None
+        return "this step's share of the time is spent" if self.step_left_s() < 10 else None
 
     def decode(self) -> dict[str, Any]:
         result = self.json_line(self.cli(self.decode_args(), timeout_s=180, log="decode"))
@@ -241,21 +221,9 @@ class Check(StepRunner):
             out["ddp"] = {"skipped": reason}
         return out
 
-    # ---- all of it ------------------------------------------------------------------------------------------
+    # ---- the report ------------------------------------------------------------------------------------------
     def main(self) -> int:
-        self.begin()
-        try:
-            self.step("environment", self.environment)
-            self.step("install", self.install, after="environment")
-            self.step("gpu_tests", self.gpu_tests, after="environment")
-            self.step("export", self.export, after="environment")
-            for name in ("bench", "decode", "serve_loadtest"):
-                self.step(name, getattr(self, name), after="export")
-            self.step("train", self.train, after="environment")
-        finally:
-            self.finish()
-        failed = bool(self.gpu_tests_failed) or bool(self.report["errors"])
-        return 1 if failed else 0
+        return super().main() or int(self.gpu_tests_failed)
 
     def totals(self) -> dict[str, Any]:
         return {"gpu_tests_failed": bool(self.gpu_tests_failed)}
@@ -288,15 +256,11 @@ def gpu_test_files() -> list[str]:
 
 
 def junit_counts(junit: Path) -> dict[str, int]:
-    counts = {k: 0 for k in ("passed", "failed", "errors", "skipped")}
-    if junit.is_file():
-        suite = re.search(r"<testsuite [^>]*>", junit.read_text())
-        attrs = dict(re.findall(r'(\w+)="([^"]*)"', suite.group(0))) if suite else {}
-        total = int(attrs.get("tests", 0))
-        counts.update({k: int(attrs.get(a, 0)) for k, a in (("failed", "failures"), ("errors", "errors"),
-                                                            ("skipped", "skipped"))})  # fmt: skip
-        counts["passed"] = total - counts["failed"] - counts["errors"] - counts["skipped"]
-    return counts
+    suite = re.search(r"<testsuite [^>]*>", junit.read_text()) if junit.is_file() else None
+    attrs = dict(re.findall(r'(\w+)="([^"]*)"', suite.group(0))) if suite else {}
+    junit_names = {"failed": "failures", "errors": "errors", "skipped": "skipped"}
+    counts = {k: int(attrs.get(a, 0)) for k, a in junit_names.items()}
+    return {"passed": int(attrs.get("tests", 0)) - sum(counts.values()), **counts}
 
 
 def bench_matrix() -> list[tuple[str, str, bool]]:
@@ -304,23 +268,19 @@ def bench_matrix() -> list[tuple[str, str, bool]]:
             for g in (True, False)]  # fmt: skip
 
 
-def fill(args: argparse.Namespace) -> argparse.Namespace:
-    return runner.fill(args, SIZES, FIXED)
-
-
 def build_parser() -> argparse.ArgumentParser:
     return parser("gpu_check", __doc__, FLAGS)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    return fill(build_parser().parse_args(argv))
+    return build_parser().parse_args(argv)
 
 
 def main(args: argparse.Namespace) -> int:
     if args.list_wheels:
         print(" ".join(download_command(args.list_wheels)))
         return 0
-    return Check(fill(args)).main()
+    return Check(args).main()
 
 
 if __name__ == "__main__":

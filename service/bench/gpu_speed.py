@@ -1,24 +1,10 @@
 """The GPU's own speed figures in one command (``make gpu-speed``, ``visionserve bench gpu-speed``): resnet50 served
 from JPEG bytes, beside its in-process limit and LitServe on the same GPU, with one report of every number.
 
-In order, each a subprocess of the command line (``python -m service.cli ...``) so that what is measured is what
-users run:
-
-1. environment and install: versions and devices; what the machine lacks, from the carried wheels (``.whl/``);
-2. export: resnet50 as TorchScript, fp16 on the GPU, parity-gated;
-3. bench: the runtime alone with CUDA graphs at batch 1..256, and the pipeline from JPEG bytes with the CPU decoders
-   and with nvJPEG at the served batch size;
-4. litserve: the same TorchScript file in LitServe (:mod:`service.bench.litserve_app`; ``max_batch_size`` 64,
-   ``batch_timeout`` 5 ms) at 1, 2, 4 and 8 workers, loaded by the load tester's engine (closed loop to saturation,
-   then open loop at 70% of that worker count's best), its best taken;
-5. serve: ``visionserve serve`` loaded by ``visionserve loadtest`` from 500x375 JPEGs, one image a request: closed
-   loop to saturation, open loop at 70% of the best and at LitServe's own 70% load (run after LitServe for that);
-   each step with the server's CPU use, and the best against the bench's pipeline with the CPU decoders;
-6. detector: the embedded detector served on the device at c=8, where the load tester can post to ``/detect``.
-
-The load generator and every server run on the same split of the cores. Each step fails alone (the report says
-why, the next runs); the report is rewritten after every step; the budget (480 s) is cut per step. ``--dry-run``:
-the same commands and flags on the CPU with tiny sizes, so that CI proves the command.
+Each step a subprocess of the command line, so that what is measured is what users run: environment, install, export,
+bench, litserve (:mod:`service.bench.litserve_app`, loaded by :mod:`service.bench.drive`), serve and detector; the load
+generator and every server on the same split of the cores. Each fails alone, within its share of the budget (480 s);
+``--dry-run``: the same commands on the CPU with tiny sizes. The steps, the targets and the shares: docs/gpu-speed.md.
 """
 
 from __future__ import annotations
@@ -38,6 +24,7 @@ from service.bench.flags import Flag, ints, sized
 from service.bench.runner import ROOT, StepError, StepRunner, flags, on_cpus, parser, split_cores, step_summary
 
 SECTIONS = ("environment", "install", "export", "bench", "litserve", "serve", "detector")
+SAID = {None: "not measured", True: "met", False: "MISSED"}  # a target's verdict
 DETECTOR = ROOT / "examples" / "model_repository" / "digits-detect"
 # key: (the real run's, the dry run's, help[, type]); the flags' defaults, and figures no flag sets (FIXED)
 SIZES: dict[str, tuple[Any, ...]] = {
@@ -71,10 +58,12 @@ class Speed(StepRunner):
     # servers that load resnet50 and capture its graphs, then sweep; LitServe starts once per worker count.
     steps: ClassVar[dict[str, float]] = {"environment": 30, "install": 20, "export": 60, "bench": 70, "litserve": 140,
                                          "serve": 130, "detector": 30}  # fmt: skip
+    after: ClassVar[dict[str, str]] = dict.fromkeys(("bench", "litserve", "serve"), "export")
     needs: ClassVar[dict[str, tuple[str, ...]]] = {
         "litserve": ("litserve", "fastapi"), "serve": ("litestar", "uvicorn", "zmq", "msgspec", "httpx"),
         "detector": ("litestar", "uvicorn", "zmq", "msgspec"),
     }  # fmt: skip
+    sizes, fixed = SIZES, FIXED
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
@@ -98,10 +87,16 @@ class Speed(StepRunner):
     def serve_flags(self) -> list[str]:
         return ["--workers", str(self.args.serve_workers), "--max-images", "1"]
 
+    def load(self, url: str, concurrency: str, rate: float) -> list[str]:
+        """A load generator's flags: closed loop at ``concurrency`` clients, or (none given) open loop at ``rate``
+        requests/s, on 500x375 JPEGs."""
+        mode = ["closed", "--concurrency", concurrency] if concurrency else ["open", "--rate", f"{rate:.1f}"]
+        return ["--url", url, "--mode", *mode, *self.load_flags(self.args.warmup_s, self.args.load_processes),
+                "--image-size", "500x375"]  # fmt: skip
+
     def loadtest_args(self, url: str, model: str, *, concurrency: int = 0, rate: float = 0.0) -> list[str]:
-        load = _load_flags(str(concurrency) if concurrency else "", rate)
-        return ["loadtest", "--url", url, "--model", model, "--protocol", "image", *load,
-                *self.load_flags(self.args.warmup_s, self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
+        load = self.load(url, str(concurrency) if concurrency else "", rate)
+        return ["loadtest", "--model", model, "--protocol", "image", *load]
 
     def detector_args(self, url: str) -> list[str]:
         return [*self.loadtest_args(url, DETECTOR.name, concurrency=8), "--task", "detect"]
@@ -112,9 +107,7 @@ class Speed(StepRunner):
                 "--max-batch-size", "64", "--batch-timeout-s", "0.005", "--port", str(port)]  # fmt: skip
 
     def drive_args(self, url: str, *, concurrency: str = "", rate: float = 0.0) -> list[str]:
-        load = _load_flags(concurrency, rate)
-        return [sys.executable, "-m", "service.bench.drive", "--url", url, "--path", "/predict", *load,
-                *self.load_flags(self.args.warmup_s, self.args.load_processes), "--image-size", "500x375"]  # fmt: skip
+        return [sys.executable, "-m", "service.bench.drive", "--path", "/predict", *self.load(url, concurrency, rate)]
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
@@ -124,8 +117,6 @@ class Speed(StepRunner):
             smi = self.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                            30, "nvidia-smi")  # fmt: skip
             env["nvidia_smi"] = smi.stdout.strip()
-        if not self.dry and not env["gpus"]:
-            raise StepError("no usable CUDA device: run with --dry-run on a machine without a GPU")
         return env
 
     def export(self) -> dict[str, Any]:
@@ -144,19 +135,14 @@ class Speed(StepRunner):
                 **{k: pipeline[k] for k in keys if k in pipeline}}  # fmt: skip
 
     def litserve(self) -> dict[str, Any]:
-        from service.launcher import free_port
-
         runs: list[dict[str, Any]] = []
         for workers in self.args.litserve_workers:
             if self.step_left_s() < 15:
                 runs.append({"workers": workers, "skipped": "this step's share of the time is spent"})
                 continue
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
             try:
-                ready_s = max(1.0, min(120.0, self.step_left_s() - 5))
-                with self.litserve_app(workers, port, ready_s) as proc:
-                    run = {"workers": workers, **self._sweep(url, proc.pid, f"litserve-{workers}", litserve=True)}
+                with self.litserve_app(workers, max(1.0, min(120.0, self.step_left_s() - 5))) as (url, pid):
+                    run = {"workers": workers, **self._sweep(url, pid, f"litserve-{workers}", litserve=True)}
             except (RuntimeError, StepError) as exc:
                 run = {"workers": workers, "error": str(exc)[-600:]}
                 self.report["errors"][f"litserve {workers} workers"] = run["error"]
@@ -266,13 +252,14 @@ class Speed(StepRunner):
         return {**step_summary(step), **cpu.figures(int(answers)), **({"server": stages} if stages else {})}
 
     @contextlib.contextmanager
-    def litserve_app(self, workers: int, port: int, ready_timeout_s: float) -> Iterator[subprocess.Popen[bytes]]:
-        """The LitServe app on the servers' cores until the block ends, once ``GET /health`` answers 200 (every
-        worker loaded); stopped as the launcher stops a process, its session's every worker signalled."""
+    def litserve_app(self, workers: int, ready_timeout_s: float) -> Iterator[tuple[str, int]]:
+        """The LitServe app's URL and pid, on the servers' cores once ``GET /health`` answers 200 (every worker
+        loaded) until the block ends; stopped as the launcher stops a process, its session's every worker signalled."""
         import httpx
 
         from service import launcher
 
+        port = launcher.free_port()
         log, url = self.out / f"litserve-{workers}.log", f"http://127.0.0.1:{port}"
         with log.open("wb") as out:
             pinned = on_cpus(self.server_cpus, session=True)
@@ -287,35 +274,38 @@ class Speed(StepRunner):
 
         try:
             launcher.wait_until(launcher.RunningServer(url, proc, log), healthy, ready_timeout_s, "ready (LitServe)")
-            yield proc
+            yield url, proc.pid
         finally:
             launcher.stop_process(proc, timeout_s=10.0, term_group=True)
 
     # ---- all of it ------------------------------------------------------------------------------------------
-    def main(self) -> int:
-        self.begin()
-        try:
-            self.step("environment", self.environment)
-            self.step("install", self.install, after="environment")
-            self.step("export", self.export, after="environment")
-            self.step("bench", self.bench, after="export")
-            self.step("litserve", self.litserve, after="export")
-            self.step("serve", self.serve, after="export")
-            refused = None if "detector" in self.skip else self.detector_refused()
-            if refused is not None:
-                self.skipped("detector", refused)
-            else:
-                self.step("detector", self.detector, after="environment")
-        finally:
-            self.finish(*summary_lines(self.report))
-        return 1 if self.report["errors"] else 0
+    def why_not(self, name: str, allowance: float) -> str | None:
+        refused = self.detector_refused() if name == "detector" and name not in self.skip else None
+        return refused or super().why_not(name, allowance)
 
     def totals(self) -> dict[str, Any]:
         return {"verdicts": verdicts(self.report["sections"], self.args.slo_p99_ms)}
 
     def head(self) -> list[str]:
-        said = {None: "not measured", True: "met", False: "MISSED"}
-        return ["## targets", "", *[f"- {k}: {said[v]}" for k, v in self.report["verdicts"].items()], ""]
+        return ["## targets", "", *[f"- {k}: {SAID[v]}" for k, v in self.report["verdicts"].items()], ""]
+
+    def headline(self) -> list[str]:
+        """The headline figures and the targets, a line each, for the end of the run."""
+        sections, lines = self.report["sections"], []
+        bench = sections.get("bench") or {}
+        if bench.get("engine_images_per_s"):
+            rates = ", ".join(f"{b}: {r:.0f}" for b, r in bench["engine_images_per_s"].items())
+            lines.append(f"runtime alone, images/s by batch: {rates}")
+        for key, label in (("pipeline_images_per_s", "CPU decoders"), ("pipeline_gpu_decode_images_per_s", "nvJPEG")):
+            if key in bench:
+                lines.append(f"pipeline from JPEG bytes with {label}: {bench[key]:.0f} images/s")
+        lit = (sections.get("litserve") or {}).get("best")
+        for name, body in (("LitServe", lit), ("served", sections.get("serve"))):
+            if body and body.get("open_at_70"):
+                workers, p99 = f" ({body['workers']} workers)" if "workers" in body else "", _p99(body["open_at_70"])
+                lines.append(f"{name}{workers}: best {body['best_images_per_s']:.0f} images/s at "
+                             f"c={body['best_concurrency']}, p99 {p99:.1f} ms at 70% of it")  # fmt: skip
+        return lines + [f"target {k}: {SAID[v]}" for k, v in (self.report.get("verdicts") or {}).items()]
 
     def draw(self, name: str, body: dict[str, Any]) -> list[str]:
         lines: list[str] = []
@@ -328,22 +318,19 @@ class Speed(StepRunner):
         return lines + super().draw(name, body)
 
 
-def _load_flags(concurrency: str, rate: float) -> list[str]:
-    """Closed loop at ``concurrency`` clients, or (none given) open loop at ``rate`` requests/s."""
-    if concurrency:
-        return ["--mode", "closed", "--concurrency", concurrency]
-    return ["--mode", "open", "--rate", f"{rate:.1f}"]
-
-
 def _images(sample: dict[str, float] | None) -> float:
     return (sample or {}).get("visionserve_images_total", 0.0)
+
+
+def _p99(step: dict[str, Any] | None) -> Any:
+    return (step or {}).get("latency_ms", {}).get("p99")
 
 
 def verdicts(sections: dict[str, Any], slo_p99_ms: float) -> dict[str, Any]:
     """Each target against what was measured (None where its figures are missing)."""
     serve, lit = sections.get("serve") or {}, (sections.get("litserve") or {}).get("best") or {}
     best, ratio = serve.get("best_images_per_s"), serve.get("to_pipeline_cpu_decode")
-    p99 = (serve.get("open_at_70") or {}).get("latency_ms", {}).get("p99")
+    p99 = _p99(serve.get("open_at_70"))
     out: dict[str, Any] = {
         "served_images_per_s >= 5000": None if best is None else best >= 5000,
         "served / pipeline (CPU decode) >= 0.9": None if ratio is None else ratio >= 0.9,
@@ -351,31 +338,9 @@ def verdicts(sections: dict[str, Any], slo_p99_ms: float) -> dict[str, Any]:
     }
     if best is not None and lit.get("best_images_per_s"):
         out["served >= 3x LitServe's best"] = best >= 3 * lit["best_images_per_s"]
-        ours = (serve.get("at_litserve_70") or {}).get("latency_ms", {}).get("p99")
-        theirs = (lit.get("open_at_70") or {}).get("latency_ms", {}).get("p99")
+        ours, theirs = _p99(serve.get("at_litserve_70")), _p99(lit.get("open_at_70"))
         out["p99 below LitServe's at its 70% load"] = None if ours is None or theirs is None else ours < theirs
     return out
-
-
-def summary_lines(report: dict[str, Any]) -> list[str]:
-    """The headline figures and the targets, a line each, for the end of the run."""
-    sections, lines = report["sections"], []
-    bench = sections.get("bench") or {}
-    if bench.get("engine_images_per_s"):
-        rates = ", ".join(f"{b}: {r:.0f}" for b, r in bench["engine_images_per_s"].items())
-        lines.append(f"runtime alone, images/s by batch: {rates}")
-    for key, label in (("pipeline_images_per_s", "CPU decoders"), ("pipeline_gpu_decode_images_per_s", "nvJPEG")):
-        if key in bench:
-            lines.append(f"pipeline from JPEG bytes with {label}: {bench[key]:.0f} images/s")
-    for name, body in (("LitServe", (sections.get("litserve") or {}).get("best")), ("served", sections.get("serve"))):
-        if body and body.get("open_at_70"):
-            p99 = body["open_at_70"]["latency_ms"]["p99"]
-            workers = f" ({body['workers']} workers)" if "workers" in body else ""
-            lines.append(f"{name}{workers}: best {body['best_images_per_s']:.0f} images/s at "
-                         f"c={body['best_concurrency']}, p99 {p99:.1f} ms at 70% of it")  # fmt: skip
-    lines += [f"target {k}: {'not measured' if v is None else ('met' if v else 'MISSED')}"
-              for k, v in (report.get("verdicts") or {}).items()]  # fmt: skip
-    return lines
 
 
 def _row(label: str, step: dict[str, Any]) -> str:
@@ -401,20 +366,16 @@ def _sweep(body: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def fill(args: argparse.Namespace) -> argparse.Namespace:
-    return runner.fill(args, SIZES, FIXED)
-
-
 def build_parser() -> argparse.ArgumentParser:
     return parser("gpu_speed", __doc__, FLAGS)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    return fill(build_parser().parse_args(argv))
+    return build_parser().parse_args(argv)
 
 
 def main(args: argparse.Namespace) -> int:
-    return Speed(fill(args)).main()
+    return Speed(args).main()
 
 
 if __name__ == "__main__":

@@ -149,10 +149,8 @@ def closed_loop(model: str, images: Sequence[bytes], clients: int, where: StepBo
 
 def step_line(result: StepResult) -> str:
     limited = f", client-limited ({'; '.join(result.client_limited)})" if result.client_limited else ""
-    return (
-        f"p50 {result.latency_ms(50):7.2f} ms, p99 {result.latency_ms(99):7.2f} ms, errors {result.errors or 0}"
-        + limited
-    )
+    p50, p99 = result.latency_ms(50), result.latency_ms(99)
+    return f"p50 {p50:7.2f} ms, p99 {p99:7.2f} ms, errors {result.errors or 0}{limited}"
 
 
 def step_figures(step: StepResult) -> dict[str, Any]:

@@ -2,11 +2,8 @@
 the JPEG bytes of one image a request, decoded per request in the inference worker (PIL + torchvision's
 ``Resize`` and ``CenterCrop`` with the model's spec.json), LitServe's own batching, the graph on the GPU.
 
-    python -m service.bench.litserve_app --model-dir REPO/resnet50/1 --device cuda --precision fp16 --port 8100
-
-The request is ``multipart/form-data`` with the image in the field ``image`` (LitServe hands a form to
-``decode_request``; a raw body it parses as JSON); the answer is ``{"index", "score"}`` of the top class. The
-route is ``--api-path`` (default ``/predict``); ``GET /health`` answers "ok" once every worker has loaded.
+The image is the form field ``image`` (LitServe hands a form to ``decode_request``, a raw body it parses as JSON);
+the answer is ``{"index", "score"}`` of the top class; ``GET /health`` answers once every worker has loaded.
 """
 
 from __future__ import annotations
@@ -49,25 +46,19 @@ class ImageAPI(ls.LitAPI):
         data = image.file.read() if hasattr(image, "file") else image
         return self.transform(Image.open(BytesIO(data)).convert("RGB"))
 
-    def batch(self, inputs: list[Any]) -> Any:
-        return torch.stack(inputs)
-
+    # batch and unbatch: LitServe's own (torch.stack of the decoded tensors; the list of answers, one per request)
     def predict(self, x: Any) -> Any:
         with torch.inference_mode():
             logits = self.model(x.to(self.device, non_blocking=True)).float()
             score, index = torch.softmax(logits, dim=1).max(dim=1)
         return list(zip(index.tolist(), score.tolist(), strict=True))
 
-    def unbatch(self, output: Any) -> Any:
-        return output
-
     def encode_response(self, output: Any) -> dict[str, Any]:
         return {"index": output[0], "score": output[1]}
 
 
-def model_file(model_dir: Path, precision: str) -> Path:
+def model_file(model_dir: Path, spec: dict[str, Any], precision: str) -> Path:
     """The version folder's TorchScript file of ``precision`` (export's names: model.pt, model.fp16.pt)."""
-    spec = json.loads((model_dir / "spec.json").read_text())
     for entry in spec.get("exports", []):
         if entry.get("format") == "torchscript" and entry.get("precision") == precision:
             return model_dir / str(entry["file"])
@@ -91,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     folder = Path(args.model_dir)
     spec = json.loads((folder / "spec.json").read_text())
-    api = ImageAPI(model_file(folder, args.precision), spec, args.precision, args.max_batch_size,
+    api = ImageAPI(model_file(folder, spec, args.precision), spec, args.precision, args.max_batch_size,
                    args.batch_timeout_s, args.api_path)  # fmt: skip
     accelerator = "cuda" if args.device.startswith("cuda") else "cpu"
     server = ls.LitServer(api, accelerator=accelerator, devices=1, workers_per_device=args.workers, timeout=60)

@@ -157,13 +157,7 @@ def build_models(args: argparse.Namespace, work: Path) -> tuple[list[str], Path]
 
     names = [f"m{i:02d}" for i in range(args.models)]
     repo = work / "repository"
-    stamp = {
-        "arch": args.arch,
-        "input_size": args.input_size,
-        "models": args.models,
-        "seed": args.seed,
-        "max_batch_size": args.max_batch_size,
-    }
+    stamp = {k: getattr(args, k) for k in ("arch", "input_size", "models", "seed", "max_batch_size")}
     if (work / BUILD_STAMP).is_file() and json.loads((work / BUILD_STAMP).read_text()) == stamp:
         return names, repo
     started = time.perf_counter()
@@ -196,19 +190,16 @@ def build_models(args: argparse.Namespace, work: Path) -> tuple[list[str], Path]
 
 
 def residency(url: str) -> dict[str, Any]:
-    """The residency gauges of ``/metrics``: charged bytes per model and per device, and the budget (CPU)."""
+    """The residency gauges of ``/metrics``: charged bytes per model, and on the CPU in all."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out: dict[str, Any] = {"models": {}, "device_bytes": 0.0, "budget_bytes": 0.0}
-    for family in text_string_to_metric_families(text):
+    out: dict[str, Any] = {"models": {}, "device_bytes": 0.0}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for s in family.samples:
             if s.name == "visionserve_model_resident_bytes" and s.value > 0:
                 out["models"][s.labels["model"]] = s.value
             elif s.name == "visionserve_device_resident_bytes" and s.labels.get("device") == "cpu":
                 out["device_bytes"] = s.value
-            elif s.name == "visionserve_memory_budget_bytes" and s.labels.get("device") == "cpu":
-                out["budget_bytes"] = s.value
     return out
 
 
@@ -218,13 +209,6 @@ def rss_bytes(pid: int) -> int:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def engine_pid(server: launcher.RunningServer) -> int:
-    engines = server.roles()["engine"]
-    if len(engines) != 1:
-        raise RuntimeError(f"expected one engine process under {server.process.pid}, found {engines}")
-    return engines[0]
 
 
 def listed(url: str) -> dict[str, float]:
@@ -302,7 +286,10 @@ def run_server(
     traffic, the charged bytes and RSS read alike on both (one side's reads must not cost it alone)."""
     server = start(repo, log, *flags)
     try:
-        pid = engine_pid(server)
+        engines = server.roles()["engine"]
+        if len(engines) != 1:
+            raise RuntimeError(f"expected one engine process under {server.process.pid}, found {engines}")
+        pid = engines[0]
         rss_empty, seen = rss_bytes(pid), {pid}
         scraper = Sampler(lambda: scrape(server, pid, args.scrape_from, seen), args.scrape_s, READ_ERRORS, False)
         scraper.start()
@@ -359,38 +346,20 @@ def probe(
     return first, size, served
 
 
-def run_rounds(
-    args: argparse.Namespace,
-    repo: Path,
-    pinned: Path,
-    sequence: list[tuple[float, str]],
-    top_sequence: list[tuple[float, str]],
-    body: bytes,
-    budget: int,
-    logs: Path,
-) -> list[dict[str, Any]]:
-    """``--rounds`` rounds of the on-demand server (A) and the pinned one (B), interleaved AB, BA, ..."""
+def run_rounds(args: argparse.Namespace, sides: dict[str, Any], body: bytes, logs: Path) -> list[dict[str, Any]]:
+    """``--rounds`` rounds of the on-demand server (A) and the pinned one (B), interleaved AB, BA, ...; ``sides``:
+    each one's (repository, arrivals, name, serve flags)."""
     rounds = []
     for k in range(args.rounds):
         order = "AB" if k % 2 == 0 else "BA"
         done: dict[str, Any] = {"order": order}
         for side in order:
-            if side == "A":
-                flags: tuple[str, ...] = (
-                    "--memory-budget",
-                    f"cpu={budget}",
-                    "--min-residency-s",
-                    str(args.min_residency_s),
-                )
-                flags += ("--max-parallel-loads", str(args.max_parallel_loads))
-                done["a"] = run_server(repo, sequence, body, args, logs / f"on-demand-{k}.log", *flags)
-            else:
-                done["b"] = run_server(pinned, top_sequence, body, args, logs / f"pinned-{k}.log")
-            figures, cores = done[side.lower()]["answers"], done[side.lower()]["server_cores"]
-            ok = [a.latency_s for a in figures if a.outcome == "200"]
+            repo, sequence, name, flags = sides[side]
+            done[side.lower()] = figures = run_server(repo, sequence, body, args, logs / f"{name}-{k}.log", *flags)
+            ok = [a.latency_s for a in figures["answers"] if a.outcome == "200"]
             print(
-                f"round {k + 1} {'on-demand' if side == 'A' else 'pinned'}: {len(ok)}/{len(figures)} ok, p50 "
-                f"{ms(ok, 0.5):.1f} ms, p99 {ms(ok, 0.99):.1f} ms, server CPU {cores:.2f} cores",
+                f"round {k + 1} {name}: {len(ok)}/{len(figures['answers'])} ok, p50 {ms(ok, 0.5):.1f} ms, p99 "
+                f"{ms(ok, 0.99):.1f} ms, server CPU {figures['server_cores']:.2f} cores",
                 flush=True,
             )
         rounds.append(done)
@@ -399,16 +368,10 @@ def run_rounds(
 
 def cold_start(args: argparse.Namespace, cold_version: Path, served: dict[str, Any], work: Path) -> dict[str, Any]:
     """The cold start of ``--cold-arch`` in parts: in process, served (measured by the probe) and Triton's."""
-    cold = {
-        "arch": args.cold_arch,
-        "input_size": args.cold_input_size,
-        "max_batch_size": args.cold_max_batch_size,
-        "in_process": cold_in_process(cold_version, args.cold_max_batch_size, args.cold_repeats),
-        "served": served,
-        "triton": triton_load(args, cold_version, work),
-    }
-    cold["file_bytes"] = cold["in_process"]["file_bytes"]
-    return cold
+    in_process = cold_in_process(cold_version, args.cold_max_batch_size, args.cold_repeats)
+    cold = {k: getattr(args, f"cold_{k}") for k in ("arch", "input_size", "max_batch_size")}
+    triton = triton_load(args, cold_version, work)
+    return cold | {"in_process": in_process, "served": served, "triton": triton, "file_bytes": in_process["file_bytes"]}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -444,7 +407,10 @@ def main(args: argparse.Namespace) -> int:
         f"sequence in {sequence_file}",
         flush=True,
     )
-    rounds = run_rounds(args, repo, pinned, sequence, top_sequence, body, budget, logs)
+    flags = ["--memory-budget", f"cpu={budget}", "--min-residency-s", str(args.min_residency_s)]
+    flags += ["--max-parallel-loads", str(args.max_parallel_loads)]
+    sides = {"A": (repo, sequence, "on-demand", flags), "B": (pinned, top_sequence, "pinned", [])}
+    rounds = run_rounds(args, sides, body, logs)
 
     sizes = {k: getattr(args, k) for k in ("models", "capacity", "rate", "duration_s", "scrape_s", "rounds")}
     results = header(**sizes, arch=f"{args.arch} {args.input_size}x{args.input_size}", popularity=args.popularity)

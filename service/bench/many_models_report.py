@@ -35,24 +35,24 @@ def ideal_lru(sequence: Sequence[str], capacity: int) -> float:
     cache: OrderedDict[str, None] = OrderedDict()
     hits = 0
     for model in sequence:
-        if model in cache:
-            hits += 1
-            cache.move_to_end(model)
-        else:
-            cache[model] = None
-            if len(cache) > capacity:
-                cache.popitem(last=False)
+        hits += model in cache
+        cache[model] = None
+        cache.move_to_end(model)
+        if len(cache) > capacity:
+            cache.popitem(last=False)
     return hits / len(sequence) if sequence else math.nan
 
 
-def stages(timing: str) -> dict[str, float]:
-    """A Server-Timing value as {stage: ms}."""
-    out = {}
-    for entry in timing.split(","):
+def slow_hit(a: Answer) -> dict[str, Any]:
+    """One of the slowest hits: its latency and the longest stage of its Server-Timing but the total."""
+    stages = {}
+    for entry in a.timing.split(","):
         name, _, dur = entry.strip().partition(";dur=")
         with contextlib.suppress(ValueError):
-            out[name] = float(dur)
-    return out
+            stages[name] = float(dur)
+    stages.pop("total", None)
+    s, v = max(stages.items(), key=lambda kv: kv[1], default=("none", 0.0))
+    return {"ms": 1000 * a.latency_s, "model": a.model, "largest_stage": s, "stage_ms": v, "server_timing": a.timing}
 
 
 def beside_loads(answers: Sequence[Answer]) -> dict[str, Any]:
@@ -67,25 +67,12 @@ def beside_loads(answers: Sequence[Answer]) -> dict[str, Any]:
     during = [a for a in hits if any(s < a.due_s + a.latency_s and a.due_s < e for s, e in loads)]
     clear = [a for a in hits if a not in during]
     slowest = sorted(hits, key=lambda a: -a.latency_s)[: max(1, len(hits) // 100)]
-    largest = [
-        max(((k, v) for k, v in stages(a.timing).items() if k != "total"), key=lambda kv: kv[1], default=("none", 0.0))
-        for a in slowest
-    ]
     return {
         "hits_during_loads": len(during),
         "hits_clear": len(clear),
         **quantiles([a.latency_s for a in during], "during_loads_"),
         **quantiles([a.latency_s for a in clear], "clear_"),
-        "slowest": [
-            {
-                "ms": 1000 * a.latency_s,
-                "model": a.model,
-                "largest_stage": stage,
-                "stage_ms": v,
-                "server_timing": a.timing,
-            }
-            for a, (stage, v) in zip(slowest, largest, strict=True)
-        ],
+        "slowest": [slow_hit(a) for a in slowest],
     }
 
 
@@ -108,18 +95,18 @@ def judge(args: argparse.Namespace, size: int, budget: int, sequence: Arrivals, 
 
     answered = [a for a in answers if a.outcome.isdigit()]
     server_rate = 1 - sum(a.cold_ms is not None for a in answered) / max(1, len(answered))
-    ideal = ideal_lru([m for _, m in sequence], args.capacity)
+    models = [m for _, m in sequence]
+    ideal = ideal_lru(models, args.capacity)
     resident = [s["resident"] for r in rounds for s in r["a"]["samples"]]
+    mean = statistics.fmean(resident) if resident else None
     hits = {
         "server": server_rate,
         "ideal_lru": ideal,
         "points": 100 * (server_rate - ideal),
         "capacity": args.capacity,
-        "resident_mean": statistics.fmean(resident) if resident else None,
+        "resident_mean": mean,
         "resident_max": max(resident, default=None),
-        "ideal_lru_at_mean_resident": ideal_lru([m for _, m in sequence], round(statistics.fmean(resident)))
-        if resident
-        else None,
+        "ideal_lru_at_mean_resident": None if mean is None else ideal_lru(models, round(mean)),
     }
     hits["passed"] = abs(hits["points"]) <= args.hit_rate_points
 
@@ -199,69 +186,54 @@ def _memory(args: argparse.Namespace, size: int, budget: int, rounds: list[dict[
 
 def report(results: dict[str, Any]) -> None:
     c, h, p, m, cs = (results[k] for k in ("correct", "hit_rate", "p99_hits", "memory", "cold_start"))
-    mb = 1e6
-    print(
+    bl, end, mb = p["beside_loads"], m["at_end"][-1], 1e6
+    sv, tr, first, later = cs["served"], cs["triton"], cs["in_process"]["first"], cs["in_process"]["median_later"]
+    rounds = ", ".join(f"{r['ratio']:.2f} ({r['order']})" for r in p["rounds"])
+    tail = ", ".join(f"{x['ms']:.0f} ms ({x['largest_stage']} {x['stage_ms']:.0f})" for x in bl["slowest"])
+
+    def parts(x: dict[str, Any]) -> str:
+        return (
+            f"read {x['read_ms']:.1f} + build {x['build_ms']:.1f} + warm-up {x['warmup_ms']:.1f} = {x['total_ms']:.1f}"
+        )
+
+    triton = (
+        f"  Triton explicit load {tr['load_ms']:.1f} ms (build {tr.get('build_ms', math.nan):.1f} + warm-up "
+        f"{tr.get('warmup_ms', math.nan):.1f}); served cold_start / Triton "
+        f"{sv['first_cold_start_ms'] / tr['load_ms']:.2f}"
+        if tr["ran"]
+        else f"  Triton: not run: {tr['why']}"
+    )
+    lines = [
         f"\nmodels {results['models']} x {results['arch']}, budget {results['budget_bytes'] / mb:.1f} MB = "
         f"{results['capacity'] + 0.5} x {results['model_bytes'] / mb:.1f} MB measured; {results['rate']:g} req/s "
-        f"for {results['duration_s']:g} s x {results['rounds']} round(s), {results['popularity']}"
-    )
-    print(
+        f"for {results['duration_s']:g} s x {results['rounds']} round(s), {results['popularity']}",
         f"{VERDICT[c['passed']]} answers from the right model: {c['ok']}/{c['answers']} ok, wrong model "
-        f"{c['wrong_model']}, 5xx {c['5xx']}, other failures {c['other_failures']}, server deaths "
-        f"{c['server_deaths']}"
-    )
-    print(
-        f"{VERDICT[h['passed']]} hit rate {100 * h['server']:.1f}% vs ideal LRU({h['capacity']}) "
-        f"{100 * h['ideal_lru']:.1f}%: {h['points']:+.1f} points (limit +-{results['limits']['hit_rate_points']:g}); "
-        f"resident models mean {h['resident_mean'] or 0:.1f}, max {h['resident_max']} (an ideal LRU of the mean: "
-        f"{100 * (h['ideal_lru_at_mean_resident'] or math.nan):.1f}%)"
-    )
-    rounds = ", ".join(f"{r['ratio']:.2f} ({r['order']})" for r in p["rounds"])
-    print(
+        f"{c['wrong_model']}, 5xx {c['5xx']}, other failures {c['other_failures']}, server deaths {c['server_deaths']}",
+        f"{VERDICT[h['passed']]} hit rate {h['server']:.1%} vs ideal LRU({h['capacity']}) {h['ideal_lru']:.1%}: "
+        f"{h['points']:+.1f} points (limit +-{results['limits']['hit_rate_points']:g}); resident models mean "
+        f"{h['resident_mean'] or 0:.1f}, max {h['resident_max']} (an ideal LRU of the mean: "
+        f"{h['ideal_lru_at_mean_resident'] or math.nan:.1%})",
         f"{VERDICT[p['passed']]} p99 of hits {p['a_hits_p99_ms']:.1f} ms vs pinned {p['b_p99_ms']:.1f} ms: ratio "
         f"{p['ratio']:.2f} (limit {p['limit']:g}); per round {rounds}; top-{h['capacity']} hits only "
         f"{p['a_top_hits_p99_ms']:.1f} ms (ratio {p['ratio_top']:.2f}); p50 hits {p['a_hits_p50_ms']:.1f} vs "
         f"{p['b_p50_ms']:.1f} ms; misses p50 {p['a_misses_p50_ms']:.1f} p99 {p['a_misses_p99_ms']:.1f} ms, "
-        f"cold_start p50 {p['cold_start_p50_ms']:.1f} max {p['cold_start_max_ms']:.1f} ms"
-    )
-    bl = p["beside_loads"]
-    tail = ", ".join(f"{x['ms']:.0f} ms ({x['largest_stage']} {x['stage_ms']:.0f})" for x in bl["slowest"])
-    print(
+        f"cold_start p50 {p['cold_start_p50_ms']:.1f} max {p['cold_start_max_ms']:.1f} ms",
         f"  hits while a load ran: {bl['hits_during_loads']}, p50 {bl['during_loads_p50_ms']:.1f} p99 "
         f"{bl['during_loads_p99_ms']:.1f} ms; the others: {bl['hits_clear']}, p50 {bl['clear_p50_ms']:.1f} p99 "
-        f"{bl['clear_p99_ms']:.1f} ms; slowest 1% of hits, largest Server-Timing stage: {tail}"
-    )
-    print(
+        f"{bl['clear_p99_ms']:.1f} ms; slowest 1% of hits, largest Server-Timing stage: {tail}",
         f"{VERDICT[m['charged_passed']]} charged bytes at most {m['max_charged_bytes'] / mb:.1f} MB over "
         f"{m['scrapes']} reads of {m['source']} every {results['scrape_s']:g} s (limit budget + one model = "
         f"{(m['budget_bytes'] + m['model_bytes']) / mb:.1f} MB); a read took p50 {m['read_ms_p50']:.1f} ms, max "
-        f"{m['read_ms_max']:.1f} ms; at the end /metrics said {m['at_end'][-1]['metrics_bytes'] / mb:.1f} MB, "
-        f"/v1/models {m['at_end'][-1]['listed_bytes'] / mb:.1f} MB (/metrics took "
-        f"{m['at_end'][-1]['metrics_read_ms']:.0f} ms)"
-    )
-    print(
+        f"{m['read_ms_max']:.1f} ms; at the end /metrics said {end['metrics_bytes'] / mb:.1f} MB, /v1/models "
+        f"{end['listed_bytes'] / mb:.1f} MB (/metrics took {end['metrics_read_ms']:.0f} ms)",
         f"{VERDICT[m['rss_passed']]} engine RSS growth / charged bytes: worst {m['rss_ratio_worst']:.2f}, median "
         f"{m['rss_ratio_median']:.2f}, range {m['rss_ratio_min']:.2f}..{m['rss_ratio_max']:.2f} (limit 1 +- "
-        f"{m['tolerance']:g})"
-    )
-    ip, sv, tr = cs["in_process"], cs["served"], cs["triton"]
-    first, later = ip["first"], ip["median_later"]
-    print(
-        f"cold start of {cs['arch']} ({cs['file_bytes'] / mb:.1f} MB file), in process: first read "
-        f"{first['read_ms']:.1f} + build {first['build_ms']:.1f} + warm-up {first['warmup_ms']:.1f} = "
-        f"{first['total_ms']:.1f} ms; later (median) read {later['read_ms']:.1f} + build {later['build_ms']:.1f} "
-        f"+ warm-up {later['warmup_ms']:.1f} = {later['total_ms']:.1f} ms"
-    )
-    print(
+        f"{m['tolerance']:g})",
+        f"cold start of {cs['arch']} ({cs['file_bytes'] / mb:.1f} MB file), in process: first {parts(first)} ms; "
+        f"later (median) {parts(later)} ms",
         f"  served: first request {sv['first_request_ms']:.1f} ms, its cold_start {sv['first_cold_start_ms']:.1f} "
         f"ms (served / in-process later {sv['first_cold_start_ms'] / later['total_ms']:.2f}); second request "
-        f"{sv['second_request_ms']:.1f} ms"
-    )
-    if tr["ran"]:
-        print(
-            f"  Triton explicit load {tr['load_ms']:.1f} ms (build {tr.get('build_ms', math.nan):.1f} + warm-up "
-            f"{tr.get('warmup_ms', math.nan):.1f}); served cold_start / Triton "
-            f"{sv['first_cold_start_ms'] / tr['load_ms']:.2f}"
-        )
-    else:
-        print(f"  Triton: not run: {tr['why']}")
+        f"{sv['second_request_ms']:.1f} ms",
+        triton,
+    ]
+    print("\n".join(lines))

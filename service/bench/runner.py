@@ -1,12 +1,7 @@
 """The one runner of a sequence of steps (``visionserve bench gpu-check`` and ``gpu-speed`` stand on it): each step
-reported, each within its share of the time budget, one that fails says why and the next runs, and the report
-rewritten after every step. Latency figures are the load tester's, whose percentiles are
-:mod:`service.core.percentile`'s (nearest rank: the ceil(q*n)-th smallest), as everywhere in the benchmarks.
-
-A step may use what the steps before it left unused, never what the steps after it are owed; its commands are
-stopped at its deadline (:func:`service.launcher.stop_process`). A step whose prerequisite step did not complete,
-or whose modules do not import, is skipped with the reason. The standard library only at import (and httpx, which
-the GPU machine brings): what the steps need beyond it comes from carried wheels, installed by the install step.
+reported, each within its share of the time budget (never what the later steps are owed), one that fails or cannot
+run says why and the next runs, and the report rewritten after every step. The standard library only at import (and
+httpx, which the GPU machine brings): what the steps need beyond it comes from the carried wheels (the install step).
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -93,15 +88,6 @@ def flags(*, what: str, out: str, budget_s: float, skippable: Sequence[str]) -> 
     ]
 
 
-def fill(args: argparse.Namespace, sizes: Mapping[str, tuple[Any, ...]],
-         fixed: Mapping[str, tuple[Any, Any]]) -> argparse.Namespace:  # fmt: skip
-    """The sizes not given (``sizes``: flags; ``fixed``: no flag sets them), for the real run or the dry run."""
-    settle(args, sizes, small=args.dry_run)
-    for key, (full, dry) in fixed.items():
-        setattr(args, key, dry if args.dry_run else full)
-    return args
-
-
 def parser(prog: str, doc: str | None, table: Sequence[Flag]) -> argparse.ArgumentParser:
     """``python -m service.bench.PROG``'s parser (what ``make`` runs: no carried wheel needed to parse its flags)."""
     p = argparse.ArgumentParser(prog, description=doc.split("\n\n")[0] if doc else None, formatter_class=Defaults)
@@ -120,15 +106,6 @@ class Defaults(argparse.ArgumentDefaultsHelpFormatter):
 def names(text: str) -> set[str]:
     """``--skip a,b``: a set of step names."""
     return {s.strip() for s in text.split(",") if s.strip()}
-
-
-def command_env(root: Path, site: Path, *, one_thread: bool) -> dict[str, str]:
-    """The environment every command runs in: the project and the carried packages (``site``) importable."""
-    path = [str(root), str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
-    if one_thread:  # the dry run: one thread a process on a busy CPU (train 41 s -> 12 s with one on 2 cores)
-        env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def on_cpus(cpus: Collection[int] | None, session: bool = False) -> Callable[[], None] | None:
@@ -154,27 +131,6 @@ def split_cores(cores: list[int], client_cores: int) -> tuple[list[int], list[in
     return cores[:client_cores], cores[client_cores:]
 
 
-def run_logged(cmd: list[str], *, cwd: Path, env: Mapping[str, str], timeout_s: float, log: Path,
-               cpus: Collection[int] | None = None) -> tuple[int | None, str, str]:  # fmt: skip
-    """Run ``cmd`` in a session of its own (on ``cpus`` when given), stopped with its children after ``timeout_s``;
-    (exit code, or None when stopped; stdout; stderr), both written to ``log`` either way, also what a command
-    stopped at its deadline printed until then (a killed export's last gate, a killed test run's last test)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True,
-                                preexec_fn=on_cpus(cpus))  # fmt: skip
-        try:
-            code: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_process(proc, timeout_s=2, term_group=True)  # its own children too (a server, compile workers)
-            code = None
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    ended = "" if code is not None else f"(stopped after {timeout_s:.0f} s: above is what it printed until then)\n"
-    log.write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr\n{stderr}{ended}")
-    return code, stdout, stderr
-
-
 def last_line(text: str) -> str:
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-2] if len(lines) >= 2 and lines[-1].startswith("checkpoint written") else (lines[-1] if lines else "")
@@ -189,19 +145,31 @@ def step_summary(step: dict[str, Any]) -> dict[str, Any]:
 
 class StepRunner:
     """One prepared command's steps: deadlines, commands with logs, the install step, the report. A subclass names
-    its ``steps`` (name -> share of the budget, in order), the modules each ``needs``, and draws its sections."""
+    its ``steps`` (name -> share of the budget, in order; each needs the first, or the step it comes ``after``), the
+    modules each ``needs``, its ``sizes`` (flags) and ``fixed`` figures (``key: (the real run's, the dry run's)``),
+    and draws its sections."""
 
     prefix = "gpu"  # what every progress line starts with
     kind = "GPU run"  # what the report calls the real run
     steps: ClassVar[dict[str, float]] = {}
+    after: ClassVar[dict[str, str]] = {}
     needs: ClassVar[dict[str, tuple[str, ...]]] = {}
+    sizes: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    fixed: ClassVar[dict[str, tuple[Any, Any]]] = {}
 
     def __init__(self, args: argparse.Namespace) -> None:
-        """``args``: the flags of :func:`flags` and the command's own."""
+        """``args``: the flags of :func:`flags` and the command's own; the sizes not given are filled in."""
+        settle(args, self.sizes, small=args.dry_run)
+        for key, (full, dry) in self.fixed.items():
+            setattr(args, key, dry if args.dry_run else full)
         self.args, self.dry, self.out = args, bool(args.dry_run), Path(args.out).resolve()
         self.site, self.wheels, self.budget_s = Path(args.site).resolve(), str(args.wheels), float(args.budget_s)
         self.skip, self.fail_step = set(args.skip), args.fail_step
-        self.env = command_env(ROOT, self.site, one_thread=self.dry)
+        # Every command's: the project and the carried packages importable
+        path = [str(ROOT), str(self.site), *filter(None, [os.environ.get("PYTHONPATH")])]
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+        if self.dry:  # one thread a process on a busy CPU (train 41 s -> 12 s with one on 2 cores)
+            self.env.setdefault("OMP_NUM_THREADS", "1")
         self.device = "cpu" if self.dry else "cuda"  # with the sizes, the only difference between the two runs
         self.model = "smallcnn" if self.dry else "resnet50"
         self.repo = self.out / "repo"  # where the export step writes the model
@@ -223,20 +191,29 @@ class StepRunner:
     def step_left_s(self) -> float:
         return self.deadline - time.monotonic()
 
-    def share_s(self, name: str) -> float:
-        return self.steps[name] * self.budget_s / sum(self.steps.values())
-
     def run(self, cmd: list[str], timeout_s: float, log: str, cpus: Collection[int] | None = None,
             ) -> subprocess.CompletedProcess[str]:  # fmt: skip
-        """Run ``cmd`` from the repository root, stopped at the step's deadline (on ``cpus`` when given); its
-        output kept in ``OUT/log.log``, also what a command stopped at the deadline printed until then."""
+        """Run ``cmd`` from the repository root in a session of its own (on ``cpus`` when given), stopped with its
+        children at the step's deadline; its output kept in ``OUT/log.log``, also what a command stopped at the
+        deadline printed until then (a killed export's last gate, a killed test run's last test)."""
         timeout = min(timeout_s, self.step_left_s())
         what = " ".join([Path(cmd[0]).name, *(c.strip().splitlines()[0][:40] for c in cmd[1:5] if c.strip())])
         if timeout < 1:
             raise StepError(f"no time left in this step's share for {what}")
         started = time.monotonic()
-        code, stdout, stderr = run_logged(cmd, cwd=ROOT, env=self.env, timeout_s=timeout,
-                                          log=self.out / f"{log}.log", cpus=cpus)  # fmt: skip
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=out, stderr=err, text=True,
+                                    start_new_session=True, preexec_fn=on_cpus(cpus))  # fmt: skip
+            try:
+                code: int | None = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                stop_process(proc, timeout_s=2, term_group=True)  # its own children too (a server, compile workers)
+                code = None
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        ended = "" if code is not None else f"(stopped after {timeout:.0f} s: above is what it printed until then)\n"
+        (self.out / f"{log}.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr\n{stderr}{ended}")
         if code is None:
             at = f"; last said: {w}" if (w := last_line(stderr) or last_line(stdout)) else ""
             raise StepError(f"{what} ran past {timeout:.0f} s (this step's share){at}")
@@ -258,8 +235,7 @@ class StepRunner:
         lines = proc.stdout.strip().splitlines()
         if not lines:
             raise StepError(f"{' '.join(proc.args[2:5])} printed nothing: {proc.stderr.strip()[-400:]}")
-        result: dict[str, Any] = json.loads(lines[-1])
-        return result
+        return json.loads(lines[-1])
 
     # ---- the commands every GPU scenario issues, its own flags added (one builder each, for both runs) ---------
     def export_command(self, formats: str, *more: str) -> list[str]:
@@ -280,21 +256,29 @@ class StepRunner:
                 "--processes", str(processes)]  # fmt: skip
 
     def exported(self, proc: subprocess.CompletedProcess[str], pattern: str) -> dict[str, Any]:
-        """What the export step wrote (the files matching ``pattern``, in MB) and its parity lines; StepError when
-        it wrote none."""
+        """The files matching ``pattern`` the export wrote (in MB; StepError for none) and its parity lines."""
         found = sorted((self.repo / self.model / "1").glob(pattern))
         if not found:
             raise StepError(f"export wrote no artifact: {proc.stdout.strip()[-400:]}")
         return {"model": self.model, "files_mb": {p.name: round(p.stat().st_size / 1e6, 2) for p in found},
                 "parity": [ln for ln in proc.stdout.splitlines() if ln.startswith("parity ")]}  # fmt: skip
 
-    def step(self, name: str, fn: Callable[[], dict[str, Any]], *, after: str | None = None) -> None:
-        """Run one step within its deadline; whatever it raises is its own error, and the next step still runs."""
+    def main(self) -> int:
+        """Every step in order, and the report; exit 1 when a step erred."""
+        self.begin()
+        try:
+            for name in self.steps:
+                self.step(name)
+        finally:
+            self.finish()
+        return 1 if self.report["errors"] else 0
+
+    def step(self, name: str) -> None:
+        """Run step ``name`` within its deadline; whatever it raises is its own error, and the next step still runs."""
         order = list(self.steps)
-        later = sum(self.share_s(s) for s in order[order.index(name) + 1 :] if s not in self.skip)
-        allowance = self.left_s() - later
-        reason = self.why_not(name, allowance, after)
-        if reason is not None:
+        later = sum(self.steps[s] for s in order[order.index(name) + 1 :] if s not in self.skip)
+        allowance = self.left_s() - later * self.budget_s / sum(self.steps.values())
+        if (reason := self.why_not(name, allowance)) is not None:
             self.skipped(name, reason)
             return
         self.say(f"{name} ({allowance:.0f} s, {self.left_s():.0f} s left in all)")
@@ -303,13 +287,11 @@ class StepRunner:
         try:
             if name == self.fail_step:
                 raise StepError("made to fail by --fail-step")
-            self.report["sections"][name] = fn()
-        except StepError as exc:
-            self.report["errors"][name] = str(exc)
-            self.say(f"  error: {exc}")
-        except Exception as exc:  # a bug of the script: recorded, and the other steps still run
-            self.report["errors"][name] = f"{type(exc).__name__}: {exc}"
-            self.say(f"  error: {type(exc).__name__}: {exc}")
+            self.report["sections"][name] = getattr(self, name)()
+        except Exception as exc:  # a StepError says why; anything else, a bug of the script, is recorded all the same
+            said = str(exc) if isinstance(exc, StepError) else f"{type(exc).__name__}: {exc}"
+            self.report["errors"][name] = said
+            self.say(f"  error: {said}")
         self.report["seconds"][name] = round(time.monotonic() - started, 1)
         self.write()
 
@@ -318,8 +300,10 @@ class StepRunner:
         self.say(f"{name}: skipped ({reason})")
         self.write()
 
-    def why_not(self, name: str, allowance: float, after: str | None) -> str | None:
+    def why_not(self, name: str, allowance: float) -> str | None:
         """Why step ``name`` cannot run now (None: it can)."""
+        first = next(iter(self.steps))  # every later step needs it, or the one ``after`` names
+        after = self.after.get(name, first if name != first else None)
         if name in self.skip:
             return "--skip"
         if after is not None and after not in self.report["sections"]:
@@ -334,12 +318,15 @@ class StepRunner:
         return None
 
     def versions(self, timeout_s: float) -> dict[str, Any]:
-        """The environment step's start: torch, CUDA, the devices, torchvision, onnxruntime, Python, the cores."""
+        """The environment step's start: torch, CUDA, the devices, torchvision, onnxruntime, Python, the cores;
+        StepError where the real run finds no GPU."""
         proc = self.run([sys.executable, "-c", ENVIRONMENT_CODE], timeout_s, "environment")
         if proc.returncode != 0:
             raise StepError(f"torch does not import: {proc.stderr.strip()[-400:]}")
         env = self.json_line(proc)
         env.update(python=platform.python_version(), cpu_cores=os.cpu_count())
+        if not self.dry and not env["gpus"]:
+            raise StepError("no usable CUDA device: run with --dry-run on a machine without a GPU")
         return env
 
     def unimportable(self, modules: Sequence[str]) -> list[str]:
@@ -391,13 +378,16 @@ class StepRunner:
         """The report's lines before the sections (a subclass adds its own)."""
         return []
 
+    def headline(self) -> list[str]:
+        """The lines said at the end of the run, before where the report is (a subclass adds its own)."""
+        return []
+
     def draw(self, name: str, body: dict[str, Any]) -> list[str]:
         """A section's numbers for people (a subclass draws its own tables)."""
         return ["```json", json.dumps(body, indent=2, default=str), "```", ""]
 
     def markdown(self) -> str:
-        """One section per step: its time, its error or why it was skipped, its numbers; then what else was
-        skipped or failed (a combination of a step, a run of several)."""
+        """Per step: its time, its error or why it was skipped, its numbers; then what else was skipped or failed."""
         r = self.report
         lines = [f"# visionserve {r['kind']}", "", f"Started {r['started_at']}, {r['seconds_total']:.0f} s in all.", ""]
         lines += self.head()
@@ -424,9 +414,9 @@ class StepRunner:
             text = f"# visionserve {self.report['kind']}\n\nThe report could not be drawn ({exc!r}): see report.json.\n"
         (self.out / "report.md").write_text(text)
 
-    def finish(self, *lines: str) -> None:
-        """The last report, its headline ``lines`` and where it is."""
+    def finish(self) -> None:
+        """The last report, its headline and where it is."""
         self.write()
-        for line in lines:
+        for line in self.headline():
             self.say(line)
         self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")

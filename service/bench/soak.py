@@ -109,14 +109,12 @@ def build_mix(model: str, bad_fraction: float, size: int = 1000) -> list[Request
         Request(f"/v1/models/{model}-no-such-model/classify", digit6, png, "bad:unknown-model"),
         Request(infer, b'{"inputs": [{"name": "IMAGE", not json', js, "bad:v2-not-json"),
     ]
-    out: list[Request] = []
-    taken = Counter[str]()
-    for i in range(size):
-        kind = "bad" if math.floor((i + 1) * bad_fraction) > math.floor(i * bad_fraction) else "good"
-        kinds = bad if kind == "bad" else good
-        out.append(kinds[taken[kind] % len(kinds)])
-        taken[kind] += 1
-    return out
+
+    def pick(i: int) -> Request:  # i * bad_fraction, rounded down: the bad ones before i
+        before = math.floor(i * bad_fraction)
+        return bad[before % len(bad)] if math.floor((i + 1) * bad_fraction) > before else good[(i - before) % len(good)]
+
+    return [pick(i) for i in range(size)]
 
 
 def soak(
@@ -151,14 +149,8 @@ def judge(urls: dict[str, str], good: list[Request], rate: float, args: argparse
     p99 = {s: ms(v, 0.99) for s, v in ok_s.items()}
     by_round = {(w["round"], w["server"]): w["p99_ms"] for w in windows}
     per_round = [by_round[k, "aged"] / by_round[k, "fresh"] for k in range(1, args.judge_rounds + 1)]
-    return {
-        "rate": rate,
-        "windows": windows,
-        "aged_p99_ms": p99["aged"],
-        "fresh_p99_ms": p99["fresh"],
-        "p99_ratio": p99["aged"] / p99["fresh"],
-        "p99_ratio_per_round": per_round,
-    }
+    figures = {"rate": rate, "windows": windows, "aged_p99_ms": p99["aged"], "fresh_p99_ms": p99["fresh"]}
+    return figures | {"p99_ratio": p99["aged"] / p99["fresh"], "p99_ratio_per_round": per_round}
 
 
 def _is_error(r: Record) -> bool:
@@ -183,18 +175,11 @@ def summarise(
         per_10s.append({"start_s": start, "count": len(values), **quantiles(values)})
     at_warmup = ([mb for t, mb in rss if t <= args.warmup_s] or [rss[0][1]])[-1]
     growth = max([mb for t, mb in rss if t >= args.warmup_s], default=at_warmup) - at_warmup
+    ratio, rss_limit, p99_limit = judgement["p99_ratio"], args.max_rss_growth_mb, args.max_p99_ratio
     criteria = {
-        "rss_growth": {
-            "value_mb": growth,
-            "limit_mb": args.max_rss_growth_mb,
-            "passed": growth < args.max_rss_growth_mb,
-        },
+        "rss_growth": {"value_mb": growth, "limit_mb": rss_limit, "passed": growth < rss_limit},
         "errors": {"value": sum(errors.values()), "limit": 0, "passed": not errors},
-        "p99_aged_vs_fresh": {
-            "value": judgement["p99_ratio"],
-            "limit": args.max_p99_ratio,
-            "passed": judgement["p99_ratio"] <= args.max_p99_ratio,
-        },
+        "p99_aged_vs_fresh": {"value": ratio, "limit": p99_limit, "passed": ratio <= p99_limit},
     }
     return {
         "requests": {"count": len(records), "by_tag": {t: dict(c) for t, c in sorted(by_tag.items())}},
@@ -208,25 +193,22 @@ def summarise(
 
 
 def report(results: dict[str, Any]) -> None:
-    print("outcomes per tag:")
+    c, j, errors = results["criteria"], results["judgement"], results["errors"]
+    lines = ["outcomes per tag:"]
     for tag, outcomes in results["requests"]["by_tag"].items():
-        print(f"  {tag:<24} " + ", ".join(f"{o}: {n}" for o, n in sorted(outcomes.items())))
-    c, j = results["criteria"], results["judgement"]
-    print(
-        f"{VERDICT[c['rss_growth']['passed']]} RSS growth after warm-up {c['rss_growth']['value_mb']:+.1f} MiB "
-        f"(limit < {c['rss_growth']['limit_mb']:g})"
-    )
-    print(
-        f"{VERDICT[c['errors']['passed']]} errors other than bad inputs' 4xx: {c['errors']['value']}"
-        + (f" {results['errors']}" if results["errors"] else "")
-    )
+        lines.append(f"  {tag:<24} " + ", ".join(f"{o}: {n}" for o, n in sorted(outcomes.items())))
     rounds = ", ".join(f"{r:.3f}" for r in j["p99_ratio_per_round"])
-    print(
+    lines += [
+        f"{VERDICT[c['rss_growth']['passed']]} RSS growth after warm-up {c['rss_growth']['value_mb']:+.1f} MiB "
+        f"(limit < {c['rss_growth']['limit_mb']:g})",
+        f"{VERDICT[c['errors']['passed']]} errors other than bad inputs' 4xx: {c['errors']['value']}"
+        + (f" {errors}" if errors else ""),
         f"{VERDICT[c['p99_aged_vs_fresh']['passed']]} p99 aged / fresh {j['p99_ratio']:.3f} (aged "
         f"{j['aged_p99_ms']:.2f} ms, fresh {j['fresh_p99_ms']:.2f} ms at {j['rate']:.1f} req/s; per round "
-        f"{rounds}; limit <= {c['p99_aged_vs_fresh']['limit']:g})"
-    )
-    print(f"verdict: {'PASS' if results['passed'] else 'FAIL'}")
+        f"{rounds}; limit <= {c['p99_aged_vs_fresh']['limit']:g})",
+        f"verdict: {'PASS' if results['passed'] else 'FAIL'}",
+    ]
+    print("\n".join(lines))
 
 
 def plot(results: dict[str, Any], path: Path, warmup_s: float) -> None:

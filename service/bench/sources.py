@@ -33,8 +33,8 @@ Exit code 0 when every target is met, 1 when one is missed, 2 when it cannot run
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import resource
 import secrets
 import sys
 import tempfile
@@ -48,11 +48,11 @@ import httpx
 from loadtest.cameras import RtspServer, rtsp_available
 from loadtest.scrape import bucket_quantile, parse
 from service import launcher
+from service.bench.detect_served import PIPELINE_BATCH, in_process
 from service.bench.kit import COUNT, POSITIVE, SHARE, Flag, conclude, header, repository
 
 FLATNESS = 0.10  # the last window's age p99 within this share of the first's, either way
 RSS_GROWTH = 0.05  # the engine's and the front ends' RSS at the end over theirs after the warm-up, at most
-PIPELINE_BATCH = 8
 FRAMES_GRABBED = 32  # the cameras' frames saved as JPEGs for the capacity figure
 AGE = "visionserve_source_age_seconds"
 Say = Callable[[str], None]
@@ -101,14 +101,6 @@ def grab_frames(url: str, folder: Path, count: int) -> list[Path]:
     return paths
 
 
-def capacity(args: argparse.Namespace, images: Path) -> dict[str, Any]:
-    """The in-process detection pipeline at batch 8 on ``images`` (service/bench/detect_served.py's figure)."""
-    from service.bench.detect_served import in_process
-
-    options = argparse.Namespace(model=args.model, repository=args.repository, bench_seconds=args.capacity_seconds)
-    return in_process(options, images)
-
-
 class Server:
     """The running server as the benchmark drives and reads it: its sources (``/v1/sources``, with the admin
     token), its ``/metrics`` for the model, and its engine's and front ends' RSS."""
@@ -123,19 +115,14 @@ class Server:
             raise RuntimeError(f"POST /v1/sources {body} answered {answer.status_code}: {answer.text}")
 
     def sources(self) -> dict[str, dict[str, Any]]:
-        answer = self.client.get("/v1/sources")
-        answer.raise_for_status()
-        return {doc["id"]: doc for doc in answer.json()["sources"]}
+        return {doc["id"]: doc for doc in self.client.get("/v1/sources").raise_for_status().json()["sources"]}
 
     def metrics(self) -> dict[str, float]:
-        answer = self.client.get("/metrics")
-        answer.raise_for_status()
-        return parse(answer.text, self.model)
+        return parse(self.client.get("/metrics").raise_for_status().text, self.model)
 
     def rss_mb(self) -> dict[str, float]:
         """The RSS of the engines and of the front ends, each role summed, in MiB."""
-        found = launcher.roles(self.running.process.pid)
-        return {role: sum(launcher.tree_rss_mb(pid) for pid in pids) for role, pids in found.items()}
+        return {role: sum(map(launcher.tree_rss_mb, pids)) for role, pids in self.running.roles().items()}
 
     def delete(self, id: str) -> None:
         answer = self.client.delete(f"/v1/sources/{id}")
@@ -192,14 +179,9 @@ def snapshot(server: Server, cameras: RtspServer) -> dict[str, Any]:
         "cpu_s": {
             "cameras": launcher.tree_cpu_s(cameras.pid),
             "server": launcher.tree_cpu_s(server.running.process.pid),
-            "bench": _own_cpu_s(),
+            "bench": time.process_time(),
         },
     }
-
-
-def _own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def age_p99_ms(before: dict[str, float], after: dict[str, float]) -> float:
@@ -247,9 +229,7 @@ def per_source(first: dict[str, Any], last: dict[str, Any], seconds: float) -> d
             "frames": frames,
             "answered_fps": frames["answered"] / seconds,
             "decoded_fps": frames["decoded"] / seconds,
-            "age_ms": doc["age_ms"],
-            "decode_ms_per_frame": doc["decode_ms_per_frame"],
-            "reconnects": doc["reconnects"],
+            **{k: doc[k] for k in ("age_ms", "decode_ms_per_frame", "reconnects")},
         }
     return out
 
@@ -359,23 +339,15 @@ def cameras_for(args: argparse.Namespace) -> RtspServer:
 
 
 def source_bodies(args: argparse.Namespace, cameras: RtspServer) -> list[dict[str, Any]]:
-    bodies = []
-    for k in range(args.sources):
-        body = {"url": cameras.url(0 if args.mounts == "shared" else k), "model": args.model, "id": f"cam{k:02d}",
-                "max_fps": args.max_fps}  # fmt: skip
-        if args.max_age_ms is not None:
-            body["max_age_ms"] = args.max_age_ms
-        bodies.append(body)
-    return bodies
+    same = {"model": args.model, "max_fps": args.max_fps}
+    same |= {"max_age_ms": args.max_age_ms} if args.max_age_ms is not None else {}
+    shared = args.mounts == "shared"
+    return [{"url": cameras.url(0 if shared else k), "id": f"cam{k:02d}", **same} for k in range(args.sources)]
 
 
 def main(args: argparse.Namespace) -> int:
     began = time.perf_counter()
-    out = sys.stderr if args.json else sys.stdout
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
+    say = functools.partial(print, file=sys.stderr if args.json else sys.stdout, flush=True)
     if (why := rtsp_available()) is not None:
         say(f"cannot run the cameras: {why}")
         return 2
@@ -393,7 +365,8 @@ def main(args: argparse.Namespace) -> int:
         images = work / "frames"
         grab_frames(cameras.url(0), images, FRAMES_GRABBED)
         idle_cpu = launcher.tree_cpu_s(cameras.pid)
-        pipeline = capacity(args, images)
+        options = argparse.Namespace(model=args.model, repository=args.repository, bench_seconds=args.capacity_seconds)
+        pipeline = in_process(options, images)  # the in-process detection pipeline at batch 8
         say(f"capacity: in-process pipeline (batch {PIPELINE_BATCH}, {FRAMES_GRABBED} JPEGs of the cameras' frames) "
             f"{pipeline['pipeline_images_per_s']:.1f} images/s (RTSP server with no client meanwhile: "
             f"{launcher.tree_cpu_s(cameras.pid) - idle_cpu:.2f} s CPU)")  # fmt: skip

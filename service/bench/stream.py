@@ -41,7 +41,6 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,28 +51,13 @@ from loadtest.stream_command import measure
 from loadtest.stream_report import all_frames, in_window, summarise, write_files
 from loadtest.streams import StreamPlan, preflight
 from service import launcher
-from service.bench.kit import (
-    COUNT,
-    EXAMPLES,
-    POSITIVE,
-    VERDICT,
-    Flag,
-    bounds,
-    closed_loop,
-    conclude,
-    config_toml,
-    header,
-    one_step,
-    repository,
-    settle,
-    sized,
-    workspace,
-)
+from service.bench import kit
+from service.bench.kit import COUNT, POSITIVE, Flag
 from service.core.arguments import integer_in, size_pair
 from service.core.percentile import percentile
 from service.core.samples import image_files, photo_like_jpegs
 
-EXAMPLE = EXAMPLES / "model_repository" / "digits"
+EXAMPLE = kit.EXAMPLES / "model_repository" / "digits"
 SIZES = {
     "duration": (60.0, 6.0, "seconds of target (a)'s run"),
     "other_duration": (15.0, 4.0, "seconds of each run of targets (b) and (c), and of the one-shot run"),
@@ -85,7 +69,7 @@ FLAGS: list[Flag] = [
     ("--quick", False, "short runs, a smoke test of under a minute"),
     ("--models", "paced,digits", "which of paced and digits to run, comma-separated"),
     ("--streams", 16, "streams in every run, >= 2 (fairness needs a fast stream and others)", integer_in(2, 10**6)),
-    *sized(SIZES),
+    *kit.sized(SIZES),
     ("--drain", 10.0, "seconds after a run for answers still owed"),
     ("--max-age-ms", 500.0, "every stream's max_age_ms", POSITIVE),
     ("--probe-load", 3.0, "capacity: the streams probe's load as a multiple of the closed-loop figure", POSITIVE),
@@ -122,19 +106,21 @@ def usage_error(args: argparse.Namespace) -> str | None:
 def make_repository(work: Path, args: argparse.Namespace) -> Path:
     """``digits`` as shipped and ``paced``, its copy slow by its config."""
     extra = "".join(f"{line.strip()}\n" for line in args.paced_config.split(";") if line.strip())
-    paced = config_toml({"max_batch_size": args.paced_batch}) + extra
-    paced += config_toml(faults={"delay_ms": args.paced_delay_ms, **({"noop": True} if args.paced_noop else {})})
+    paced = kit.config_toml({"max_batch_size": args.paced_batch}) + extra
+    paced += kit.config_toml(faults={"delay_ms": args.paced_delay_ms, **({"noop": True} if args.paced_noop else {})})
     models = {"digits": (EXAMPLE / "config.toml").read_text(), "paced": paced}
-    return repository(work / "repository", {name: ({1: EXAMPLE / "1"}, config) for name, config in models.items()})
+    return kit.repository(work / "repository", {name: ({1: EXAMPLE / "1"}, config) for name, config in models.items()})
 
 
 # ---- the runs -----------------------------------------------------------------------------------------------------
 def capacity(url: str, model: str, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     """The higher of closed-loop images/s with as many clients as streams and the streams probe's answered/s."""
-    step = closed_loop(model, images, args.streams, bounds(url, args.warmup, args.capacity_s, drain_s=args.drain))
+    where = kit.bounds(url, args.warmup, args.capacity_s, drain_s=args.drain)
+    step = kit.closed_loop(model, images, args.streams, where)
     server = step.server or {}
     closed = step.images_per_s
-    probe, _ = streams(url, model, "probe", args.probe_load * closed / args.streams, args.capacity_s, images, args)
+    fps = args.probe_load * closed / args.streams
+    probe, _ = streams(url, model, "probe", images, args, fps=fps, duration_s=args.capacity_s)
     answered = probe["total"]["answered_per_s"]
     return {
         "images_per_s": max(closed, answered),
@@ -151,8 +137,8 @@ def capacity(url: str, model: str, images: list[bytes], args: argparse.Namespace
 
 def one_shot(url: str, model: str, rate: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     """The load tester's open loop at ``rate`` (constant arrivals): latency from each scheduled send."""
-    where = bounds(url, args.warmup, args.other_duration, drain_s=args.drain)
-    step = one_step(model, payloads(model, images), StepSpec("open", rate=rate, arrival="constant"), where)
+    where = kit.bounds(url, args.warmup, args.other_duration, drain_s=args.drain)
+    step = kit.one_step(model, payloads(model, images), StepSpec("open", rate=rate, arrival="constant"), where)
     return {
         "rate": rate,
         "requests": step.requests,
@@ -164,23 +150,18 @@ def one_shot(url: str, model: str, rate: float, images: list[bytes], args: argpa
 
 
 def streams(
-    url: str,
-    model: str,
-    label: str,
-    fps: float,
-    duration_s: float,
-    images: list[bytes],
-    args: argparse.Namespace,
-    fps_first: float | None = None,
+    url: str, model: str, label: str, images: list[bytes], args: argparse.Namespace, **plan: Any
 ) -> tuple[dict[str, Any], Any]:
-    """One streams run; its report (and files under WORK/runs/MODEL-LABEL) and its frames."""
-    plan = StreamPlan(url=url, model=model, streams=args.streams, fps=fps, max_age_ms=args.max_age_ms)
-    plan = replace(plan, fps_first=fps_first, duration_s=duration_s, warmup_s=args.warmup, drain_s=args.drain)
-    run, server = measure(plan, images)
+    """One streams run of ``plan`` (fps, duration_s, fps_first); its report (and files under WORK/runs/MODEL-LABEL)
+    and its frames."""
+    at = StreamPlan(
+        url, model, args.streams, max_age_ms=args.max_age_ms, warmup_s=args.warmup, drain_s=args.drain, **plan
+    )
+    run, server = measure(at, images)
     report = summarise(run, server)
     folder = Path(args.work) / "runs" / f"{model}-{label}"
     write_files(report, folder)
-    title = f"{model} {label}: {args.streams} streams, {plan.total_fps:.4g} frames/s"
+    title = f"{model} {label}: {args.streams} streams, {at.total_fps:.4g} frames/s"
     streams_over_time(report, folder / "streams_over_time.png", title)
     return report, run
 
@@ -215,7 +196,7 @@ def fair_shares(demands: Sequence[float], total: float) -> list[float]:
 # ---- the targets --------------------------------------------------------------------------------------------------
 def target_overload(url: str, model: str, cap: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     fps = args.overload * cap / args.streams
-    report, run = streams(url, model, "overload", fps, args.duration, images, args)
+    report, run = streams(url, model, "overload", images, args, fps=fps, duration_s=args.duration)
     compute_ms = (report["server"] or {}).get("mean_ms", {}).get("compute", math.nan)
     source = "/metrics"
     if math.isnan(compute_ms):
@@ -256,7 +237,7 @@ def target_overload(url: str, model: str, cap: float, images: list[bytes], args:
 
 def target_light(url: str, model: str, cap: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     fps = args.light * cap / args.streams
-    report, _ = streams(url, model, "light", fps, args.other_duration, images, args)
+    report, _ = streams(url, model, "light", images, args, fps=fps, duration_s=args.other_duration)
     single = one_shot(url, model, fps * args.streams, images, args)
     t = report["total"]
     drops = {"superseded": t["superseded"], "expired": t["expired"], "errors": t["errors"], "lost": t["lost"]}
@@ -283,7 +264,7 @@ def target_light(url: str, model: str, cap: float, images: list[bytes], args: ar
 def target_fairness(url: str, model: str, cap: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     fps = args.fairness_load * cap / args.streams
     fast = args.fast_factor * fps
-    report, _ = streams(url, model, "fairness", fps, args.other_duration, images, args, fps_first=fast)
+    report, _ = streams(url, model, "fairness", images, args, fps=fps, duration_s=args.other_duration, fps_first=fast)
     rows = report["per_stream"]
     demands = [r["sent_per_s"] for r in rows]
     shares = fair_shares(demands, report["total"]["answered_per_s"])
@@ -319,7 +300,7 @@ def target_fairness(url: str, model: str, cap: float, images: list[bytes], args:
 
 # ---- printing -----------------------------------------------------------------------------------------------------
 def _verdict(passed: bool) -> str:
-    return VERDICT[bool(passed)]
+    return kit.VERDICT[bool(passed)]
 
 
 def print_model(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
@@ -356,7 +337,7 @@ def print_model(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
         f"{c['fast']['answered_per_s']:.2f}/s (fair {c['fast']['fair_share_per_s']:.2f}/s), "
         f"{c['fast']['superseded']} superseded; {_client_note(c['client'])}",
     ]
-    print("\n".join(lines), flush=True)
+    print("\n".join(lines))
 
 
 def passed(r: dict[str, Any]) -> bool:
@@ -366,14 +347,14 @@ def passed(r: dict[str, Any]) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    work = workspace(args, usage_error(settle(args, SIZES)))
+    work = kit.workspace(args, usage_error(kit.settle(args, SIZES)))
     if work is None:
         return 2
     began = time.perf_counter()
     images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
     repo = make_repository(work, args)
     limits = "overload light fast_factor fairness_load age_compute_ratio flat_ratio p50_tolerance fair_tolerance window"
-    results = header(streams=args.streams, max_age_ms=args.max_age_ms, image_size=list(args.image_size))
+    results = kit.header(streams=args.streams, max_age_ms=args.max_age_ms, image_size=list(args.image_size))
     results["paced"] = {"max_batch_size": args.paced_batch, "delay_ms": args.paced_delay_ms}
     results |= {"limits": {k: getattr(args, k) for k in limits.split()}, "models": {}}
     with launcher.start(repo, "--workers", str(args.workers), log=work / "server.log", ready_timeout_s=300) as server:
@@ -391,4 +372,4 @@ def main(args: argparse.Namespace) -> int:
             results["models"][model] = r
             print_model(model, r, args)
     results["passed"] = all(r["passed"] for r in results["models"].values())
-    return conclude(results, began, args.out)
+    return kit.conclude(results, began, args.out)

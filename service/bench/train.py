@@ -140,8 +140,7 @@ def throughput(args: argparse.Namespace, folder: Path, work: Path) -> dict[str, 
         }
         print(
             f"  --workers {label}: {h.images_per_s:.1f} images/s, data wait {h.data_wait_s:.1f} s "
-            f"({h.data_wait_s / busy:.0%}), compute {h.compute_s:.1f} s ({h.compute_s / busy:.0%})",
-            flush=True,
+            f"({h.data_wait_s / busy:.0%}), compute {h.compute_s:.1f} s ({h.compute_s / busy:.0%})"
         )
     speedup = rows[str(n)]["images_per_s"] / rows["0"]["images_per_s"]
     same_threads = rows[str(n)]["images_per_s"] / rows[f"0 ({threads} thread)"]["images_per_s"]
@@ -159,9 +158,7 @@ def loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         rows[mode] = {"wall_s": run["wall_s"], "train_s": run["record"].duration_s}
         print(
-            f"  {mode}: {args.loader_epochs} epochs in {run['record'].duration_s:.1f} s "
-            f"(process {run['wall_s']:.1f} s)",
-            flush=True,
+            f"  {mode}: {args.loader_epochs} epochs in {run['record'].duration_s:.1f} s (process {run['wall_s']:.1f} s)"
         )
     return rows
 
@@ -175,8 +172,7 @@ def rss(args: argparse.Namespace, folder: Path, work: Path) -> dict[str, Any]:
         rows[name] = {"maxrss_mb": run["maxrss_mb"], "tree_peak_mb": run["tree_peak_mb"]}
         print(
             f"  {name} images: peak RSS {run['maxrss_mb']:.0f} MB (largest process), "
-            f"{run['tree_peak_mb']:.0f} MB summed over the process and its workers",
-            flush=True,
+            f"{run['tree_peak_mb']:.0f} MB summed over the process and its workers"
         )
     small, large = rows[str(args.images)], rows[str(4 * args.images)]
     growth = large["maxrss_mb"] / small["maxrss_mb"] - 1
@@ -193,7 +189,7 @@ def finetune(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for name, extra in (("scratch", ()), ("finetune", ("--weights", str(work / "A.pt")))):
         run = train(args, b, work / f"B-{name}.pt", "--epochs", str(args.finetune_epochs), *extra)
         curves[name] = [h.val_accuracy or 0.0 for h in run["record"].history]
-        print(f"  folder B (5 other classes), {name}: " + ", ".join(f"{v:.0%}" for v in curves[name]), flush=True)
+        print(f"  folder B (5 other classes), {name}: " + ", ".join(f"{v:.0%}" for v in curves[name]))
     target = max(curves["scratch"])
     reach = {k: next((i + 1 for i, v in enumerate(c) if v >= target), None) for k, c in curves.items()}
     print(f"  epochs to scratch's best ({target:.0%}): scratch {reach['scratch']}, fine-tuned {reach['finetune']}")
@@ -216,13 +212,13 @@ def main(args: argparse.Namespace) -> int:
         "cores": len(os.sched_getaffinity(0)),
     }
     for section in wanted:
-        print(f"{section} (load average before: {loadavg()})", flush=True)
+        print(f"{section} (load average before: {loadavg()})")
         if section in ("throughput", "rss"):
             assert folder is not None
             summary[section] = (throughput if section == "throughput" else rss)(args, folder, work)
         else:
             summary[section] = (loader if section == "loader" else finetune)(args, work)
         summary[section]["loadavg_after"] = loadavg()
-        print(f"  (load average after: {loadavg()})", flush=True)
+        print(f"  (load average after: {loadavg()})")
     print(json.dumps(summary))
     return 0

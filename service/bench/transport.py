@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -142,15 +143,13 @@ FLAGS: list[Flag] = [
 
 def main(args: argparse.Namespace) -> int:
     print(f"transport round trips, one {'x'.join(map(str, SHAPE[1:]))} uint8 image each, {os.cpu_count()} cores")
-    for senders in args.senders:
-        for inflight in args.inflight:
-            row = measure(senders, inflight, args.seconds)
-            if args.json:
-                print(json.dumps(row))
-            else:
-                print(
-                    f"  senders {senders:>2} x in flight {inflight:>2}: {row['round_trips_per_s']:9.0f} round trips/s,"
-                    f" median {row['median_us']:7.1f} us, p99 {row['p99_us']:7.1f} us",
-                    flush=True,
-                )
+    for senders, inflight in itertools.product(args.senders, args.inflight):
+        row = measure(senders, inflight, args.seconds)
+        if args.json:
+            print(json.dumps(row))
+        else:
+            print(
+                f"  senders {senders:>2} x in flight {inflight:>2}: {row['round_trips_per_s']:9.0f} round trips/s, "
+                f"median {row['median_us']:7.1f} us, p99 {row['p99_us']:7.1f} us"
+            )
     return 0

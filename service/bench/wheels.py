@@ -1,11 +1,6 @@
-"""What the GPU machine brings, what is carried to it as wheels, and which carried wheels this Python can install.
-
-The machine has a CUDA torch and a scientific Python stack but no package index; what the serving path needs
-beyond that travels as wheels in ``.whl/`` and is installed into ``.site/`` with ``pip --no-index --no-deps``.
-``tests/test_gpu_check.py`` imports every module of the serving path with only :data:`MACHINE_HAS` and
-:data:`CARRIED` importable, and checks every carried distribution's own requirements against the two sets: a
-wheel missing from the list fails there, not on the GPU machine.
-"""
+"""What the GPU machine brings, what is carried to it as wheels (``.whl/``, installed into ``.site/`` with
+``pip --no-index --no-deps``), and which carried wheels this Python can install. How CI checks the two lists:
+docs/gpu-check.md, "Wheels to carry"."""
 
 from __future__ import annotations
 
@@ -62,9 +57,7 @@ def download_command(python_version: str = "3.12", folder: str = ".whl") -> list
     platforms = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
                  "manylinux1_x86_64", "any"]  # fmt: skip
     cmd = ["python3", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-           python_version, "--implementation", "cp"]  # fmt: skip
-    for platform in platforms:
-        cmd += ["--platform", platform]
+           python_version, "--implementation", "cp", *(w for p in platforms for w in ("--platform", p))]  # fmt: skip
     # The versions the suite ran with: without dependencies pip takes each name's newest on its own, and a pair
     # that must match (pydantic pins pydantic-core exactly) could come apart.
     constraints = Path(__file__).resolve().parents[2] / "constraints.txt"
@@ -90,8 +83,7 @@ def choose_wheels(
         from packaging.tags import sys_tags
 
         supported = (str(t) for t in sys_tags())
-    ok = set(supported)
-    wanted = {normalize(m) for m in missing}
+    ok, wanted = set(supported), {normalize(m) for m in missing}
     chosen: list[Path] = []
     refused: list[Path] = []
     other_python: list[Path] = []

@@ -1,3 +1,2 @@
-"""``visionserve bench rollout``: candidate versions disagreeing by a known amount (:mod:`.candidates`), the
-servers and their rollout route (:mod:`.traffic`), the three runs (:mod:`.scenarios`), the report (:mod:`.report`);
-:mod:`.run` drives them."""
+"""``visionserve bench rollout``: candidate versions disagreeing by a known amount (:mod:`.candidates`), the servers,
+their rollout route and the three runs (:mod:`.scenarios`); :mod:`.run` drives them and reports."""

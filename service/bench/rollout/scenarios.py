@@ -10,7 +10,8 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,20 @@ from service.bench.kit import Sampler, config_toml, latency, ms, ok_seconds, ope
 from service.bench.kit import repository as kit_repository
 
 
-def start(repo: Path, log: Path, args: Any) -> launcher.RunningServer:
-    """A server on ``repo`` with the bench's workers and admin token, ready."""
-    return launcher.start(
-        repo, "--workers", str(args.workers), "--admin-token", args.admin_token, log=log, ready_timeout_s=300
-    )
+@contextlib.contextmanager
+def serve(
+    args: argparse.Namespace, work: Path, name: str, versions: dict[int, Path], rollout: dict[str, Any] | None = None
+) -> Iterator[launcher.RunningServer]:
+    """A server, ready, with the bench's workers and admin token, on a fresh repository ``WORK/repos/NAME`` of the
+    model with ``versions``, ``--model-config`` and ``rollout`` (running before this yields), logging to
+    ``WORK/logs/NAME.log``."""
+    config = "".join(line + "\n" for line in args.model_config.splitlines()) + config_toml(rollout=rollout)
+    repo = kit_repository(work / "repos" / name, {args.model: (versions, config)})
+    flags = ("--workers", str(args.workers), "--admin-token", args.admin_token)
+    with launcher.start(repo, *flags, log=work / "logs" / f"{name}.log", ready_timeout_s=300) as server:
+        if rollout is not None:
+            wait_running(server.url, args.model)
+        yield server
 
 
 # ---- the rollout route ----------------------------------------------------------------------------------------------
@@ -35,41 +45,28 @@ def rollout_path(model: str) -> str:
     return f"/v2/models/{model}/rollout"
 
 
-def status(url: str, model: str, timeout_s: float = 5.0) -> dict[str, Any]:
+def status(url: str, model: str) -> dict[str, Any]:
     """``GET /v2/models/{model}/rollout``; RuntimeError naming the answer when it is not a 200."""
-    answer = httpx.get(url + rollout_path(model), timeout=timeout_s)
+    answer = httpx.get(url + rollout_path(model), timeout=5.0)
     if answer.status_code != 200:
         raise RuntimeError(f"GET {rollout_path(model)} answered {answer.status_code}: {answer.text[:300]}")
-    body: dict[str, Any] = answer.json()
-    return body
+    return answer.json()
 
 
-def admin_post(
-    url: str, path: str, token: str, body: dict[str, Any] | None = None, timeout_s: float = 30.0
-) -> tuple[int, dict[str, Any] | str]:
-    """POST an admin call; (status, its JSON body, or its text when it is not JSON)."""
-    answer = httpx.post(url + path, json=body or {}, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
-    try:
-        return answer.status_code, answer.json()
-    except ValueError:
-        return answer.status_code, answer.text
-
-
-def wait_state(url: str, model: str, states: Sequence[str], timeout_s: float = 60.0) -> dict[str, Any]:
-    """Until the rollout's state is one of ``states``; its status. RuntimeError with the last one otherwise."""
+def wait_running(url: str, model: str, timeout_s: float = 60.0) -> None:
+    """Until the rollout is running; RuntimeError with its last status otherwise."""
     deadline = time.monotonic() + timeout_s
     current: dict[str, Any] = {}
     while time.monotonic() < deadline:
         current = status(url, model)
-        if current.get("state") in states:
-            return current
+        if current.get("state") == "running":
+            return
         time.sleep(0.1)
-    raise RuntimeError(f"the rollout of {model} at {url} was not {'/'.join(states)} in {timeout_s:g} s: {current}")
+    raise RuntimeError(f"the rollout of {model} at {url} was not running in {timeout_s:g} s: {current}")
 
 
 def comparison(state: dict[str, Any]) -> dict[str, Any]:
-    value: dict[str, Any] = state.get("comparison") or {}
-    return value
+    return state.get("comparison") or {}
 
 
 def requests_for(model: str, pngs: Sequence[bytes]) -> list[Request]:
@@ -101,31 +98,13 @@ KEPT = (
 def compact(seconds: float, state: dict[str, Any]) -> dict[str, Any]:
     """One poll, the fields a reader follows over time."""
     found = comparison(state)
-    return {
-        "t_s": round(seconds, 3),
-        "state": state.get("state"),
-        "verdict": state.get("verdict"),
-        **{k: found.get(k) for k in KEPT},
-    }
-
-
-def repository(
-    args: argparse.Namespace, work: Path, name: str, versions: dict[int, Path], rollout: dict[str, Any] | None = None
-) -> Path:
-    """A fresh repository ``WORK/repos/NAME`` of the model with ``versions``, ``--model-config`` and ``rollout``."""
-    config = "".join(line + "\n" for line in args.model_config.splitlines()) + config_toml(rollout=rollout)
-    return kit_repository(work / "repos" / name, {args.model: (versions, config)})
+    polled = {"t_s": round(seconds, 3), "state": state.get("state"), "verdict": state.get("verdict")}
+    return polled | {k: found.get(k) for k in KEPT}
 
 
 def shadow_rollout(args: argparse.Namespace, fraction: float, auto: bool) -> dict[str, Any]:
-    return {
-        "candidate": 2,
-        "mode": "shadow",
-        "fraction": fraction,
-        "auto": auto,
-        "min_agreement": args.min_agreement,
-        "min_samples": args.min_samples,
-    }
+    limits = {"min_agreement": args.min_agreement, "min_samples": args.min_samples}
+    return {"candidate": 2, "mode": "shadow", "fraction": fraction, "auto": auto, **limits}
 
 
 # ---- a: live latency with and without a shadow ----------------------------------------------------------------------
@@ -154,30 +133,21 @@ def latency_runs(
 ) -> dict[str, Any]:
     """A server with a shadow of a copy of the primary (``--shadow-fraction``, auto off: it never decides) and one
     without, both up throughout, taking turns (AB, BA, ...) at each load; p50/p99 pooled per side and load."""
-    shadow_repo = repository(
-        args, work, "shadow", {1: primary, 2: copy}, shadow_rollout(args, args.shadow_fraction, auto=False)
-    )
-    plain_repo = repository(args, work, "plain", {1: primary})
     loads: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        logs = work / "logs"
+        rollout = shadow_rollout(args, args.shadow_fraction, auto=False)
         servers = {
-            "shadow": stack.enter_context(start(shadow_repo, logs / "shadow.log", args)),
-            "none": stack.enter_context(start(plain_repo, logs / "plain.log", args)),
+            "shadow": stack.enter_context(serve(args, work, "shadow", {1: primary, 2: copy}, rollout)),
+            "none": stack.enter_context(serve(args, work, "plain", {1: primary})),
         }
-        wait_state(servers["shadow"].url, args.model, ["running"])
         for load in (args.load, args.high_load):
             rate = load * capacity
             for server in servers.values():  # not counted: connections, the first batches
                 open_loop(server.url, requests, rate, args.warmup_s, timeout_s=args.timeout_s)
             measure = functools.partial(window, servers, args, requests, load, rate)
             loads.append(judge_load(args, load, rate, *take_turns(("shadow", "none"), args.rounds, measure)))
-    return {
-        "capacity": capacity,
-        "shadow_fraction": args.shadow_fraction,
-        "loads": loads,
-        "passed": all(x["passed"] for x in loads),
-    }
+    passed = all(x["passed"] for x in loads)
+    return {"capacity": capacity, "shadow_fraction": args.shadow_fraction, "loads": loads, "passed": passed}
 
 
 def judge_load(
@@ -187,82 +157,64 @@ def judge_load(
     for side, ok in ok_s.items():
         count = sum(w["count"] for w in windows if w["side"] == side)
         pooled[side] = {"count": count, "ok": len(ok), "errors": count - len(ok), **quantiles(ok)}
-    shadow = [w for w in windows if w["side"] == "shadow"]
+    shadow, none = pooled["shadow"], pooled["none"]
+    shadowed = [w for w in windows if w["side"] == "shadow"]
+    p50_ratio, p99_ratio = shadow["p50_ms"] / none["p50_ms"], shadow["p99_ms"] / none["p99_ms"]
+    shed, high = sum(w["shed"] for w in shadowed), load == args.high_load
     figures = {
         "load": load,
         "rate": rate,
-        "shadow": pooled["shadow"],
-        "none": pooled["none"],
-        "p50_ratio": pooled["shadow"]["p50_ms"] / pooled["none"]["p50_ms"],
-        "p99_ratio": pooled["shadow"]["p99_ms"] / pooled["none"]["p99_ms"],
-        "shadow_samples": sum(w["samples"] for w in shadow),
-        "shed": sum(w["shed"] for w in shadow),
-        "rollout_state": shadow[-1]["state"] if shadow else None,
+        "shadow": shadow,
+        "none": none,
+        "p50_ratio": p50_ratio,
+        "p99_ratio": p99_ratio,
+        "shadow_samples": sum(w["samples"] for w in shadowed),
+        "shed": shed,
+        "rollout_state": shadowed[-1]["state"] if shadowed else None,
         "windows": windows,
+        # the issue: at 95%, live p99 within 10%; at 60%, p50 and p99 within 5%
+        "p99_passed": p99_ratio <= args.max_p99_ratio if high else max(p50_ratio, p99_ratio) <= args.max_ratio,
+        "errors_passed": shadow["errors"] == 0 and none["errors"] == 0,
+        "shed_passed": shed > 0 if high else None,
     }
-    if load == args.high_load:  # the issue: at 95%, live p99 within 10%; at 60%, p50 and p99 within 5%
-        figures["p99_passed"] = figures["p99_ratio"] <= args.max_p99_ratio
-    else:
-        figures["p99_passed"] = max(figures["p50_ratio"], figures["p99_ratio"]) <= args.max_ratio
-    figures["errors_passed"] = pooled["shadow"]["errors"] == 0 and pooled["none"]["errors"] == 0
-    figures["shed_passed"] = figures["shed"] > 0 if load == args.high_load else None
     figures["passed"] = figures["p99_passed"] and figures["errors_passed"] and figures["shed_passed"] is not False
     return figures
 
 
 # ---- b: detection -------------------------------------------------------------------------------------------------
-def trial(
-    args: argparse.Namespace,
-    work: Path,
-    name: str,
-    primary: Path,
-    candidate: Path,
-    rollout: dict[str, Any],
-    done: Callable[[dict[str, Any]], bool],
-    requests: list[Request],
-) -> dict[str, Any]:
-    """A server with ``candidate`` in a rollout beside ``primary``, sent the held-out stream at ``--detect-rate`` in
-    one-second windows until ``done(status)``, the rollout decides, ``--detect-max-samples`` are compared or twice
-    the time those take at that rate passes. The route is polled every ``--poll-s``."""
-    repo = repository(args, work, name, {1: primary, 2: candidate}, rollout)
+Test = Callable[[dict[str, Any]], bool]
+
+
+def trial(args: argparse.Namespace, url: str, requests: list[Request], name: str, done: Test) -> dict[str, Any]:
+    """The held-out stream sent to the server at ``url`` at ``--detect-rate`` in one-second windows until
+    ``done(status)``, the rollout decides, ``--detect-max-samples`` are compared or twice the time those take at that
+    rate passes. The route is polled every ``--poll-s``."""
     records: list[Record] = []
-    with start(repo, work / "logs" / f"{name}.log", args) as server:
-        wait_state(server.url, args.model, ["running"])
-        polls = poller(server.url, args.model, args.poll_s)
-        began, offset, printed = time.perf_counter(), 0, 0.0
-        budget_s = 2 * args.detect_max_samples / args.detect_rate + 10
-        while time.perf_counter() - began < budget_s:
-            latest = polls.latest({})
-            if latest and (
-                done(latest)
-                or latest.get("state") != "running"
-                or (comparison(latest).get("samples") or 0) >= args.detect_max_samples
-            ):
-                break
-            turned = requests[offset % len(requests) :] + requests[: offset % len(requests)]
-            records += open_loop(server.url, turned, args.detect_rate, 1.0, timeout_s=args.timeout_s)
-            offset += int(args.detect_rate)
-            if time.perf_counter() - printed >= 2.0:
-                printed = time.perf_counter()
-                now = compact(0.0, polls.latest({}))
-                print(
-                    f"  {name}: {now['samples']} samples, agreement {now['agreement']} [{now['agreement_low']}, "
-                    f"{now['agreement_high']}], verdict {now['verdict']}, state {now['state']}",
-                    flush=True,
-                )
-        history = [compact(t, s) for t, s in polls.finish()]
-        final = polls.latest({})
-    return {
-        "rollout": rollout,
-        "rate": args.detect_rate,
-        "requests": latency(records),
-        "history": history,
-        "final": final,
-        "poll_failures": dict(polls.failures),
-    }
+    polls = poller(url, args.model, args.poll_s)
+    began, offset, printed = time.perf_counter(), 0, 0.0
+    budget_s = 2 * args.detect_max_samples / args.detect_rate + 10
+    while time.perf_counter() - began < budget_s:
+        latest = polls.latest({})
+        enough = (comparison(latest).get("samples") or 0) >= args.detect_max_samples
+        if latest and (done(latest) or latest.get("state") != "running" or enough):
+            break
+        turned = requests[offset % len(requests) :] + requests[: offset % len(requests)]
+        records += open_loop(url, turned, args.detect_rate, 1.0, timeout_s=args.timeout_s)
+        offset += int(args.detect_rate)
+        if time.perf_counter() - printed >= 2.0:
+            printed = time.perf_counter()
+            now = compact(0.0, polls.latest({}))
+            print(
+                f"  {name}: {now['samples']} samples, agreement {now['agreement']} [{now['agreement_low']}, "
+                f"{now['agreement_high']}], verdict {now['verdict']}, state {now['state']}",
+                flush=True,
+            )
+    history = [compact(t, s) for t, s in polls.finish()]
+    figures = {"rate": args.detect_rate, "requests": latency(records), "history": history}
+    return figures | {"final": polls.latest({}), "poll_failures": dict(polls.failures)}
 
 
-def first(history: list[dict[str, Any]], test: Callable[[dict[str, Any]], bool]) -> tuple[int | None, int | None]:
+def first(history: list[dict[str, Any]], test: Test) -> tuple[int | None, int | None]:
     """The samples at the first poll passing ``test``, and at the poll before it (the bracket polling leaves)."""
     for i, poll in enumerate(history):
         if test(poll):
@@ -270,17 +222,11 @@ def first(history: list[dict[str, Any]], test: Callable[[dict[str, Any]], bool])
     return None, None
 
 
-def reached(state: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda status: status.get("state") == state
-
-
 def decided_at(history: list[dict[str, Any]], state: str) -> int | None:
     """The samples compared when the rollout reached ``state``: at the first poll in it, or, where the comparison is
     reset by the decision, the last poll before it."""
     at, before = first(history, lambda p: p["state"] == state)
-    if at is None:
-        return None
-    return at if at else before
+    return at or before  # None when it never did
 
 
 def detection(
@@ -294,9 +240,13 @@ def detection(
     def seen_enough(status: dict[str, Any]) -> bool:  # past --detect-samples, and excluding 0.99 then
         return (comparison(status).get("samples") or 0) >= args.detect_samples and excluding(comparison(status))
 
-    detect = trial(
-        args, work, "detect", primary, built["detect"], shadow_rollout(args, 1.0, auto=False), seen_enough, requests
-    )
+    def run(name: str, auto: bool, done: Test) -> dict[str, Any]:
+        """A server with ``built[name]`` in a shadow of every request (``auto``: it decides), in a trial."""
+        rollout = shadow_rollout(args, 1.0, auto)
+        with serve(args, work, name, {1: primary, 2: built[name]}, rollout) as server:
+            return {"rollout": rollout} | trial(args, server.url, requests, name, done)
+
+    detect = run("detect", False, seen_enough)
     history = detect["history"]
     excluded, before = first(history, excluding)
     stays = next((history[i]["samples"] for i in range(len(history)) if all(excluding(p) for p in history[i:])), None)
@@ -304,16 +254,10 @@ def detection(
         "excluded_at_samples": excluded,
         "poll_before_samples": before,
         "excluded_for_good_at_samples": stays,
-        "passed": excluded is not None
-        and excluded <= args.detect_max_samples
-        and stays is not None
-        and stays <= args.detect_max_samples,
+        "passed": excluded is not None and stays is not None and max(excluded, stays) <= args.detect_max_samples,
     }
-    decided: dict[str, dict[str, Any]] = {}
-    for name, state in (("promote", "promoted"), ("permuted", "aborted")):
-        rollout = shadow_rollout(args, 1.0, auto=True)
-        decided[name] = trial(args, work, name, primary, built[name], rollout, reached(state), requests)
-    promote, permuted = decided["promote"], decided["permuted"]
+    promote = run("promote", True, lambda status: status.get("state") == "promoted")
+    permuted = run("permuted", True, lambda status: status.get("state") == "aborted")
     promote |= {"promoted_at_samples": decided_at(promote["history"], "promoted")}
     promote["passed"] = promote["final"].get("state") == "promoted"
     at = decided_at(permuted["history"], "aborted")
@@ -321,12 +265,8 @@ def detection(
         "aborted_at_samples": at,
         "passed": permuted["final"].get("state") == "aborted" and at is not None and at <= args.abort_within,
     }
-    return {
-        "detect": detect,
-        "promote": promote,
-        "permuted": permuted,
-        "passed": detect["passed"] and promote["passed"] and permuted["passed"],
-    }
+    passed = detect["passed"] and promote["passed"] and permuted["passed"]
+    return {"detect": detect, "promote": promote, "permuted": permuted, "passed": passed}
 
 
 # ---- c: promotion under load ----------------------------------------------------------------------------------------
@@ -335,20 +275,23 @@ def promotion(
 ) -> dict[str, Any]:
     """An open loop at ``--load`` x capacity on a server shadowing a copy, promoted through the admin API at
     ``--promote-at`` of ``--promote-s``: every request must be answered 200."""
-    repo = repository(
-        args, work, "promotion", {1: primary, 2: copy}, shadow_rollout(args, args.shadow_fraction, auto=False)
-    )
     rate, at_s = args.load * capacity, args.promote_s * args.promote_at
     call: dict[str, Any] = {}
-    with start(repo, work / "logs" / "promotion.log", args) as server:
-        wait_state(server.url, args.model, ["running"])
+    rollout = shadow_rollout(args, args.shadow_fraction, auto=False)
+    with serve(args, work, "promotion", {1: primary, 2: copy}, rollout) as server:
 
         def promote() -> None:
             began = time.perf_counter()
-            reason = {"reason": "rollout_bench: promotion under load"}
-            path = rollout_path(args.model) + "/promote"
-            code, body = admin_post(server.url, path, args.admin_token, reason)
-            call.update(status=code, body=body, took_ms=1000 * (time.perf_counter() - began))
+            answer = httpx.post(
+                server.url + rollout_path(args.model) + "/promote",
+                json={"reason": "rollout_bench: promotion under load"},
+                headers={"Authorization": f"Bearer {args.admin_token}"},
+                timeout=30.0,
+            )
+            body: Any = answer.text
+            with contextlib.suppress(ValueError):
+                body = answer.json()
+            call.update(status=answer.status_code, body=body, took_ms=1000 * (time.perf_counter() - began))
 
         polls = poller(server.url, args.model, args.latency_poll_s)
         timer = threading.Timer(at_s, promote)
@@ -383,22 +326,14 @@ def promotion(
         "versions_after": versions,
         "history": history,
     }
-    figures["passed"] = (
-        call.get("status") == 200
-        and not failed
-        and len(records) == sent
-        and final.get("state") == "promoted"
-        and set(versions) == {"2"}
-    )
+    promoted = final.get("state") == "promoted" and set(versions) == {"2"}
+    figures["passed"] = call.get("status") == 200 and not failed and len(records) == sent and promoted
     return figures
 
 
 def answered_versions(url: str, model: str, requests: list[Request]) -> dict[str, int]:
     """Which versions answer requests naming none (``version`` of the classify answer), counted."""
-    counts: dict[str, int] = {}
     with httpx.Client(base_url=url, timeout=30) as client:
-        for request in requests:
-            answer = client.post(request.path, content=request.body, headers=request.headers)
-            key = str(answer.json().get("version")) if answer.status_code == 200 else f"HTTP {answer.status_code}"
-            counts[key] = counts.get(key, 0) + 1
-    return counts
+        answers = [client.post(r.path, content=r.body, headers=r.headers) for r in requests]
+    ok = [str(a.json().get("version")) if a.status_code == 200 else f"HTTP {a.status_code}" for a in answers]
+    return dict(Counter(ok))
