@@ -1,13 +1,7 @@
-"""Checking a detector's answers under load against a reference: the boxes known to be in each image.
-
-A reference is a JSON file, ``{"image name": [{"box": [x1, y1, x2, y2], "label": "3"}, ...], ...}``, the names
-those of the ``--images`` files relative to the folder, the boxes in the image's own pixels (what ``/detect``
-answers). It can hold the boxes an image was made with (generated canvases: ``service/bench/detect_served.py``)
-or another run's answers.
-
-A detection finds a known box when it has the box's label and overlaps it at IoU >= 0.5 (the usual mAP@0.5 rule);
-each known box is found at most once, best scores first. An image's answer *matches* when every known box is
-found and no detection is left over. The check counts images, not requests: a request of 8 images is 8 answers.
+"""Checking a detector's answers under load against a reference: the boxes known to be in each image, a JSON file of
+image name -> ``[{"box": [x1, y1, x2, y2], "label": "3"}, ...]`` (README, "Detectors, answers checked", which states
+the matching rule). It can hold the boxes an image was made with (generated canvases:
+``service/bench/detect_served.py``) or another run's answers. The check counts images, not requests.
 """
 
 from __future__ import annotations
@@ -104,10 +98,6 @@ class AnswerCheck:
         precision = self.found / self.detections if self.detections else None
         return asdict(self) | {"share_matching": self.share, "recall": recall, "precision": precision}
 
-    def add(self, other: AnswerCheck) -> None:
-        for name in asdict(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
 
 def check(answers: Iterable[tuple[Sequence[str], bytes]], reference: Reference) -> AnswerCheck:
     """Check each answer body (``/detect``'s JSON) of a request whose images had these names, in order."""
@@ -143,11 +133,12 @@ def line(summary: Mapping[str, Any]) -> str:
     recall, precision = summary["recall"], summary["precision"]
     text = (
         f"answers checked: {summary['images']} images, {100 * summary['share_matching']:.1f}% matching the reference"
-        f" (known boxes found {_pct(recall)}, detections that found one {_pct(precision)})"
+        f" (known boxes found {percent(recall)}, detections that found one {percent(precision)})"
     )
     problems = [f"{summary[k]} {k.replace('_', ' ')}" for k in ("image_errors", "unreadable", "not_in_reference")]
     return text + "".join(f"; {p}" for p in problems if not p.startswith("0 "))
 
 
-def _pct(value: float | None) -> str:
+def percent(value: float | None) -> str:
+    """A share as a percentage to one decimal; "-" for none."""
     return "-" if value is None else f"{100 * value:.1f}%"

@@ -13,10 +13,10 @@ import contextlib
 import functools
 import os
 import select
-import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -60,29 +60,22 @@ def _system_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 
 
+@dataclass(kw_only=True, eq=False)
 class RtspServer:
     """loadtest/rtsp_server.py as a child process: ``start()`` waits for it to listen, ``url(mount)`` names a
     stream, ``kill()`` ends it as a crash would, ``restart()`` brings it back on the same port, ``stop()`` ends it
     cleanly. A context manager; the child also exits when this process does (it watches its stdin)."""
 
-    def __init__(
-        self,
-        *,
-        port: int = 0,
-        mounts: int = 1,
-        width: int = 640,
-        height: int = 480,
-        fps: int = 15,
-        keyint: int = 15,
-        bitrate_kbps: int = 500,
-        ready_timeout_s: float = 30.0,
-    ) -> None:
-        self.port = port
-        self.mounts, self.width, self.height, self.fps, self.keyint = mounts, width, height, fps, keyint
-        self.bitrate_kbps = bitrate_kbps
-        self.ready_timeout_s = ready_timeout_s
-        self.process: subprocess.Popen[bytes] | None = None
-        self._stderr: IO[bytes] | None = None
+    port: int = 0
+    mounts: int = 1
+    width: int = 640
+    height: int = 480
+    fps: int = 15
+    keyint: int = 15
+    bitrate_kbps: int = 500
+    ready_timeout_s: float = 30.0
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _stderr: IO[bytes] | None = field(default=None, init=False, repr=False)
 
     @property
     def pid(self) -> int:
@@ -131,7 +124,7 @@ class RtspServer:
     def kill(self) -> None:
         """SIGKILL, as a crash: clients see their connections reset. Waits until the process is gone."""
         if self.process is not None:
-            self.process.send_signal(signal.SIGKILL)
+            self.process.kill()
             self._reap()
 
     def stop(self, timeout_s: float = 10.0) -> None:

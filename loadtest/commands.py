@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loadtest.stream_command import add_stream_arguments
-from service.core.arguments import comma_floats, comma_ints, size_pair
-from service.core.tasks import TASKS, task_named
+from service.core.arguments import add_option_flags, comma_floats, comma_ints, option_flags, size_pair
+from service.core.tasks import TASKS, fields, task_named
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -124,6 +124,14 @@ def _add_answer_arguments(p: argparse.ArgumentParser) -> None:
         help="with --reference: the answers of at most this many measured requests a step are kept and checked",
     )
     p.add_argument("--processes", type=int, default=1, help="load-generating processes, each with its own loop")
+    add_option_flags(
+        p.add_argument_group(
+            "the task's options",
+            "sent with every request where the model's task takes them (as the image API's query, v2 or gRPC "
+            "parameters); left out, the lightest answer: top_k 1 for a classifier, the model's defaults otherwise",
+        ),
+        *(task.Options for task in TASKS.values()),
+    )
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -303,7 +311,7 @@ def _payloads(
     on-demand loading that would load them before the load); None (and why, on ``err``) when the flags, the
     images or the server rule the load test out."""
     from loadtest.answers import load_reference
-    from loadtest.inputs import model_payloads, named_images
+    from loadtest.inputs import LIGHTEST, model_payloads, named_images
     from service.core.samples import photo_like_jpegs
 
     if args.processes < 1 or args.images_per_request < 1 or min(args.duration, args.timeout) <= 0:
@@ -322,9 +330,14 @@ def _payloads(
     if reference is not None and task_named(task).gate != "boxes":
         err.print(f"--reference checks a detector's answers; {names[0]} is served as a {task} model")
         return None
-    bodies = model_payloads(
-        names, images, protocol=args.protocol, per_request=args.images_per_request, task=task, names=files
-    )
+    given = option_flags(args, *(t.Options for t in TASKS.values()))
+    taken = {f.name for f in fields(task_named(task).Options)}
+    if set(given) - taken:
+        err.print(f"{', '.join('--' + n.replace('_', '-') for n in sorted(set(given) - taken))}: not an option of "
+                  f"a {task} model ({names[0]}), which takes {', '.join(sorted(taken)) or 'none'}")  # fmt: skip
+        return None
+    bodies = model_payloads(names, images, protocol=args.protocol, per_request=args.images_per_request, task=task,
+                            names=files, options={**LIGHTEST, **given})  # fmt: skip
     grpc_target = args.grpc_url if args.protocol == "grpc" else ""
     first = bodies[0][0]
     problem = _preflight_grpc(grpc_target, first, 60) if grpc_target else _preflight(url, first)

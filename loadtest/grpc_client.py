@@ -17,8 +17,9 @@ def _identity(data: bytes) -> bytes:
 
 
 class GrpcClient:
-    """``await post(path, body, headers)`` returns 200 for OK, else the gRPC status name (``UNAVAILABLE``, ...);
-    raises ``TimeoutError`` when ``timeout_s`` passes. ``path`` is the RPC's path, ``headers`` its metadata."""
+    """``await fetch(path, body, headers)`` returns 200 for OK, else the gRPC status name (``UNAVAILABLE``, ...), no
+    header fields (gRPC sends no Server-Timing) and the serialised answer (empty unless OK); raises ``TimeoutError``
+    when ``timeout_s`` passes. ``path`` is the RPC's path, ``headers`` its metadata."""
 
     def __init__(self, target: str, timeout_s: float) -> None:
         self.target = target.removeprefix("grpc://")
@@ -28,15 +29,7 @@ class GrpcClient:
         )
         self._calls: dict[str, Any] = {}
 
-    async def exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int | str, dict[str, str]]:
-        """As :meth:`post`, with no header fields (the HTTP client's shape; gRPC sends no Server-Timing)."""
-        return await self.post(path, body, headers), {}
-
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int | str:
-        return (await self.fetch(path, body, headers))[0]
-
     async def fetch(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int | str, dict[str, str], bytes]:
-        """As :meth:`exchange`, and the serialised answer (empty unless OK)."""
         call = self._calls.get(path)
         if call is None:
             call = self._calls[path] = self._channel.unary_unary(

@@ -48,10 +48,6 @@ class Http1Client:
         self.timeout_s = timeout_s
         self.idle: list[_Connection] = []
 
-    async def _connect(self) -> _Connection:
-        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=MAX_HEAD_BYTES)
-        return _Connection(reader, writer)
-
     def head(self, path: str, headers: dict[str, str], length: int) -> bytes:
         lines = [f"POST {path} HTTP/1.1", f"Host: {self.host_header}", f"Content-Length: {length}"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
@@ -81,9 +77,10 @@ class Http1Client:
                 # Closed or reset by the server before a byte of the answer: the keep-alive race every HTTP/1.1
                 # client meets (the close crossed our request), sent again once on a new connection.
                 held.pop().close()
-        held.append(await self._connect())
-        held[-1].writer.write(data)
-        return await _read_response(held[-1].reader)
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=MAX_HEAD_BYTES)
+        held.append(_Connection(reader, writer))
+        writer.write(data)
+        return await _read_response(reader)
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
         return (await self.exchange(path, body, headers))[0]

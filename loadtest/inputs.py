@@ -1,9 +1,7 @@
-"""What the load tester sends: a corpus of images (the user's files or generated JPEGs) turned, before any clock
-starts, into ready request bodies for the image API, for v2 infer with the binary tensor extension, or for gRPC
-ModelInfer (a serialised request with ``raw_input_contents``). For several models, each gets the same bodies on its
-own path (the bytes shared, so a mix of many models costs the corpus once, not once per model). A detector's
-requests go to ``/detect`` on the image API (``task="detect"``), and each payload names its images, so that their
-answers can be checked against a reference (:mod:`loadtest.answers`)."""
+"""What the load tester sends (README, "Load testing", inputs): the images turned, before any clock starts, into
+ready request bodies for the image API, v2 infer or gRPC ModelInfer. For several models each gets the same bodies on
+its own path (the bytes shared: a mix of many models costs the corpus once); each payload names its images, so that a
+detector's answers can be checked against a reference (:mod:`loadtest.answers`)."""
 
 from __future__ import annotations
 
@@ -16,15 +14,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from service.core.samples import IMAGE_SUFFIXES
 from service.core.tasks import TASKS, fields, task_named
 
 MEDIA = {b"\xff\xd8": "image/jpeg", b"\x89P": "image/png", b"RI": "image/webp", b"BM": "image/bmp"}
 PROTOCOLS = ("image", "v2", "grpc")
-# The options each request sends, where its task takes them: the lightest answer (one class), since the load, not
-# the answer's size, is what a load test measures.
+# The options each request sends, where its task takes them: the lightest answer (one class) unless the command line
+# says otherwise, since the load, not the answer's size, is what a load test measures.
 Options = Mapping[str, Any]
 LIGHTEST: Options = {"top_k": 1}
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+_GRPC_PARAM = {float: "double_param", int: "int64_param", bool: "bool_param", str: "string_param"}
 
 
 def media_type(data: bytes) -> str:
@@ -54,14 +53,8 @@ def named_images(folder: str | Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES)
 
 def _multipart(images: list[bytes]) -> tuple[str, bytes]:
     boundary = uuid.uuid4().hex
-    parts = []
-    for i, data in enumerate(images):
-        parts.append(
-            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="image{i}"\r\n'
-            f"Content-Type: {media_type(data)}\r\n\r\n".encode()
-            + data
-            + b"\r\n"
-        )
+    head = '--{}\r\nContent-Disposition: form-data; name="file"; filename="image{}"\r\nContent-Type: {}\r\n\r\n'
+    parts = [head.format(boundary, i, media_type(data)).encode() + data + b"\r\n" for i, data in enumerate(images)]
     return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
 
 
@@ -81,15 +74,19 @@ def _given(task: str, options: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in names}
 
 
+def _parameters(task: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Those of ``options`` that ``task`` takes as v2 request parameters (a list of classes as one string)."""
+    taken = {f.name for f in fields(task_named(task).Options) if f.v2}
+    return {k: ",".join(map(str, v)) if isinstance(v, list | tuple) else v for k, v in options.items() if k in taken}
+
+
 def _outputs(task: str, options: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The v2 outputs ``options`` ask of ``task`` (a classifier's top_k: the classification extension's k best)."""
     kind, given = task_named(task), _given(task, options)
     return kind.named_outputs(kind.Options(**given), given)
 
 
-def image_payload(
-    model: str, images: list[bytes], task: str = "classify", options: Mapping[str, Any] = LIGHTEST
-) -> Payload:
+def image_payload(model: str, images: list[bytes], task: str = "classify", options: Options = LIGHTEST) -> Payload:
     path = model_path("image", model, task, options)
     if len(images) == 1:
         return Payload(path, {"content-type": media_type(images[0])}, images[0], 1)
@@ -97,11 +94,10 @@ def image_payload(
     return Payload(path, {"content-type": ctype}, body, len(images))
 
 
-def v2_payload(
-    model: str, images: list[bytes], task: str = "classify", options: Mapping[str, Any] = LIGHTEST
-) -> Payload:
-    """v2 infer: the ``IMAGE`` BYTES input in the binary extension; the outputs the options ask for in JSON (a
-    classifier's classification extension), or the task's default outputs in the binary extension."""
+def v2_payload(model: str, images: list[bytes], task: str = "classify", options: Options = LIGHTEST) -> Payload:
+    """v2 infer: the ``IMAGE`` BYTES input in the binary extension, the options as request parameters; the outputs
+    they ask for in JSON (a classifier's classification extension), or the task's default outputs in the binary
+    extension."""
     blob = b"".join(struct.pack("<I", len(d)) + d for d in images)
     request: dict[str, object] = {
         "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [len(images)],
@@ -110,23 +106,24 @@ def v2_payload(
     named = _outputs(task, options)
     if named:
         request["outputs"] = [{"name": name, "parameters": {**params, "binary_data": False}} for name, params in named]
+        request["parameters"] = _parameters(task, options)
     else:
-        request["outputs"], request["parameters"] = [], {"binary_data_output": True}
+        request["outputs"], request["parameters"] = [], {**_parameters(task, options), "binary_data_output": True}
     header = json.dumps(request).encode()
     headers = {"content-type": "application/octet-stream", "inference-header-content-length": str(len(header))}
     return Payload(model_path("v2", model), headers, header + blob, len(images))
 
 
-def grpc_payload(
-    model: str, images: list[bytes], task: str = "classify", options: Mapping[str, Any] = LIGHTEST
-) -> Payload:
-    """gRPC ModelInfer: the ``IMAGE`` BYTES input in ``raw_input_contents``, the outputs the options ask for (a
-    classifier's classification extension; else the task's default outputs); the body is the serialised request
-    and the path the RPC's."""
+def grpc_payload(model: str, images: list[bytes], task: str = "classify", options: Options = LIGHTEST) -> Payload:
+    """gRPC ModelInfer: the ``IMAGE`` BYTES input in ``raw_input_contents``, the options as request parameters, the
+    outputs they ask for (a classifier's classification extension; else the task's default outputs); the body is
+    the serialised request and the path the RPC's."""
     from service.core.protocol import method_path, pb
 
     request = pb.ModelInferRequest(model_name=model)
     request.inputs.add(name="IMAGE", datatype="BYTES", shape=[len(images)])
+    for key, value in _parameters(task, options).items():
+        setattr(request.parameters[key], _GRPC_PARAM[type(value)], value)
     for name, params in _outputs(task, options):
         output = request.outputs.add(name=name)
         for key, value in params.items():
@@ -143,6 +140,7 @@ def payloads(
     per_request: int = 1,
     task: str = "classify",
     names: Sequence[str] | None = None,
+    options: Options = LIGHTEST,
 ) -> list[Payload]:
     """One payload per group of ``per_request`` images, cycling through the corpus so each image is used; each
     names its images where ``names`` (one per image) are given."""
@@ -159,7 +157,7 @@ def payloads(
     out = []
     for j in range(count):
         picked = [(j * per_request + i) % len(images) for i in range(per_request)]
-        payload = build(model, [images[k] for k in picked], task=task)
+        payload = build(model, [images[k] for k in picked], task=task, options=options)
         out.append(replace(payload, names=tuple(names[k] for k in picked)) if names is not None else payload)
     return out
 
@@ -172,15 +170,17 @@ def model_payloads(
     per_request: int = 1,
     task: str = "classify",
     names: Sequence[str] | None = None,
+    options: Options = LIGHTEST,
 ) -> list[list[Payload]]:
     """:func:`payloads` for each of ``models``, in order; over HTTP the bodies are the first model's, shared."""
 
     def build(model: str) -> list[Payload]:
-        return payloads(model, images, protocol=protocol, per_request=per_request, task=task, names=names)
+        return payloads(model, images, protocol=protocol, per_request=per_request, task=task, names=names,
+                        options=options)  # fmt: skip
 
     first = build(models[0])
     if protocol == "grpc":
         rest = [build(m) for m in models[1:]]
     else:
-        rest = [[replace(p, path=model_path(protocol, m, task=task)) for p in first] for m in models[1:]]
+        rest = [[replace(p, path=model_path(protocol, m, task, options)) for p in first] for m in models[1:]]
     return [first, *rest]

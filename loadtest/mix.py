@@ -1,23 +1,20 @@
-"""Many models under one load: which models, how popular each is, the seeded draw that picks each request's model,
-and what each model saw.
+"""Many models under one load (README, "Load testing"): which models (patterns expanded from the server's repository
+index), how popular each is (``uniform`` or ``zipf:S``: P(rank k) proportional to 1/k^S), the seeded draw that picks
+each request's model, and what each model saw.
 
-- The models are a list (``a,b,c``, ranked in that order) where an item may be a pattern (``digits*``) matched
-  against the server's repository index (``POST /v2/repository/index``, which lists unloaded models too) and
-  expanded in place to the matching names, sorted.
-- Popularity is ``uniform`` or ``zipf:S``: P(rank k) proportional to 1/k^S, rank 1 the first model.
-- Each load process draws its requests' models in send order from a generator seeded by the run's ``--seed`` and
-  the process's index (never the stream its Poisson schedule draws from), so a run's draw can be replayed; every
-  step starts the same stream again, so steps of one run are driven alike.
-- A response whose ``Server-Timing`` has a ``cold_start;dur=MS`` entry waited for its model's load (a miss); one
-  without it found the model resident (a hit). The hit rate is ``1 - cold starts / answered``, where answered
-  counts every HTTP answer, errors included (a 503 for a full budget is an answer without a cold start: its count
-  is in the model's errors). Over gRPC no Server-Timing comes back, so cold starts are not observed there.
+Each load process draws its requests' models in send order from a generator seeded by the run's ``--seed`` and the
+process's index (never the stream its Poisson schedule draws from), so a run's draw can be replayed; every step
+starts the same stream again, so steps of one run are driven alike. A response whose ``Server-Timing`` has a
+``cold_start`` entry waited for its model's load (a miss); "answered" counts every HTTP answer, errors included (a
+503 for a full budget is an answer without a cold start). Over gRPC no Server-Timing comes back, so cold starts are
+not observed there.
 """
 
 from __future__ import annotations
 
 import bisect
 import fnmatch
+import itertools
 import math
 import random
 from collections import Counter
@@ -26,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.histogram import LatencyHistogram
+from service.core.percentile import percentile
 
 NOT_ANSWERED = frozenset({"timeout", "connection", "unfinished", "client-overflow"})  # outcomes with no answer
 PATTERN_CHARS = "*?["
@@ -41,11 +39,7 @@ class ModelMix:
 
     @property
     def cumulative(self) -> tuple[float, ...]:
-        total, out = 0.0, []
-        for w in self.weights:
-            total += w
-            out.append(total)
-        return tuple(out)
+        return tuple(itertools.accumulate(self.weights))
 
 
 def parse_popularity(text: str) -> tuple[str, float]:
@@ -205,11 +199,6 @@ def hit_rate(cold_starts: int, answered: int) -> float | None:
     return 1.0 - cold_starts / answered if answered else None
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.5 * len(ordered)) - 1)]  # nearest rank, as the histograms report
-
-
 def summary(mix: ModelMix, tallies: Sequence[ModelTally], *, cold_observed: bool = True) -> dict[str, Any]:
     """The ``models`` object (keyed by name, in rank order) with the totals: ``cold_starts`` and ``hit_rate`` (None
     where cold starts cannot be observed, over gRPC, or nothing was answered)."""
@@ -222,7 +211,7 @@ def summary(mix: ModelMix, tallies: Sequence[ModelTally], *, cold_observed: bool
             "latency_ms": {"p50": 1000 * t.latency.quantile(0.5), "p99": 1000 * t.latency.quantile(0.99),
                            "max": 1000 * t.latency.max_s if t.latency.count else math.nan},
             "cold_starts": t.cold_starts if cold_observed else None,
-            "cold_start_ms": {"p50": _median(t.cold_start_ms), "max": max(t.cold_start_ms)}
+            "cold_start_ms": {"p50": percentile(t.cold_start_ms, 0.5), "max": max(t.cold_start_ms)}
             if cold_observed and t.cold_start_ms else None,
             "hit_rate": hit_rate(t.cold_starts, t.answered) if cold_observed else None,
         }  # fmt: skip

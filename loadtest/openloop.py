@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from loadtest.http1 import ConnectionFailed, Http1Client
+from loadtest.runner import sleep_until
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,7 @@ async def run_open_loop(
     count = int(rate * duration_s)
     for i in range(count):
         due = i / rate
-        delay = start + due - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        await sleep_until(start + due)
         if on_tick is not None and due >= next_tick:
             on_tick(due)
             next_tick += 1.0

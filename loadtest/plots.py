@@ -12,10 +12,11 @@ import numpy as np
 from loadtest.step import PERCENTILES, StepResult
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def pyplot():  # type: ignore[no-untyped-def]
+    """matplotlib.pyplot, drawing to files only (no display on a server)."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: no display on a server
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
@@ -38,24 +39,23 @@ def _log_ms_axis(ax) -> None:  # type: ignore[no-untyped-def]
     ax.set_ylabel("latency (ms, log scale)")
 
 
-def _save(fig, ax, title: str, path: Path) -> Path:  # type: ignore[no-untyped-def]
-    """What every plot ends with: the title, a grid, the file, and the figure's memory given back."""
+def save(fig, ax, title: str, path: Path, **options: Any) -> Path:  # type: ignore[no-untyped-def]
+    """What every plot ends with: the title, a grid, the file (``options`` for ``savefig``), and the figure's memory
+    given back."""
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    fig.savefig(path, dpi=110, **options)
+    pyplot().close(fig)
     return path
 
 
 def latency_vs_throughput(steps: list[StepResult], path: Path, title: str, slo_ms: float | None = None) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    ordered = steps  # in the order the load grew, so a throughput that falls back at saturation shows as such
-    x = [s.requests_per_s for s in ordered]
+    fig, ax = pyplot().subplots(figsize=(8, 5))
+    x = [s.requests_per_s for s in steps]  # in the order the load grew: a throughput falling back shows as such
     for q in PERCENTILES:
-        ax.plot(x, [s.latency_ms(q) for s in ordered], marker="o", label=f"p{q:g}")
-    for s in ordered:
+        ax.plot(x, [s.latency_ms(q) for s in steps], marker="o", label=f"p{q:g}")
+    for s in steps:
         note = s.spec.label + (" (client-limited)" if s.client_limited else "")
         ax.annotate(note, (s.requests_per_s, s.latency_ms(99)), textcoords="offset points", xytext=(4, 6), fontsize=7)
     if slo_ms is not None:
@@ -63,13 +63,12 @@ def latency_vs_throughput(steps: list[StepResult], path: Path, title: str, slo_m
     _log_ms_axis(ax)
     ax.set_xlabel("throughput (requests/s)")
     ax.legend()
-    return _save(fig, ax, title, path)
+    return save(fig, ax, title, path)
 
 
 def latency_over_time(steps: list[StepResult], path: Path, title: str) -> Path:
     """Every measured request (dots, by send time) and the p99 of each second, the steps laid end to end."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = pyplot().subplots(figsize=(10, 4.5))
     offset = 0.0
     for s in steps:
         if s.timeline:
@@ -87,14 +86,13 @@ def latency_over_time(steps: list[StepResult], path: Path, title: str) -> Path:
         offset += s.duration_s
     _log_ms_axis(ax)
     ax.set_xlabel("time (s, measured windows end to end); line: p99 per second; x: errors")
-    return _save(fig, ax, title, path)
+    return save(fig, ax, title, path)
 
 
 def latency_distribution(steps: list[StepResult], path: Path, title: str) -> Path:
-    plt = _pyplot()
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     from matplotlib.ticker import NullLocator
 
-    fig, ax = plt.subplots(figsize=(8, 5))
     for s in steps:
         if not s.latency.count:
             continue
@@ -109,7 +107,7 @@ def latency_distribution(steps: list[StepResult], path: Path, title: str) -> Pat
     _log_ms_axis(ax)
     ax.set_xlabel("percentile")
     ax.legend(fontsize=8)
-    return _save(fig, ax, title, path)
+    return save(fig, ax, title, path)
 
 
 def draw_all(steps: list[StepResult], out: Path, title: str, slo_ms: float | None = None) -> list[Path]:
@@ -126,11 +124,10 @@ def streams_over_time(report: dict[str, Any], path: Path, title: str) -> Path:
     fate, stacked (answered at the bottom, the drops above it); the answered frames' age p50 and p99 (the server's)
     with the client's latency p99; and each stream's answered rate (a fast stream should get no more than its share).
     """
-    plt = _pyplot()
     rows = report["timeline"]
     t = np.array([r["t_s"] for r in rows], dtype=float)
     span = np.array([r["span_s"] for r in rows], dtype=float)
-    fig, (frames, ages, shares) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    fig, (frames, ages, shares) = pyplot().subplots(3, 1, figsize=(10, 9), sharex=True)
     bottom = np.zeros(len(rows))
     fates = (("result", "answered", "tab:green"), ("superseded", "superseded", "tab:orange"),
              ("expired", "expired", "tab:red"), ("error", "error", "tab:purple"),
@@ -142,8 +139,6 @@ def streams_over_time(report: dict[str, Any], path: Path, title: str) -> Path:
             bottom += per_s
     frames.set_ylabel("frames/s by fate")
     frames.legend(fontsize=8, loc="lower right")
-    frames.grid(True, alpha=0.3)
-    frames.set_title(title)
     for key, label, style in (("age_p50_ms", "age p50", "-"), ("age_p99_ms", "age p99", "-"),
                               ("latency_p99_ms", "client latency p99", "--")):  # fmt: skip
         values = np.array([r[key] for r in rows], dtype=float)
@@ -162,7 +157,4 @@ def streams_over_time(report: dict[str, Any], path: Path, title: str) -> Path:
     if report["streams"] <= 12:
         shares.legend(fontsize=7, ncol=3)
     shares.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, frames, title, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,36 +13,53 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.answers import line as answers_line
+from loadtest.answers import percent
 from loadtest.step import PERCENTILES
 from service.core.batchcost import KNEE_SLACK
 from service.core.metrics import STAGES
 
+CsvTable = tuple[Sequence[str], Iterable[dict[str, Any]]]  # a CSV file's columns and rows
 
-def _ms(value: float | None) -> str:
+
+def ms(value: float | None) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.1f}"
 
 
+def _errors(errors: dict[str, int]) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())) or "0"
+
+
+def new_table(
+    title: str, columns: Iterable[str], left: Container[str], caption: str | None = None, rows: Iterable[list[str]] = ()
+) -> Table:
+    """A table of ``columns``, those in ``left`` justified left, the rest right, and its first ``rows``."""
+    t = Table(title=title, caption=caption)
+    for name in columns:
+        t.add_column(name, justify="left" if name in left else "right")
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
 def table(steps: list[dict[str, Any]], title: str) -> Table:
-    t = Table(title=title)
-    for name in ("step", "req/s", "img/s", *(f"p{q:g}" for q in PERCENTILES), "max", "errors", "server q/pre/comp",
-                 "batch", "client"):  # fmt: skip
-        t.add_column(name, justify="left" if name in ("step", "errors", "client") else "right")
+    columns = ("step", "req/s", "img/s", *(f"p{q:g}" for q in PERCENTILES), "max", "errors", "server q/pre/comp",
+               "batch", "client")  # fmt: skip
+    caption = "latencies in ms; server q/pre/comp: mean queue, preprocess and per-batch compute ms from /metrics"
+    t = new_table(title, columns, ("step", "errors", "client"), caption)
     for s in steps:
         lat, srv = s["latency_ms"], s["server"]
         split = "-"
         if srv:
             m = srv["mean_ms"]
-            split = f"{_ms(m['queue'])}/{_ms(m['preprocess'])}/{_ms(m['compute'])}"
-        errors = ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "0"
+            split = f"{ms(m['queue'])}/{ms(m['preprocess'])}/{ms(m['compute'])}"
         client = "LIMITED: " + "; ".join(s["client_limited"]) if s["client_limited"] else "ok"
         if s["send_lag_ms"] and not s["client_limited"]:
-            client += f" (lag p99 {_ms(s['send_lag_ms']['p99'])} ms)"
+            client += f" (lag p99 {ms(s['send_lag_ms']['p99'])} ms)"
         t.add_row(
             s["step"], f"{s['requests_per_s']:.1f}", f"{s['images_per_s']:.1f}",
-            *(_ms(lat[f"p{q:g}"]) for q in PERCENTILES), _ms(lat["max"]), errors, split,
-            _ms(srv["mean_batch_size"]) if srv else "-", client,
+            *(ms(lat[f"p{q:g}"]) for q in PERCENTILES), ms(lat["max"]), _errors(s["errors"]), split,
+            ms(srv["mean_batch_size"]) if srv else "-", client,
         )  # fmt: skip
-    t.caption = "latencies in ms; server q/pre/comp: mean queue, preprocess and per-batch compute ms from /metrics"
     return t
 
 
@@ -51,65 +69,53 @@ def cost_table(steps: list[dict[str, Any]]) -> Table | None:
     rows = [(s["step"], (s["server"] or {}).get("batch_costs") or {}) for s in steps]
     if not any(c.get("sizes") for _, c in rows):
         return None
-    t = Table(title="batch costs: compute ms per image by batch size (batches)")
-    t.add_column("step", justify="left")
-    t.add_column("knee", justify="right")
-    t.add_column("size: ms per image (batches)", justify="left")
-    for step, c in rows:
-        sizes = ", ".join(f"{n}: {v['ms_per_image']:.1f} ({v['batches']})" for n, v in c.get("sizes", {}).items())
-        t.add_row(step, str(c.get("knee") or "-"), sizes or "-")
-    t.caption = (
+    caption = (
         f"knee: the smallest batch whose cost per image is within {KNEE_SLACK:.0%} of the cheapest size's "
         "(the adaptive policy's)"
     )
+    sizes_column = "size: ms per image (batches)"
+    title = "batch costs: compute ms per image by batch size (batches)"
+    t = new_table(title, ("step", "knee", sizes_column), ("step", sizes_column), caption)
+    for step, c in rows:
+        sizes = ", ".join(f"{n}: {v['ms_per_image']:.1f} ({v['batches']})" for n, v in c.get("sizes", {}).items())
+        t.add_row(step, str(c.get("knee") or "-"), sizes or "-")
     return t
 
 
 def stage_table(steps: list[dict[str, Any]]) -> Table | None:
     """Where the server's time went at each step (mean ms per stage, from its stage histograms): which stage grows
     as the load does. None when the server reports no stages."""
-    names: list[str] = []
-    for s in steps:
-        for name in (s["server"] or {}).get("stages", {}):
-            if name not in names:
-                names.append(name)
+    names = list(dict.fromkeys(name for s in steps for name in (s["server"] or {}).get("stages", {})))
     if not names:
         return None
-    t = Table(title="server stages: mean ms (p99 ms) per answered request")
-    t.add_column("step", justify="left")
-    for name in names:
-        t.add_column(name.replace("_", " "), justify="right")
+    caption = "stages run one after another and sum to the server's time per request (docs: Server-Timing)"
+    columns = ("step", *(name.replace("_", " ") for name in names))
+    t = new_table("server stages: mean ms (p99 ms) per answered request", columns, ("step",), caption)
     for s in steps:
         stages = (s["server"] or {}).get("stages", {})
-        t.add_row(s["step"], *(f"{_ms(stages[n]['mean_ms'])} ({_ms(stages[n]['p99_ms'])})" if n in stages else "-"
+        t.add_row(s["step"], *(f"{ms(stages[n]['mean_ms'])} ({ms(stages[n]['p99_ms'])})" if n in stages else "-"
                                for n in names))  # fmt: skip
-    t.caption = "stages run one after another and sum to the server's time per request (docs: Server-Timing)"
     return t
-
-
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def model_table(s: dict[str, Any], title: str) -> Table:
     """One row per model of a ``--models`` step (or of the run's totals): its share of the requests, answers,
     errors, latency, and cold starts with their durations; the hit rate in the title."""
     cold = "not observed (gRPC sends no Server-Timing)" if s["cold_starts"] is None else (
-        f"hit rate {_share(s['hit_rate'])}: {s['cold_starts']} cold starts in {s['answered']} answers")  # fmt: skip
-    t = Table(title=f"{title}: {cold}")
-    for name in ("model", "weight", "share", "requests", "errors", "p50", "p99", "cold starts", "cold p50",
-                 "cold max", "hit rate"):  # fmt: skip
-        t.add_column(name, justify="left" if name in ("model", "errors") else "right")
+        f"hit rate {percent(s['hit_rate'])}: {s['cold_starts']} cold starts in {s['answered']} answers")  # fmt: skip
+    columns = ("model", "weight", "share", "requests", "errors", "p50", "p99", "cold starts", "cold p50", "cold max",
+               "hit rate")  # fmt: skip
+    caption = ("share: of the measured requests; latencies in ms; cold: answers with Server-Timing cold_start "
+               "(cold p50/max: its dur); hit rate: 1 - cold starts / answers")  # fmt: skip
+    t = new_table(f"{title}: {cold}", columns, ("model", "errors"), caption)
     for name, m in s["models"].items():
-        errors = ", ".join(f"{k}: {v}" for k, v in sorted(m["errors"].items())) or "0"
         cold_ms = m["cold_start_ms"] or {}
         t.add_row(
-            name, _share(m["weight"]), _share(m["share"]), str(m["requests"]), errors, _ms(m["latency_ms"]["p50"]),
-            _ms(m["latency_ms"]["p99"]), "-" if m["cold_starts"] is None else str(m["cold_starts"]),
-            _ms(cold_ms.get("p50")), _ms(cold_ms.get("max")), _share(m["hit_rate"]),
+            name, percent(m["weight"]), percent(m["share"]), str(m["requests"]), _errors(m["errors"]),
+            ms(m["latency_ms"]["p50"]), ms(m["latency_ms"]["p99"]),
+            "-" if m["cold_starts"] is None else str(m["cold_starts"]), ms(cold_ms.get("p50")),
+            ms(cold_ms.get("max")), percent(m["hit_rate"]),
         )  # fmt: skip
-    t.caption = ("share: of the measured requests; latencies in ms; cold: answers with Server-Timing cold_start "
-                 "(cold p50/max: its dur); hit rate: 1 - cold starts / answers")  # fmt: skip
     return t
 
 
@@ -122,12 +128,9 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for s in report["steps"]:
         if s.get("answers"):
             console.print(f"{s['step']}: {answers_line(s['answers'])}")
-    stages = stage_table(report["steps"])
-    if stages is not None:
-        console.print(stages)
-    costs = cost_table(report["steps"])
-    if costs is not None:
-        console.print(costs)
+    for extra in (stage_table(report["steps"]), cost_table(report["steps"])):
+        if extra is not None:
+            console.print(extra)
     if "models" in report:
         for s in report["steps"]:
             console.print(model_table(s, f"per model at {s['step']}"))
@@ -142,7 +145,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             console.print(f"[bold]No rate tried met p99 <= {slo['target_p99_ms']:g} ms with no errors.[/bold]")
         else:
             console.print(f"[bold]Highest rate meeting p99 <= {slo['target_p99_ms']:g} ms: {slo['best_rate']:g} req/s"
-                          f"[/bold] (p99 {_ms(slo['passed']['latency_ms']['p99'])} ms)")  # fmt: skip
+                          f"[/bold] (p99 {ms(slo['passed']['latency_ms']['p99'])} ms)")  # fmt: skip
         if not slo["failed"]:
             console.print(
                 f"  no rate tried failed within the {len(slo['tried'])} steps allowed: the edge lies higher "
@@ -150,7 +153,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
             )
         else:
             f = slo["failed"]
-            console.print(f"  bounded above by {f['rate']:g} req/s: p99 {_ms(f['latency_ms']['p99'])} ms, "
+            console.print(f"  bounded above by {f['rate']:g} req/s: p99 {ms(f['latency_ms']['p99'])} ms, "
                           f"errors {sum(f['errors'].values())}"
                           + (" (client-limited: the generator may have set this bound)" if slo["client_limited"]
                              else ""))  # fmt: skip
@@ -187,45 +190,42 @@ MODEL_CSV_COLUMNS = ("step", "model", "weight", "share", "measured", "requests",
 
 def model_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
     """models.csv's rows of one ``--models`` step."""
-    rows = []
-    for name, m in s["models"].items():
-        cold_ms = m["cold_start_ms"] or {}
-        rows.append({
-            "step": s["step"], "model": name, "weight": m["weight"], "share": m["share"], "measured": m["measured"],
-            "requests": m["requests"], "answered": m["answered"], "errors": sum(m["errors"].values()),
-            "p50_ms": m["latency_ms"]["p50"], "p99_ms": m["latency_ms"]["p99"],
-            "cold_starts": "" if m["cold_starts"] is None else m["cold_starts"],
-            "cold_start_p50_ms": cold_ms.get("p50", ""), "cold_start_max_ms": cold_ms.get("max", ""),
-            "hit_rate": "" if m["hit_rate"] is None else m["hit_rate"],
-        })  # fmt: skip
-    return rows
+    return [{
+        "step": s["step"], "model": name, "weight": m["weight"], "share": m["share"], "measured": m["measured"],
+        "requests": m["requests"], "answered": m["answered"], "errors": sum(m["errors"].values()),
+        "p50_ms": m["latency_ms"]["p50"], "p99_ms": m["latency_ms"]["p99"],
+        "cold_starts": "" if m["cold_starts"] is None else m["cold_starts"],
+        "cold_start_p50_ms": (m["cold_start_ms"] or {}).get("p50", ""),
+        "cold_start_max_ms": (m["cold_start_ms"] or {}).get("max", ""),
+        "hit_rate": "" if m["hit_rate"] is None else m["hit_rate"],
+    } for name, m in s["models"].items()]  # fmt: skip
+
+
+def write_results(report: dict[str, Any], out: Path, tables: dict[str, CsvTable]) -> list[Path]:
+    """results.json and, per file name in ``tables``, a CSV of those columns and rows, into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    for name, (columns, rows) in tables.items():
+        with (out / name).open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            w.writeheader()
+            w.writerows(rows)
+    return [out / "results.json", *(out / name for name in tables)]
 
 
 def write_files(report: dict[str, Any], out: Path) -> list[Path]:
     """results.json and steps.csv into ``out``; with ``--models``, models.csv too (a row per step and model)."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    with (out / "steps.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for s in report["steps"]:
-            w.writerow(csv_row(s))
-    files = [out / "results.json", out / "steps.csv"]
+    tables: dict[str, CsvTable] = {"steps.csv": (CSV_COLUMNS, [csv_row(s) for s in report["steps"]])}
     if "models" in report:
-        with (out / "models.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=MODEL_CSV_COLUMNS)
-            w.writeheader()
-            for s in report["steps"]:
-                w.writerows(model_rows(s))
-        files.append(out / "models.csv")
-    return files
+        tables["models.csv"] = (MODEL_CSV_COLUMNS, [row for s in report["steps"] for row in model_rows(s)])
+    return write_results(report, out, tables)
 
 
 def compare(report: dict[str, Any], baseline: dict[str, Any], tolerance: float) -> tuple[list[dict[str, Any]], bool]:
     """Each step matched by its key: throughput and p99 changes; a regression is a throughput fall or a p99 rise
     beyond ``tolerance`` (a fraction), or a step that had no errors and now has some."""
     base = {s["key"]: s for s in baseline.get("steps", [])}
-    rows, regressed = [], False
+    rows = []
     for s in report["steps"]:
         b = base.get(s["key"])
         if b is None:
@@ -234,17 +234,14 @@ def compare(report: dict[str, Any], baseline: dict[str, Any], tolerance: float) 
         p99 = s["latency_ms"]["p99"] / b["latency_ms"]["p99"] if b["latency_ms"]["p99"] else math.nan
         new_errors = sum(s["errors"].values()) > 0 and sum(b["errors"].values()) == 0
         bad = tput < 1 - tolerance or p99 > 1 + tolerance or new_errors or math.isnan(tput) or math.isnan(p99)
-        regressed |= bad
         rows.append({"step": s["step"], "throughput_ratio": tput, "p99_ratio": p99, "new_errors": new_errors,
                      "regression": bad})  # fmt: skip
     slo, base_slo = report.get("slo"), baseline.get("slo")
     if slo and base_slo and base_slo.get("best_rate"):
         ratio = (slo["best_rate"] or 0.0) / base_slo["best_rate"]
-        bad = ratio < 1 - tolerance
-        regressed |= bad
         rows.append({"step": f"rate at p99 <= {slo['target_p99_ms']:g} ms", "throughput_ratio": ratio,
-                     "p99_ratio": math.nan, "new_errors": False, "regression": bad})  # fmt: skip
-    return rows, regressed
+                     "p99_ratio": math.nan, "new_errors": False, "regression": ratio < 1 - tolerance})  # fmt: skip
+    return rows, any(r["regression"] for r in rows)
 
 
 def _change(ratio: float) -> str:
@@ -252,12 +249,10 @@ def _change(ratio: float) -> str:
 
 
 def print_comparison(rows: list[dict[str, Any]], tolerance: float, console: Console) -> None:
-    t = Table(title=f"against the baseline (tolerance {100 * tolerance:g}%)")
-    for name in ("step", "throughput", "p99", "verdict"):
-        t.add_column(name, justify="left" if name in ("step", "verdict") else "right")
+    caption = None if rows else "no step of this run matches a step of the baseline"
+    title = f"against the baseline (tolerance {100 * tolerance:g}%)"
+    t = new_table(title, ("step", "throughput", "p99", "verdict"), ("step", "verdict"), caption)
     for r in rows:
         verdict = "REGRESSION" + (" (new errors)" if r["new_errors"] else "") if r["regression"] else "ok"
         t.add_row(r["step"], _change(r["throughput_ratio"]), _change(r["p99_ratio"]), verdict)
-    if not rows:
-        t.caption = "no step of this run matches a step of the baseline"
     console.print(t)

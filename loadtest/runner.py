@@ -1,30 +1,22 @@
-"""One process's share of a load-test step, on its own event loop.
-
-Closed loop: ``concurrency`` virtual clients, each sends, waits for the answer, sends again; latency runs from the
-send. Open loop: requests go out on a schedule (constant spacing or Poisson arrivals) whatever the answers do, and
-latency runs from each request's *scheduled* send time, so a server that stalls cannot hide the queue it built
-(no coordinated omission). The gap between the scheduled and the actual send is recorded as the generator's send
-lag: when it grows, the client, not the server, set the pace.
-
-A step lasts ``warmup_s + duration_s``; only requests sent (closed) or scheduled (open) inside the measured window
-count. After the window, answers still owed get up to ``drain_s``; whatever is still open then is cancelled and
-counted as the error ``unfinished``: nothing sent is silently left out.
-
-With several models (``PartPlan.mix``: their cumulative weights), each request's model is drawn in send order
-(:mod:`loadtest.mix`), each model's measured requests are tallied apart, and with ``keep_sequence`` every request
-put on the wire is recorded (its send time and model), warm-up included, so the run's sequence can be replayed.
+"""One process's share of a load-test step, on its own event loop: the closed loop, or the open loop with latency
+from each *scheduled* send and the send lag kept (README, "Load testing"). Only requests sent (closed) or scheduled
+(open) inside the measured window count; answers still owed after ``drain_s`` are cancelled and counted as the error
+``unfinished``. With several models (``PartPlan.mix``: their cumulative weights) each request's model is drawn in
+send order (:mod:`loadtest.mix`) and each model tallied apart; with ``keep_sequence`` every request put on the wire
+is recorded (its send time and model), warm-up included, so the run's sequence can be replayed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from array import array
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from loadtest.histogram import LatencyHistogram
 from loadtest.http1 import ConnectionFailed, Http1Client
@@ -33,8 +25,6 @@ from loadtest.mix import ModelDraw, ModelTally, draw_seed
 
 
 class Client(Protocol):
-    async def exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int | str, dict[str, str]]: ...
-
     async def fetch(
         self, path: str, body: bytes, headers: dict[str, str]
     ) -> tuple[int | str, dict[str, str], bytes]: ...
@@ -42,8 +32,7 @@ class Client(Protocol):
     async def aclose(self) -> None: ...
 
 
-MODES = ("closed", "open")
-ARRIVALS = ("constant", "poisson")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -100,10 +89,7 @@ def schedule(plan: PartPlan) -> Iterator[float]:
     if plan.rate <= 0:
         return
     if plan.arrival == "constant":
-        k = 0
-        while True:
-            yield plan.phase_s + k / plan.rate
-            k += 1
+        yield from (plan.phase_s + k / plan.rate for k in itertools.count())
     rng = random.Random(plan.seed)
     t = 0.0
     while True:
@@ -147,13 +133,8 @@ class _Step:
             r.sent_model.append(model)
         fields: dict[str, str] = {}
         answer = b""
-        # Bodies are kept only while a check wants more: reading them is free, holding them is not.
-        keep = len(r.answers) < self.plan.keep_answers and self.in_window(origin)
         try:
-            if keep:
-                status, fields, answer = await self.client.fetch(payload.path, payload.body, payload.headers)
-            else:
-                status, fields = await self.client.exchange(payload.path, payload.body, payload.headers)
+            status, fields, answer = await self.client.fetch(payload.path, payload.body, payload.headers)
             outcome = str(status)
         except TimeoutError:
             outcome = "timeout"
@@ -167,16 +148,16 @@ class _Step:
             r.models[model].record(outcome, done - origin, fields.get("server-timing"))
         ok = outcome == "200"
         if ok:
-            self.result.requests += 1
-            self.result.images += payload.images
-            self.result.latency.record(done - origin)
-            if keep and len(r.answers) < self.plan.keep_answers:
+            r.requests += 1
+            r.images += payload.images
+            r.latency.record(done - origin)
+            if len(r.answers) < self.plan.keep_answers:  # reading a body is free, holding it is not
                 r.answers.append((payload.names, answer))
         else:
-            self.result.errors[outcome] += 1
-        self.result.last_done_s = max(self.result.last_done_s, done - self.window[0])
-        if len(self.result.timeline) < self.plan.timeline_cap:
-            self.result.timeline.append((origin - self.window[0], done - origin, ok))
+            r.errors[outcome] += 1
+        r.last_done_s = max(r.last_done_s, done - self.window[0])
+        if len(r.timeline) < self.plan.timeline_cap:
+            r.timeline.append((origin - self.window[0], done - origin, ok))
 
     async def closed(self) -> list[asyncio.Task[None]]:
         async def client_loop(k: int) -> None:
@@ -189,7 +170,7 @@ class _Step:
                 self.count_measured(model, self.in_window(sent_at))
                 await self.send(payload, sent_at, model)
 
-        await self._wait_until(self.base)
+        await sleep_until(self.base)
         return [asyncio.create_task(client_loop(k)) for k in range(self.plan.concurrency)]
 
     async def open(self) -> list[asyncio.Task[None]]:
@@ -199,7 +180,7 @@ class _Step:
             if at >= end or self.sent >= self.plan.max_requests:
                 break
             due = self.base + at
-            await self._wait_until(due)
+            await sleep_until(due)
             self.sent += 1
             model, payload = self.pick(i)  # drawn even when it overflows: the draw stays the same stream
             measured = self.in_window(due)
@@ -218,12 +199,6 @@ class _Step:
         if self.in_window(due):
             self.result.send_lag.record(max(0.0, time.perf_counter() - due))
         await self.send(payload, due, model)
-
-    @staticmethod
-    async def _wait_until(at: float) -> None:
-        delay = at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
 
 
 async def run_part_async(plan: PartPlan, corpus: list[list[Payload]], tally: Tally) -> PartResult:
@@ -246,26 +221,36 @@ async def run_part_async(plan: PartPlan, corpus: list[list[Payload]], tally: Tal
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         r = step.result
-        answered = r.requests + sum(r.errors.values())
-        if r.measured > answered:  # still owed an answer when the drain ran out
-            r.errors["unfinished"] += r.measured - answered
-        for t in r.models:
-            if t.measured > t.requests + sum(t.errors.values()):
-                t.errors["unfinished"] += t.measured - t.requests - sum(t.errors.values())
-        step.result.cpu_s = time.process_time() - cpu0
-        step.result.wall_s = time.perf_counter() - step.base
-        return step.result
+        counted: list[PartResult | ModelTally] = [r, *r.models]
+        for t in counted:
+            owed = t.measured - t.requests - sum(t.errors.values())
+            if owed > 0:  # still owed an answer when the drain ran out
+                t.errors["unfinished"] += owed
+        r.cpu_s = time.process_time() - cpu0
+        r.wall_s = time.perf_counter() - step.base
+        return r
     finally:
         await client.aclose()
 
 
 def run_part(plan: PartPlan, corpus: list[list[Payload]], tally: Tally) -> PartResult:
-    """Run one part to its end on a fresh event loop (uvloop where installed)."""
+    """Run one part to its end on a fresh event loop."""
+    return on_fresh_loop(run_part_async(plan, corpus, tally))
+
+
+def on_fresh_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on a fresh event loop (uvloop where installed)."""
     try:
         import uvloop
 
         runner: Any = uvloop.run
     except ImportError:
         runner = asyncio.run
-    result: PartResult = runner(run_part_async(plan, corpus, tally))
-    return result
+    return cast(T, runner(coro))
+
+
+async def sleep_until(at: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``at`` (at once when it has)."""
+    delay = at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)

@@ -1,13 +1,8 @@
-"""The server's own view of a step, read from its ``/metrics`` at the window's start and end.
-
-The difference of two scrapes gives, for one model (or summed over several), the requests the server counted, the
-mean time per stage (queue, preprocess, compute per batch, the whole request), the server-side request p99 from the
-histogram's buckets (as Prometheus's ``histogram_quantile`` reads it), and the mean batch size. A server without
-``/metrics`` (another product, or ``--no-metrics``) gives no split, and the report says so.
-
-Beside ``/metrics``, the model's statistics (``/v2/models/{m}/stats``, Triton's, so Triton's read too) give the
-compute of each batch size: what each size cost per image during the step, and the knee of those costs as the
-adaptive batch policy computes it (``CostModel.knee``), the batch beyond which a bigger one buys little throughput.
+"""The server's own view of a step (README, "Load testing"), from its ``/metrics`` at the window's start and end,
+summed over several models when given: request p99 from the histogram's buckets (as Prometheus's
+``histogram_quantile`` reads it). A server without ``/metrics`` gives no split, and the report says so. The model's
+statistics (``/v2/models/{m}/stats``, Triton's, so Triton's read too) give each batch size's compute per image and
+the knee of those costs as the adaptive batch policy computes it (``CostModel.knee``).
 """
 
 from __future__ import annotations
@@ -116,12 +111,6 @@ def server_split(before: Sample | None, after: Sample | None) -> dict[str, Any] 
     if before is None or after is None:
         return None
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-
-    def mean_ms(stage: str) -> float:
-        name = f"visionserve_{stage}_duration_seconds"
-        n = delta.get(name + "_count", 0.0)
-        return 1000 * delta.get(name + "_sum", 0.0) / n if n else math.nan
-
     batches = delta.get("visionserve_batch_size_count", 0.0)
     return {
         "stages": stage_split(delta),
@@ -129,7 +118,7 @@ def server_split(before: Sample | None, after: Sample | None) -> dict[str, Any] 
         "images": int(delta.get("visionserve_images_total", 0.0)),
         "batches": int(batches),
         "mean_batch_size": delta.get("visionserve_batch_size_sum", 0.0) / batches if batches else math.nan,
-        "mean_ms": {stage: mean_ms(stage) for stage in STAGES},
+        "mean_ms": {stage: _mean_ms(delta, f"visionserve_{stage}_duration_seconds") for stage in STAGES},
         "request_p99_ms": 1000 * bucket_quantile(delta, "visionserve_request_duration_seconds", 0.99),
         "batch_costs": batch_costs(delta),
     }
@@ -139,11 +128,11 @@ def stage_split(delta: Sample) -> dict[str, dict[str, float]]:
     """Per stage (the server's order): mean and p99 ms over the requests answered between the scrapes; empty for a
     server that does not report stages."""
     names = [k.split("|")[1] for k in delta if k.startswith(STAGE_FAMILY + "_count|")]
-    out: dict[str, dict[str, float]] = {}
-    for name in names:
-        n = delta.get(f"{STAGE_FAMILY}_count|{name}", 0.0)
-        out[name] = {
-            "mean_ms": 1000 * delta.get(f"{STAGE_FAMILY}_sum|{name}", 0.0) / n if n else math.nan,
-            "p99_ms": 1000 * bucket_quantile(delta, STAGE_FAMILY, 0.99, name),
-        }
-    return out
+    p99_ms = {name: 1000 * bucket_quantile(delta, STAGE_FAMILY, 0.99, name) for name in names}
+    return {name: {"mean_ms": _mean_ms(delta, STAGE_FAMILY, "|" + name), "p99_ms": p99_ms[name]} for name in names}
+
+
+def _mean_ms(delta: Sample, name: str, label: str = "") -> float:
+    """The mean of histogram ``name`` (``label``: ``|`` and one label's value), in ms."""
+    n = delta.get(f"{name}_count{label}", 0.0)
+    return 1000 * delta.get(f"{name}_sum{label}", 0.0) / n if n else math.nan

@@ -108,6 +108,9 @@ class StepResult:
         lat: dict[str, float] = {f"p{q:g}": self.latency_ms(q) for q in PERCENTILES}
         lat["max"] = 1000 * self.latency.max_s if self.latency.count else math.nan
         lat["mean"] = 1000 * self.latency.mean_s
+        mix: dict[str, Any] = {}  # with a mix: sent, the models object, cold_starts, answered and hit_rate
+        if self.mix is not None:
+            mix = {"sent": self.sent} | mixes.summary(self.mix, self.models, cold_observed=self.cold_observed)
         return {
             "step": self.spec.label, "key": self.spec.key, "mode": self.spec.mode,
             "concurrency": self.spec.concurrency, "rate": self.spec.rate, "arrival": self.spec.arrival,
@@ -118,13 +121,7 @@ class StepResult:
                             "max": 1000 * self.send_lag.max_s} if self.send_lag.count else None,
             "client_cpu": self.client_cpu, "client_limited": self.client_limited, "server": self.server,
             "histogram": self.latency.to_dict(), "answers": self.check,
-        } | self.mix_summary()  # fmt: skip
-
-    def mix_summary(self) -> dict[str, Any]:
-        """With a mix: ``sent``, the ``models`` object, ``cold_starts``, ``answered`` and ``hit_rate``; else nothing."""
-        if self.mix is None:
-            return {}
-        return {"sent": self.sent} | mixes.summary(self.mix, self.models, cold_observed=self.cold_observed)
+        } | mix  # fmt: skip
 
 
 def plans_for(spec: StepSpec, bounds: StepBounds, processes: int, start_wall: float) -> list[PartPlan]:
@@ -172,11 +169,19 @@ def merge(spec: StepSpec, bounds: StepBounds, parts: list[PartResult]) -> StepRe
     result.client_cpu = max((p.cpu_s / p.wall_s for p in parts if p.wall_s > 0), default=0.0)
     result.timeline.sort()
     lag_p99_ms = 1000 * result.send_lag.quantile(0.99) if result.send_lag.count else 0.0
-    if lag_p99_ms > bounds.max_send_lag_ms:
-        result.client_limited.append(f"send lag p99 {lag_p99_ms:.1f} ms > {bounds.max_send_lag_ms:g} ms")
-    if result.client_cpu > CLIENT_CPU_LIMIT:
-        result.client_limited.append(f"a load process used {100 * result.client_cpu:.0f}% of a core")
+    result.client_limited = client_limits(lag_p99_ms, bounds.max_send_lag_ms, result.client_cpu)
     return result
+
+
+def client_limits(send_lag_p99_ms: float, max_send_lag_ms: float, cpu: float, who: str = "a load process") -> list[str]:
+    """Why the client, not the server, may have set the pace (its send lag, or ``who`` was busy: ``cpu`` is its
+    share of a core); empty if not."""
+    found = []
+    if send_lag_p99_ms > max_send_lag_ms:
+        found.append(f"send lag p99 {send_lag_p99_ms:.1f} ms > {max_send_lag_ms:g} ms")
+    if cpu > CLIENT_CPU_LIMIT:
+        found.append(f"{who} used {100 * cpu:.0f}% of a core")
+    return found
 
 
 def run_step(pool: WorkerPool, spec: StepSpec, bounds: StepBounds, model: str, progress: Any = None) -> StepResult:

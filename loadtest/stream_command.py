@@ -1,7 +1,6 @@
-"""``visionserve loadtest --streams N``: the streams mode's command (:mod:`loadtest.streams` runs it,
-:mod:`loadtest.stream_report` reports it), with a progress bar, the server's own counts read from ``/metrics``
-around the run, and results.json, streams.csv and streams_over_time.png in ``--out``. Exit status 1 when a frame
-did not get exactly one answer."""
+"""``visionserve loadtest --streams N``: the streams mode's command (README, "Load testing"; :mod:`loadtest.streams`
+runs it, :mod:`loadtest.stream_report` reports it), with the server's own counts read from ``/metrics`` around it.
+"""
 
 from __future__ import annotations
 
@@ -68,10 +67,8 @@ def run_streams_loadtest(args: argparse.Namespace) -> int:
             images = image_files(args.images) if args.images else photo_like_jpegs(32, args.image_size)
         except (OSError, ValueError) as exc:
             problem = str(exc)
-    if problem is not None:
-        err.print(f"[red]not starting the load test:[/red] {problem}")
-        return 2
-    problem = preflight(plan, images[0])
+        else:
+            problem = preflight(plan, images[0])
     if problem:
         err.print(f"[red]not starting the load test:[/red] {problem}")
         return 2

@@ -1,25 +1,21 @@
 """A streams run's figures (:mod:`loadtest.streams`): per stream and over all, per second, and the accounting of
-every frame; the table at the end, results.json and streams.csv.
-
-The figures cover the frames *scheduled* inside the measured window (after the warm-up), each attributed to the
-second it was due in, so a second's fates add up to the frames sent in it. The accounting covers every frame, warm-up
-included: ``answered + superseded + expired + errors + lost = sent``, with ``lost`` (no answer by the end of the
-grace period) and ``unexpected`` (an answer for no frame, or a frame's second answer) zero when the server kept its
-promise of exactly one answer per frame.
+every frame; the table at the end, results.json and streams.csv. The figures cover the frames *scheduled* inside the
+measured window, each in the second it was due in; the accounting covers every frame, warm-up included
+(``answered + superseded + expired + errors + lost = sent``).
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
+from loadtest.report import ms, new_table, write_results
+from loadtest.step import client_limits
 from loadtest.streams import STAGES, STATUSES, FrameRecord, StreamRun
 from service.core.percentile import percentile
 
@@ -37,16 +33,15 @@ def tally(frames: Sequence[FrameRecord], seconds: float) -> dict[str, Any]:
     """The fates and timings of ``frames`` over ``seconds``: rates, fractions, age (the server's) and latency (the
     client's, from each frame's scheduled send) of the answered ones, drops by reason, send lag."""
     answered = [f for f in frames if f.status == "result"]
+    fates = Counter(f.status for f in frames)
     expired = {stage: sum(f.status == "expired" and f.stage == stage for f in frames) for stage in STAGES}
-    expired_total = sum(f.status == "expired" for f in frames)
-    expired["other"] = expired_total - sum(expired.values())
+    expired["other"] = fates["expired"] - sum(expired.values())
     ages = [f.age_ms for f in answered]
     latencies = [f.latency_ms for f in answered]
     sent = len(frames)
     return {
-        "sent": sent, "answered": len(answered), "superseded": sum(f.status == "superseded" for f in frames),
-        "expired": expired_total, "expired_by_stage": expired, "errors": sum(f.status == "error" for f in frames),
-        "lost": sum(f.status == "lost" for f in frames),
+        "sent": sent, "answered": len(answered), "superseded": fates["superseded"], "expired": fates["expired"],
+        "expired_by_stage": expired, "errors": fates["error"], "lost": fates["lost"],
         "sent_per_s": sent / seconds if seconds else math.nan,
         "answered_per_s": len(answered) / seconds if seconds else math.nan,
         "answered_fraction": len(answered) / sent if sent else math.nan,
@@ -78,14 +73,12 @@ def timeline(run: StreamRun) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for k, frames in enumerate(seconds):
         answered = [f for f in frames if f.status == "result"]
-        by_stream = [0] * len(run.streams)
-        for f in answered:
-            by_stream[f.stream] += 1
+        by_stream = Counter(f.stream for f in answered)
         row: dict[str, Any] = {"t_s": k, "span_s": min(1.0, plan.duration_s - k)}
         row |= {status: sum(f.status == status for f in frames) for status in STATUSES}
         row |= {"age_p50_ms": _q([f.age_ms for f in answered], 0.5), "age_p99_ms": _q([f.age_ms for f in answered],
                 0.99), "latency_p99_ms": _q([f.latency_ms for f in answered], 0.99),
-                "answered_by_stream": by_stream}  # fmt: skip
+                "answered_by_stream": [by_stream[s] for s in range(len(run.streams))]}  # fmt: skip
         rows.append(row)
     return rows
 
@@ -93,7 +86,7 @@ def timeline(run: StreamRun) -> list[dict[str, Any]]:
 def accounting(run: StreamRun) -> dict[str, Any]:
     """Every frame of the run, warm-up included: each got exactly one answer, or says why not."""
     frames = all_frames(run)
-    counts = {status: sum(f.status == status for f in frames) for status in STATUSES}
+    counts = Counter(f.status for f in frames)
     sent = len(frames)
     unexpected = sum(s.unexpected for s in run.streams)
     late = sum(s.late for s in run.streams)
@@ -108,19 +101,6 @@ def accounting(run: StreamRun) -> dict[str, Any]:
     }  # fmt: skip
 
 
-CLIENT_CPU_LIMIT = 0.9  # the load tester's own bound (loadtest.step): busier than this, the client set the pace
-
-
-def client_limits(run: StreamRun, send_lag_p99_ms: float, max_send_lag_ms: float) -> list[str]:
-    """Why the client, not the server, may have set the pace (the other modes' ``client_limited``); empty if not."""
-    found = []
-    if send_lag_p99_ms > max_send_lag_ms:
-        found.append(f"send lag p99 {send_lag_p99_ms:.1f} ms > {max_send_lag_ms:g} ms")
-    if run.client_cpu > CLIENT_CPU_LIMIT:
-        found.append(f"the load process used {100 * run.client_cpu:.0f}% of a core")
-    return found
-
-
 def summarise(run: StreamRun, server: dict[str, Any] | None = None, max_send_lag_ms: float = 10.0) -> dict[str, Any]:
     """The streams run's report (results.json); ``max_send_lag_ms``: a send lag p99 above it flags the run as
     client-limited."""
@@ -132,18 +112,14 @@ def summarise(run: StreamRun, server: dict[str, Any] | None = None, max_send_lag
         row |= {"unexpected": s.unexpected, "late": s.late, "close_code": s.close_code, "failure": s.failure}
         per_stream.append(row)
     total = tally(in_window(all_frames(run), *window), plan.duration_s)
+    limited = client_limits(total["send_lag_ms"]["p99"], max_send_lag_ms, run.client_cpu, "the load process")
     return {
         "url": plan.url, "model": plan.model, "mode": "streams", "protocol": "websocket", "streams": plan.streams,
         "fps": plan.fps, "fps_first": plan.fps_first, "total_fps": plan.total_fps, "max_age_ms": plan.max_age_ms,
         "warmup_s": plan.warmup_s, "duration_s": plan.duration_s, "drain_s": plan.drain_s,
-        "client_cpu": run.client_cpu, "per_stream": per_stream,
-        "client_limited": client_limits(run, total["send_lag_ms"]["p99"], max_send_lag_ms), "total": total,
+        "client_cpu": run.client_cpu, "per_stream": per_stream, "client_limited": limited, "total": total,
         "accounting": accounting(run), "timeline": timeline(run), "server": server,
     }  # fmt: skip
-
-
-def _ms(value: float) -> str:
-    return "-" if isinstance(value, float) and math.isnan(value) else f"{value:.1f}"
 
 
 def _row(name: str, fps: float, t: dict[str, Any]) -> list[str]:
@@ -151,23 +127,21 @@ def _row(name: str, fps: float, t: dict[str, Any]) -> list[str]:
     expired = f"{t['expired']} ({by['wait']}/{by['decode']}/{by['queue']})" if t["expired"] else "0"
     fraction = t["answered_fraction"]
     return [name, f"{fps:g}", str(t["sent"]), f"{t['answered_per_s']:.1f}",
-            "-" if math.isnan(fraction) else f"{100 * fraction:.1f}%", _ms(t["age_ms"]["p50"]), _ms(t["age_ms"]["p99"]),
-            _ms(t["latency_ms"]["p50"]), _ms(t["latency_ms"]["p99"]), str(t["superseded"]), expired, str(t["errors"]),
+            "-" if math.isnan(fraction) else f"{100 * fraction:.1f}%", ms(t["age_ms"]["p50"]), ms(t["age_ms"]["p99"]),
+            ms(t["latency_ms"]["p50"]), ms(t["latency_ms"]["p99"]), str(t["superseded"]), expired, str(t["errors"]),
             str(t["lost"])]  # fmt: skip
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
     title = (f"{report['model']} at {report['url']}: {report['streams']} streams, {report['total_fps']:g} frames/s, "
              f"max age {report['max_age_ms']:g} ms, {report['duration_s']:g} s")  # fmt: skip
-    t = Table(title=title)
-    for name in ("stream", "fps", "sent", "answered/s", "answered", "age p50", "age p99", "latency p50", "latency p99",
-                 "superseded", "expired (w/d/q)", "errors", "lost"):  # fmt: skip
-        t.add_column(name, justify="left" if name == "stream" else "right")
-    for s in report["per_stream"]:
-        t.add_row(*_row(str(s["stream"]), s["fps"], s))
+    columns = ("stream", "fps", "sent", "answered/s", "answered", "age p50", "age p99", "latency p50", "latency p99",
+               "superseded", "expired (w/d/q)", "errors", "lost")  # fmt: skip
+    caption = ("age: the server's, from reading the frame to answering it; latency: the client's, from the frame's "
+               "scheduled send; ms. expired by stage: wait/decode/queue")  # fmt: skip
+    rows = [_row(str(s["stream"]), s["fps"], s) for s in report["per_stream"]]
+    t = new_table(title, columns, ("stream",), caption, rows)
     t.add_row(*_row("all", report["total_fps"], report["total"]), style="bold")
-    t.caption = ("age: the server's, from reading the frame to answering it; latency: the client's, from the frame's "
-                 "scheduled send; ms. expired by stage: wait/decode/queue")  # fmt: skip
     console.print(t)
     a = report["accounting"]
     verdict = "every frame got exactly one answer" if a["ok"] else "NOT every frame got exactly one answer"
@@ -178,7 +152,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         console.print(f"  {failure}")
     lag = report["total"]["send_lag_ms"]["p99"]
     limited = "; ".join(report["client_limited"])
-    console.print(f"client: {100 * report['client_cpu']:.0f}% of a core, send lag p99 {_ms(lag)} ms"
+    console.print(f"client: {100 * report['client_cpu']:.0f}% of a core, send lag p99 {ms(lag)} ms"
                   + (f": LIMITED ({limited})" if limited else ""))  # fmt: skip
 
 
@@ -199,12 +173,6 @@ def _csv_row(name: str | int, fps: float, t: dict[str, Any]) -> dict[str, Any]:
 
 def write_files(report: dict[str, Any], out: Path) -> list[Path]:
     """results.json and streams.csv (a row per stream, then ``all``) into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    with (out / "streams.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for s in report["per_stream"]:
-            w.writerow(_csv_row(s["stream"], s["fps"], s))
-        w.writerow(_csv_row("all", report["total_fps"], report["total"]))
-    return [out / "results.json", out / "streams.csv"]
+    rows = [_csv_row(s["stream"], s["fps"], s) for s in report["per_stream"]]
+    rows.append(_csv_row("all", report["total_fps"], report["total"]))
+    return write_results(report, out, {"streams.csv": (CSV_COLUMNS, rows)})

@@ -1,15 +1,9 @@
-"""The load tester's streams mode: N WebSocket streams (docs/streams.md), each sending frames on a schedule.
-
-Each stream opens ``/v1/models/{m}/stream`` and sends its frames at its own rate, evenly spaced, the streams' first
-frames staggered so that together they arrive evenly (stream ``k`` starts at ``k / total fps``). The loop is open: a
-frame leaves at its scheduled moment whatever the answers do, and its client latency counts from that moment (no
-coordinated omission); when the sender falls behind, the gap is kept as the frame's send lag.
-
-Every frame is recorded with its fate: the server's answer (``result``, ``superseded``, ``expired`` with its stage,
-``error``), its ``age_ms`` (the server's clock, from reading the frame to answering it), the batch compute time it
-rode in, and when the answer came back. After the last frame a stream waits up to ``drain_s`` for the answers still
-owed; a frame unanswered then is ``lost``, an answer for no frame sent (or a frame's second answer) is counted as
-``unexpected``: the server promises exactly one answer per frame.
+"""The load tester's streams mode (README, "Load testing"; docs/streams.md): N WebSocket streams, each sending
+frames at its own rate, evenly spaced, the streams' first frames staggered so that together they arrive evenly
+(stream ``k`` starts at ``k / total fps``). The loop is open: client latency counts from each frame's scheduled
+moment, and a sender that falls behind keeps the gap as the frame's send lag. Every frame is recorded with its fate,
+``age_ms``, the batch compute it rode in and when its answer came; unanswered after ``drain_s`` it is ``lost``, and an
+answer for no frame sent (or a frame's second answer) is ``unexpected``.
 """
 
 from __future__ import annotations
@@ -24,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
+
+from loadtest.runner import on_fresh_loop, sleep_until
 
 START_DELAY_S = 0.2  # after every stream is open, before the first frame: the schedules start together
 TICK_S = 0.25  # how often ``on_tick`` hears of the counts
@@ -205,9 +201,7 @@ class _Stream:
         try:
             for i in range(log.scheduled):
                 due = phase + i / rate
-                delay = origin + due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                await sleep_until(origin + due)
                 if receiver.done():  # the server closed the stream: nothing more can be sent
                     break
                 record = FrameRecord(self.index, i, due)
@@ -271,14 +265,7 @@ async def _tick(origin: float, counts: list[int], on_tick: Tick) -> None:
 
 def run_streams(plan: StreamPlan, images: Sequence[bytes], on_tick: Tick | None = None) -> StreamRun:
     """:func:`run_streams_async` on a fresh event loop (uvloop where installed)."""
-    try:
-        import uvloop
-
-        runner: Any = uvloop.run
-    except ImportError:
-        runner = asyncio.run
-    result: StreamRun = runner(run_streams_async(plan, images, on_tick))
-    return result
+    return on_fresh_loop(run_streams_async(plan, images, on_tick))
 
 
 async def _preflight_async(plan: StreamPlan, image: bytes) -> str | None:

@@ -1,21 +1,21 @@
-"""What ``tune`` chooses between: one serving configuration (a :class:`Candidate`), the settings' ranges on a
-device, and the ``config.toml`` text of a chosen one.
-
-A candidate is every number that decides how fast a model is served: the runtime (backend and precision), the
-batcher (maximum batch, queue delay, preferred sizes, policy), the runtime instances and their threads, and the
-front-end processes (``serve --workers``, the one setting that lives on the command line, not in the file).
+"""What ``tune`` chooses between: one serving configuration (a :class:`Candidate`: runtime, batcher, instances and
+threads, and the front-end processes, the one setting on ``serve``'s command line, not in the file), the settings'
+ranges on a device, and the ``config.toml`` text of a chosen one.
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from service.core.config import ModelConfig, default_config_text, parse_config, toml_value
+
+Say = Callable[[str], None]  # how tune's phases tell what they do
 
 
 class Candidate(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,19 +48,14 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
         return out
 
 
+# What a candidate sets of a model's config (besides ``backend``, which a config may leave to "auto").
+SETTINGS = ("precision", "max_batch_size", "max_queue_delay_ms", "preferred_batch_sizes", "batch_policy", "instances",
+            "threads")  # fmt: skip
+
+
 def candidate_from(config: ModelConfig, backend: str, workers: int) -> Candidate:
     """The candidate a model's config (with ``backend`` resolved) and ``workers`` front ends make."""
-    return Candidate(
-        backend=backend,
-        precision=config.precision,
-        max_batch_size=config.max_batch_size,
-        max_queue_delay_ms=config.max_queue_delay_ms,
-        preferred_batch_sizes=config.preferred_batch_sizes,
-        batch_policy=config.batch_policy,
-        instances=config.instances,
-        threads=config.threads,
-        workers=workers,
-    )
+    return Candidate(backend=backend, workers=workers, **{name: getattr(config, name) for name in SETTINGS})
 
 
 def export_default_config(max_batch_size: int = 32) -> ModelConfig:
@@ -70,17 +65,7 @@ def export_default_config(max_batch_size: int = 32) -> ModelConfig:
 
 def apply(config: ModelConfig, candidate: Candidate) -> ModelConfig:
     """``config`` with the candidate's settings (device, queue size, timeouts, faults and the rest kept)."""
-    return msgspec.structs.replace(
-        config,
-        backend=candidate.backend,
-        precision=candidate.precision,
-        max_batch_size=candidate.max_batch_size,
-        max_queue_delay_ms=candidate.max_queue_delay_ms,
-        preferred_batch_sizes=candidate.preferred_batch_sizes,
-        batch_policy=candidate.batch_policy,
-        instances=candidate.instances,
-        threads=candidate.threads,
-    )
+    return msgspec.structs.replace(config, **{name: getattr(candidate, name) for name in ("backend", *SETTINGS)})
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,10 @@
-"""``visionserve tune``: the command line over :mod:`service.tune.tuner`, the report, and the written config.
-
-Exit status: 0 a configuration met the target; 3 none did at any rate tried (nothing is written); 130
-interrupted (the report holds what was measured); 2 a bad argument or repository; 1 another failure.
-"""
+"""``visionserve tune``: the command line over :mod:`service.tune.tuner`, the report, and the written config (exit
+statuses: the parser's description)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import shutil
 import sys
@@ -91,8 +89,8 @@ def run_tune(args: argparse.Namespace) -> int:
     import json
 
     from rich.console import Console
-    from rich.table import Table
 
+    from loadtest.report import new_table
     from service.core.errors import ConfigError, NotFoundError
     from service.core.repository import ModelRepository
     from service.tune import report as reporting
@@ -107,10 +105,8 @@ def run_tune(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     out_dir = Path(args.out or f"tune-{args.model}")
     work = Path(tempfile.mkdtemp(prefix=f"tune-{args.model}-"))
-    options = TuneOptions(repository=args.repository, model=args.model, slo_p99_ms=args.slo_p99_ms,
-                          budget_s=args.budget_s, images=args.images, image_size=args.image_size,
-                          device=args.device, verify=args.verify, workers=args.workers, work=str(work),
-                          server_start_s=args.server_start_s)  # fmt: skip
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TuneOptions) if f.name != "work"}
+    options = TuneOptions(**flags, work=str(work))  # every other option is the flag of its name
     run = TuneRun(options)
 
     def say(message: str) -> None:
@@ -132,12 +128,8 @@ def run_tune(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         out = Console(file=sys.stdout, width=max(Console().width, 140))
-        table = Table(title=f"{args.model}: p99 <= {args.slo_p99_ms:g} ms, verified candidates")
-        for name in reporting.HEADER:
-            table.add_column(name, justify="left" if name in ("candidate", "role") else "right")
-        for row in reporting.verified_rows(report):
-            table.add_row(*row)
-        out.print(table)
+        title = f"{args.model}: p99 <= {args.slo_p99_ms:g} ms, verified candidates"
+        out.print(new_table(title, reporting.HEADER, ("candidate", "role"), rows=reporting.verified_rows(report)))
         out.print(report["message"])
         if written:
             backup = f"; the previous one is {written['backup']}" if written["backup"] else ""

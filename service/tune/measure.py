@@ -1,18 +1,14 @@
-"""``tune``'s first phase: the model on this device, in-process (no HTTP), as the server would run it.
-
-For each runtime the version's files allow (backend x precision; int8 only when its agreement gate passed at
-export) and each thread count a CPU instance may get, the time of one batch at every batch size, as a list of
-samples (the prediction draws from them, so the machine's own variance reaches the predicted tail); and the CPU
-time to decode and preprocess one of the images the load will send. Batch sizes stop growing once one batch alone
-takes longer than the latency target: no configuration could use them.
+"""``tune``'s first phase (README, "Tuning", 1): the model on this device, in-process, as the server would run it.
+int8 is measured only when its agreement gate passed at export; each batch size's times are kept as samples (the
+prediction draws from them, so the machine's own variance reaches the predicted tail); batch sizes stop growing once
+one batch alone takes longer than the latency target, since no configuration could use them.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgspec
@@ -24,8 +20,8 @@ from service.core.repository import ModelRepository, ModelVersion, random_batch
 from service.engine.model import cuda_devices, plan_devices
 from service.runtime import make_runtime, warm_up
 from service.runtime.factory import BACKENDS, artifact
+from service.tune.candidates import Say
 
-Say = Callable[[str], None]
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -60,16 +56,13 @@ class Measurements:
     cores: int
     decode_ms: float  # one image, decode + preprocess, on one core
     images: str
-    runtimes: list[RuntimeFigures] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # variant -> why it was not measured
     seconds: float = 0.0
     complete: bool = True  # False: the budget or an interruption cut the measuring short
+    skipped: dict[str, str] = field(default_factory=dict)  # variant -> why it was not measured
+    runtimes: list[RuntimeFigures] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "version": self.version, "device": self.device, "cores": self.cores,
-                "decode_ms": self.decode_ms, "images": self.images, "seconds": self.seconds,
-                "complete": self.complete, "skipped": self.skipped,
-                "runtimes": [r.to_dict() for r in self.runtimes]}  # fmt: skip
+        return asdict(self) | {"runtimes": [r.to_dict() for r in self.runtimes]}
 
 
 def cpu_cores() -> int:
@@ -133,12 +126,11 @@ def measure(
     seconds: float,
     threads: tuple[int, ...],
     device: str = "auto",
-    say: Say | None = None,
+    say: Say,
     out: Measurements | None = None,
 ) -> Measurements:
     """Measure within about ``seconds``. ``out`` (when given) is filled in place, so an interruption leaves in it
     what was measured so far."""
-    say = say or (lambda _m: None)
     started = time.perf_counter()
     entry = ModelRepository(repository).model(model)
     version = entry.latest

@@ -243,9 +243,7 @@ class Prediction:
 def upper_bound(candidate: Candidate, curve: ServiceCurve, workload: Workload) -> float:
     """A rate (requests/s) no configuration of these costs can serve: the instances' and the cores' limits."""
     maxb = min(candidate.max_batch_size, curve.largest)
-    compute = candidate.instances * maxb * 1000.0 / curve.mean(maxb)
-    if workload.cuda:
-        compute = maxb * 1000.0 / curve.mean(maxb)
+    compute = (1 if workload.cuda else candidate.instances) * maxb * 1000.0 / curve.mean(maxb)
     per_request = workload.frontend_ms + workload.decode_ms + workload.client_ms
     thread_cores = 0 if workload.cuda else (candidate.threads or workload.cores)
     cpu = workload.cores * 1000.0 / (per_request + thread_cores * curve.mean(maxb) / maxb)

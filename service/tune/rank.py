@@ -1,26 +1,23 @@
 """``tune``'s second phase: predict every candidate worth predicting, and rank them.
 
-The settings multiply into thousands of candidates; the simulation predicts one in about a second, so the search
-walks the space one setting at a time (coordinate ascent, the "quick" search of Triton's Model Analyzer, here on
-the model rather than on real restarts): from the current config and export's default, try every value of one
-setting with the others held, keep the best, go on to the next setting, and repeat while a round improves.
-Every candidate predicted on the way is ranked, so the report shows what was considered, not only the winner.
+The simulation predicts a candidate in about a second, too slow for the thousands the settings multiply into, so the
+search walks one setting at a time (coordinate ascent, the "quick" search of Triton's Model Analyzer, here on the
+model): from the current config and export's default, try each value of one setting with the others held, keep the
+best, go on, and repeat while a round improves. Every candidate predicted on the way is ranked for the report.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
 
-from service.tune.candidates import Candidate, Space, preferred_sizes
-from service.tune.measure import Measurements, RuntimeFigures
+from service.tune.candidates import Candidate, Say, Space, preferred_sizes
+from service.tune.measure import Measurements
 from service.tune.model import Prediction, ServiceCurve, Simulator, Workload, predict
-
-Say = Callable[[str], None]
 
 
 @dataclass
@@ -42,7 +39,7 @@ class Predictor:
         self.curves: dict[tuple[str, str, int], ServiceCurve] = {}
         for figures in measured.runtimes:
             if figures.batch_ms:
-                self.curves[figures.key] = ServiceCurve(figures, _largest(figures))
+                self.curves[figures.key] = ServiceCurve(figures, max(figures.batch_ms))
         self.cache: dict[Candidate, Prediction] = {}
 
     def with_workload(self, workload: Workload) -> Predictor:
@@ -90,10 +87,6 @@ def oversubscribed(candidate: Candidate, workload: Workload) -> bool:
     return not workload.cuda and candidate.instances * (candidate.threads or workload.cores) > workload.cores
 
 
-def _largest(figures: RuntimeFigures) -> int:
-    return max(figures.batch_ms)
-
-
 def _variations(c: Candidate, space: Space, runtimes: list[tuple[str, str]]) -> Iterable[list[Candidate]]:
     """For each setting, ``c`` with that setting at each of its values."""
     replace = msgspec.structs.replace
@@ -118,19 +111,15 @@ def rank(
     space: Space,
     *,
     seconds: float,
-    say: Say | None = None,
+    say: Say,
     max_rounds: int = 3,
 ) -> list[Ranked]:
     """Every candidate predicted, best first (highest predicted rate; then lower predicted p50)."""
-    say = say or (lambda _m: None)
     started = time.perf_counter()
     runtimes = predictor.runtimes()
 
     def score(c: Candidate) -> tuple[float, float]:
-        p = predictor.predict(c)
-        if p is None:
-            return (-1.0, 0.0)
-        return (p.rate, -(p.at.p50_ms if p.at else p.floor_p99_ms))
+        return _score(predictor.predict(c))
 
     for start in starts:
         best = predictor.normal(start)
@@ -151,10 +140,13 @@ def rank(
     return _ranked(predictor)
 
 
+def _score(p: Prediction | None) -> tuple[float, float]:
+    """Higher is better: the predicted rate, then a lower p50 there (or p99 at the lowest rate, where none met)."""
+    return (-1.0, 0.0) if p is None else (p.rate, -(p.at.p50_ms if p.at else p.floor_p99_ms))
+
+
 def _ranked(predictor: Predictor) -> list[Ranked]:
-    out = [Ranked(c, p) for c, p in predictor.cache.items()]
-    out.sort(key=lambda r: (-r.rate, r.prediction.at.p50_ms if r.prediction.at else r.prediction.floor_p99_ms))
-    return out
+    return sorted((Ranked(c, p) for c, p in predictor.cache.items()), key=lambda r: _score(r.prediction), reverse=True)
 
 
 def structural(c: Candidate) -> tuple[object, ...]:

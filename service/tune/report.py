@@ -8,24 +8,30 @@ import datetime
 import json
 import math
 import platform
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from service.core.batchcost import KNEE_SLACK, CostModel
 from service.core.cpu import cpu_name
 from service.tune import model as prediction_model
-from service.tune.tuner import TuneRun, finite, ratio
+from service.tune.tuner import TuneRun
+from service.tune.verify import Verified
 
 
 def _clean(value: Any) -> Any:
     """JSON has no NaN or infinity: they become null."""
     if isinstance(value, float):
-        return finite(value)
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_clean(v) for v in value]
     return value
+
+
+def _ratio(a: Verified | None, b: Verified | None) -> float | None:
+    return a.best_rate / b.best_rate if a and b and a.best_rate and b.best_rate else None
 
 
 def build(run: TuneRun, written: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -58,8 +64,7 @@ def build(run: TuneRun, written: dict[str, Any] | None = None) -> dict[str, Any]
         "winner": winner.to_dict() if winner else None,
         "serve_workers": winner.candidate.workers if winner else None,
         "current": current.to_dict() if current else None, "default": default.to_dict() if default else None,
-        "ratio_to_default": ratio(winner.best_rate if winner else None, default.best_rate if default else None),
-        "ratio_to_current": ratio(winner.best_rate if winner else None, current.best_rate if current else None),
+        "ratio_to_default": _ratio(winner, default), "ratio_to_current": _ratio(winner, current),
         "best_seen": best_seen,
         "verified": [v.to_dict() for v in run.verified],
         "prediction_errors": {v.candidate.label: v.prediction_error for v in run.verified},
@@ -92,12 +97,13 @@ def _knee(images_per_s: dict[str, float]) -> str:
     return str(knee) if knee is not None else "-"
 
 
-def _batches(step: dict[str, Any]) -> str:
-    """ ", mean batch B (knee K)" of a verified step, as far as the server reported them."""
+def _step(step: dict[str, Any]) -> str:
+    """A verified step: its rate and p99, whether it missed, and ", mean batch B (knee K)" as far as reported."""
+    text = f"{step['rate']:g}/s p99 {_f(step['p99_ms'])} ms{'' if step['met'] else ' (missed)'}"
     mean, knee = step.get("mean_batch"), step.get("knee")
     if mean is None or mean != mean:
-        return ""
-    return f", mean batch {mean:.1f}" + (f" (knee {knee})" if knee else "")
+        return text
+    return text + f", mean batch {mean:.1f}" + (f" (knee {knee})" if knee else "")
 
 
 def verified_rows(report: dict[str, Any]) -> list[list[str]]:
@@ -117,6 +123,17 @@ def verified_rows(report: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _table(header: list[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A Markdown table's lines."""
+    line = "| {} |".format
+    return [line(" | ".join(header)), "|" + "---|" * len(header), *(line(" | ".join(row)) for row in rows)]
+
+
+def _runtime_row(r: dict[str, Any]) -> list[str]:
+    sizes = ", ".join(f"{b}: {v:.0f}" for b, v in r["images_per_s"].items())
+    return [f"{r['backend']}/{r['precision']}", str(r["threads"] or "default"), sizes, _knee(r["images_per_s"])]
+
+
 HEADER = ["candidate", "role", "predicted req/s", "measured req/s", "p99 there (ms)", "prediction error", "time"]
 
 
@@ -129,51 +146,25 @@ def markdown(report: dict[str, Any]) -> str:
     if report["winner"]:
         lines += ["", f"Against export's default: {_f(report['ratio_to_default'], 2, 'x')}; against the current "
                       f"config: {_f(report['ratio_to_current'], 2, 'x')}."]  # fmt: skip
-    lines += ["", "## Verified on a real server (open-loop p99 search)", "",
-              "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]  # fmt: skip
-    lines += ["| " + " | ".join(row) + " |" for row in verified_rows(report)]
+    lines += ["", "## Verified on a real server (open-loop p99 search)", "", *_table(HEADER, verified_rows(report))]
     cal = report["prediction_model"]["calibration"]
     if cal:
         lines += ["", f"The first candidate's measurement calibrated the prediction of the rest: "
                       f"{cal['frontend_ms']:.2f} ms of server CPU per request (assumed {cal['frontend_ms_before']:g}"
                       " before); its own error is the uncalibrated model's, the others' are out of sample"]  # fmt: skip
     for v in report["verified"]:
-        lines += [
-            "",
-            f"Steps of `{v['label']}`: "
-            + "; ".join(
-                f"{s['rate']:g}/s p99 {_f(s['p99_ms'])} ms{'' if s['met'] else ' (missed)'}{_batches(s)}"
-                for s in v["steps"]
-            ),
-        ]
+        lines += ["", f"Steps of `{v['label']}`: " + "; ".join(map(_step, v["steps"]))]
     if report["skipped"]:
         lines += ["", "Not verified: " + "; ".join(report["skipped"])]
-    lines += [
-        "",
-        f"## Predicted (best {len(report['predicted'])} of {report['predicted_count']})",
-        "",
-        "| candidate | predicted req/s | p50 there (ms) | p99 there (ms) | mean batch |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [f"| {p['label']} | {_f(p['rate'])} | {_f(p['p50_ms'])} | {_f(p['p99_ms'])} | {_f(p['mean_batch'])} |"
-              for p in report["predicted"]]  # fmt: skip
+    figures = ("rate", "p50_ms", "p99_ms", "mean_batch")
+    predicted = [[p["label"], *(_f(p[k]) for k in figures)] for p in report["predicted"]]
+    lines += ["", f"## Predicted (best {len(report['predicted'])} of {report['predicted_count']})", ""]
+    lines += _table(["candidate", "predicted req/s", "p50 there (ms)", "p99 there (ms)", "mean batch"], predicted)
     m = report["measurements"]
     if m:
-        lines += [
-            "",
-            "## Measured in-process",
-            "",
-            f"Decode + preprocess: {m['decode_ms']:.2f} ms per image ({m['images']}), one core.",
-            "",
-            "| runtime | threads | images/s per batch size | knee |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['backend']}/{r['precision']} | {r['threads'] or 'default'} | "
-            + ", ".join(f"{b}: {v:.0f}" for b, v in r["images_per_s"].items())
-            + f" | {_knee(r['images_per_s'])} |"
-            for r in m["runtimes"]
-        ]
+        decode = f"Decode + preprocess: {m['decode_ms']:.2f} ms per image ({m['images']}), one core."
+        lines += ["", "## Measured in-process", "", decode, ""]
+        lines += _table(["runtime", "threads", "images/s per batch size", "knee"], map(_runtime_row, m["runtimes"]))
         lines += ["", f"knee: the batch the adaptive policy stops at from a backlog, the smallest whose cost per image "
                       f"is within {KNEE_SLACK:.0%} of the cheapest size's (the same computation on the same figures "
                       "as the server's, and as `loadtest`'s batch costs)"]  # fmt: skip
@@ -184,12 +175,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from loadtest.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = pyplot().subplots(figsize=(9, 5.5))
     winner = (report["winner"] or {}).get("label")
     for v in report["verified"]:
         steps = sorted((s for s in v["steps"] if s["p99_ms"] is not None), key=lambda s: s["rate"])
@@ -203,14 +191,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("offered rate (requests/s, Poisson)")
     ax.set_ylabel("p99 latency (ms)")
-    ax.set_title(f"{report['model']}: measured candidates, p99 against rate")
     ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.3)
     description = json.dumps({"winner": winner, "measured_rate": (report["winner"] or {}).get("measured_rate"),
                               "outcome": report["outcome"]})  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Description": description})
-    plt.close(fig)
+    title = f"{report['model']}: measured candidates, p99 against rate"
+    save(fig, ax, title, path, metadata={"Description": description})
 
 
 def write(report: dict[str, Any], folder: Path) -> list[Path]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +19,8 @@ from service.core.config import ModelConfig
 from service.core.repository import ModelEntry, ModelRepository
 from service.core.samples import image_files, photo_like_jpegs
 from service.runtime import choose_backend
-from service.tune.candidates import Candidate, Space, apply, candidate_from, export_default_config, space_for
-from service.tune.measure import Measurements, measure
+from service.tune.candidates import Candidate, Say, Space, apply, candidate_from, export_default_config, space_for
+from service.tune.measure import Measurements, cpu_cores, measure
 from service.tune.model import Workload
 from service.tune.rank import Predictor, Ranked, rank, shortlist
 from service.tune.verify import StepPlan, Verified, verify
@@ -29,7 +28,6 @@ from service.tune.verify import StepPlan, Verified, verify
 if TYPE_CHECKING:
     from loadtest.pool import WorkerPool
 
-Say = Callable[[str], None]
 MEASURE_SHARE = 0.2
 PREDICT_SHARE = 0.08
 RESERVE_S = 5.0  # the report and the config at the end
@@ -160,7 +158,7 @@ def _measure_phase(
     t = time.perf_counter()
     say(f"measuring {options.model} v{version} in-process ({MEASURE_SHARE * budget:.0f} s of {budget:.0f} s)")
     run.measured = Measurements(options.model, version, "?", 0, 0.0, label)
-    threads = space_for(_cores(), False, (), 1).threads
+    threads = space_for(cpu_cores(), False, (), 1).threads
     measure(options.repository, options.model, images=images, images_label=label, slo_p99_ms=options.slo_p99_ms,
             seconds=MEASURE_SHARE * budget, threads=threads, device=options.device, say=say,
             out=run.measured)  # fmt: skip
@@ -235,13 +233,8 @@ def _to_verify(
 ) -> list[tuple[Candidate, float]]:
     """The best predicted, then the current config and export's default, then the next best up to
     ``options.verify``: (candidate, predicted rate)."""
-    todo: list[tuple[Candidate, float]] = []
-    for r in shortlist(run.ranked, 1):
-        todo.append((r.candidate, r.rate))
-    for c in starts:
-        if all(c != d for d, _ in todo):
-            p = predictor.predict(c)
-            todo.append((c, p.rate if p else 0.0))
+    todo = [(r.candidate, r.rate) for r in shortlist(run.ranked, 1)]
+    todo += [(c, _rate(predictor, c)) for c in dict.fromkeys(starts) if all(c != d for d, _ in todo)]
     todo += [(r.candidate, r.rate) for r in shortlist(run.ranked, options.verify - 1, exclude=[c for c, _ in todo])]
     return todo
 
@@ -279,14 +272,14 @@ def _verify_each(
                 )
             plan = state.plan = run.plan = fitted
             state.shaped = _shaped(state.predictor, state.workload, plan)
-        start = 0.7 * predicted if predicted > 0 else _fallback_start(run)
+        seen = [v.best_rate for v in run.verified if v.best_rate]  # predicted to meet nothing: below the best seen
+        start = 0.7 * predicted if predicted > 0 else (max(seen) / 2 if seen else 5.0)
         say(f"verifying {i + 1}/{len(state.todo)}: {c.label} (predicted {predicted:.1f} req/s)")
         record = Verified(c, predicted)
         run.verified.append(record)
-        verify(c, apply(entry.config, c), repository=Path(options.repository), model=options.model,
+        verify(record, apply(entry.config, c), repository=Path(options.repository), model=options.model,
                folder=folder / f"candidate-{i + 1}", pool=pool, target_p99_ms=options.slo_p99_ms,
-               predicted_rate=predicted, start_rate=max(0.5, round(start, 1)), plan=plan, say=say,
-               record=record)  # fmt: skip
+               start_rate=max(0.5, round(start, 1)), plan=plan, say=say)  # fmt: skip
         steps_s = sum(plan.step_s for _ in record.steps)
         overhead = max(options.server_start_s / 2, record.wall_s - steps_s)
         measured_text = f"{record.best_rate:.1f} req/s" if record.best_rate else "nothing met the target"
@@ -317,10 +310,7 @@ def _recalibrate(
     run.ranked = rank(state.predictor, [*state.starts, c], state.space, seconds=seconds, say=say)
     state.shaped = _shaped(state.predictor, state.workload, state.plan)
     done = [v.candidate for v in run.verified]
-    rest: list[Candidate] = []
-    for d in state.starts:
-        if d not in done and d not in rest:
-            rest.append(d)
+    rest = [d for d in dict.fromkeys(state.starts) if d not in done]
     slots = len(state.todo) - 1
     rest += [r.candidate for r in shortlist(run.ranked, slots, exclude=done + rest)]
     state.todo = state.todo[:1] + [(d, _rate(state.shaped, d)) for d in rest[:slots]]
@@ -355,23 +345,3 @@ def calibrate(
         else:
             high = mid
     return math.sqrt(low * high)
-
-
-def _fallback_start(run: TuneRun) -> float:
-    """Where a search starts when the prediction says nothing meets the target: below the best rate seen."""
-    rates = [v.best_rate for v in run.verified if v.best_rate]
-    return max(rates) / 2 if rates else 5.0
-
-
-def _cores() -> int:
-    from service.tune.measure import cpu_cores
-
-    return cpu_cores()
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def finite(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None

@@ -1,10 +1,6 @@
-"""``tune``'s proof: a candidate served for real and loaded with the load tester's p99-target search.
-
-Each candidate gets a model repository of its own (the model's version folders linked, its ``config.toml``
-written), a real ``visionserve serve`` process with its front-end count on 127.0.0.1 and a free port, started and
-awaited through :mod:`service.launcher`, and the open-loop search of ``visionserve loadtest --slo-p99-ms`` (double
-the rate until a step fails, then bisect). The server runs in a session of its own and is stopped however the
-search ends (an interruption included).
+"""``tune``'s proof: a candidate served for real (a repository of its own, the model's versions linked, a real
+``visionserve serve`` started and stopped through :mod:`service.launcher`, however the search ends) and loaded with
+the load tester's p99-target search.
 """
 
 from __future__ import annotations
@@ -12,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,20 +18,14 @@ from loadtest.step import StepBounds, StepResult, StepSpec, run_step
 from service import launcher
 from service.core.config import CONFIG_FILE, ModelConfig
 from service.core.errors import VisionServeError
-from service.tune.candidates import Candidate, config_text
+from service.tune.candidates import Candidate, Say, config_text
 
-Say = Callable[[str], None]
 READY_TIMEOUT_S = 120.0
 # A drill, not a setting: with this set to N, tune sends itself Ctrl-C (SIGINT to its process group, as a terminal
 # does) as soon as it has reported its N-th verification step. A test that waited for the step's line and then sent
 # the signal raced the end of the run: on a busy 2-core machine tune had finished before the signal came (exit 0
 # instead of 130). docs/testing.md, "Drills".
 DRILL_INTERRUPT_AFTER_STEP = "VISIONSERVE_DRILL_INTERRUPT_AFTER_STEP"
-
-
-def _drill_interrupt(steps_done: int) -> None:
-    if os.environ.get(DRILL_INTERRUPT_AFTER_STEP) == str(steps_done):
-        os.killpg(os.getpgrp(), signal.SIGINT)
 
 
 @dataclass(frozen=True)
@@ -109,7 +98,7 @@ def _step_record(step: StepResult, target_p99_ms: float) -> dict[str, Any]:
 
 
 def verify(
-    candidate: Candidate,
+    result: Verified,
     config: ModelConfig,
     *,
     repository: Path,
@@ -117,21 +106,18 @@ def verify(
     folder: Path,
     pool: WorkerPool,
     target_p99_ms: float,
-    predicted_rate: float,
     start_rate: float,
     plan: StepPlan,
     say: Say,
-    record: Verified | None = None,
 ) -> Verified:
-    """Serve ``candidate`` and search its highest rate meeting the target; ``record`` (when given) is filled in
-    place, so an interruption leaves in it the steps run so far."""
-    result = record or Verified(candidate, predicted_rate)
+    """Serve ``result.candidate`` and search its highest rate meeting the target, filling ``result`` in place, so
+    an interruption leaves in it the steps run so far."""
     started = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
     repo = candidate_repository(repository, model, config, folder)
     try:
         log = folder / "server.log"
-        with launcher.start(repo, log=log, workers=candidate.workers, ready_timeout_s=READY_TIMEOUT_S) as server:
+        with launcher.start(repo, log=log, workers=result.candidate.workers, ready_timeout_s=READY_TIMEOUT_S) as server:
             result.start_s = time.perf_counter() - started
             bounds = StepBounds(url=server.url, warmup_s=plan.warmup_s, duration_s=plan.duration_s,
                                 drain_s=plan.drain_s, timeout_s=plan.timeout_s, max_requests=1_000_000)  # fmt: skip
@@ -142,7 +128,8 @@ def verify(
                 met = "meets" if result.steps[-1]["met"] else "misses"
                 say(f"  {rate:8.1f} req/s: p99 {outcome.latency_ms(99):8.1f} ms, "
                     f"{outcome.error_count} errors: {met} the target")  # fmt: skip
-                _drill_interrupt(len(result.steps))
+                if os.environ.get(DRILL_INTERRUPT_AFTER_STEP) == str(len(result.steps)):
+                    os.killpg(os.getpgrp(), signal.SIGINT)
                 return outcome
 
             found = search(step, target_p99_ms, start_rate=start_rate, max_steps=plan.max_steps,

@@ -147,6 +147,7 @@ def test_the_python_client_takes_it_as_a_keyword(served: tuple[InProcessServer, 
 COMMANDS = {  # each command line that takes a task's options, with the words it needs beside them
     "detect": ["--model", "bright", "x.png"],
     "watch": ["--url", "http://127.0.0.1:9", "--source", "cam"],
+    "loadtest": ["--model", "bright"],
 }
 
 
