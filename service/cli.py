@@ -123,12 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except ConfigError as exc:
+    except VisionServeError as exc:  # a configuration refused is a usage error (2); the rest a failure (1)
         print(f"visionserve {command}: error: {exc}", file=sys.stderr)
-        return 2
-    except VisionServeError as exc:
-        print(f"visionserve {command}: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
     except KeyboardInterrupt:
         print(f"visionserve {command}: interrupted", file=sys.stderr)
         return 130

@@ -1,9 +1,6 @@
-"""``visionserve serve``: its flags come from :class:`~service.core.settings.ServerSettings`' fields.
-
-Each setting is declared once, on its field: the default, the help, the flag's name where it is not the field's,
-and the unit the flag counts in (``--max-body-mb`` sets ``max_body_bytes``). So a flag's default, its help and
-the settings it fills cannot drift apart: they were written three times (the flag's default, the settings'
-default, the mapping from one to the other), and ``decode_workers`` had no flag at all.
+"""``visionserve serve``: its flags come from :class:`~service.core.settings.ServerSettings`' fields, each declared
+once on its field (the default, the help, the flag's name where it is not the field's, and the unit the flag counts
+in: ``--max-body-mb`` sets ``max_body_bytes``), so a flag's default, its help and the setting it fills cannot drift.
 """
 
 from __future__ import annotations

@@ -49,12 +49,9 @@ def children(pid: int) -> list[int]:
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and every process below it, parents first."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        current = todo.pop(0)
-        found.append(current)
-        todo += children(current)
+    found = [pid]
+    for current in found:  # the list grows as it is walked: breadth first, parents first
+        found += children(current)
     return found
 
 
@@ -123,10 +120,6 @@ class RunningServer:
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60), **kwargs)
-
-    def pids(self) -> list[int]:
-        """The supervisor and every process it started (engines, front ends)."""
-        return process_tree(self.process.pid)
 
     def roles(self) -> dict[str, list[int]]:
         """The supervisor's engines and front ends (see :func:`roles`)."""

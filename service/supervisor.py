@@ -1,22 +1,18 @@
-"""``visionserve serve``: the supervisor. One engine process per device (each GPU, or one for the CPU) and N HTTP
-front-end processes sharing one listening socket, started, watched, restarted and drained from here.
+"""``visionserve serve``: the supervisor (README, "Processes"). One engine process per device (each GPU, or one for
+the CPU) and N HTTP front-end processes sharing one listening socket, started, watched, restarted and drained here.
 
     supervisor   owns the listening socket, the shared-memory arenas and the ipc endpoints' folder
       engine     python -m service.engine.process      (binds ipc://<dir>/engine-<i> once warmed up)
       frontend   python -m service.frontend.server x N (HTTP on the inherited socket, its own arena)
 
-- A front end that dies is restarted (a fresh arena; the old one unlinked) while the others keep serving.
-- An engine that dies: every front end answers 503 at once and reports not ready (it sees the connection close),
-  the supervisor restarts the engine, and readiness comes back once it has loaded and warmed up.
-- SIGTERM or Ctrl-C: the listening socket is closed, the front ends drain (readiness false, new work 503, what was
-  accepted is answered), then the engines drain, then every arena is unlinked; exit 0. If this process is killed
-  outright, its children get SIGTERM from the kernel (PR_SET_PDEATHSIG) and a janitor process (in a session of its
-  own, so a kill of the whole process group spares it) unlinks the arenas.
-- Children that keep dying young are restarted with a growing delay (0.5 s doubling to 30 s), never in a tight loop.
+If this process is killed outright, its children get SIGTERM from the kernel (PR_SET_PDEATHSIG) and a janitor
+process (in a session of its own, so a kill of the whole process group spares it) unlinks the arenas. Children that
+keep dying young are restarted with a growing delay (0.5 s doubling to 30 s), never in a tight loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import selectors
@@ -27,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +70,6 @@ class Child:
     failures: int = 0
     restart_at: float | None = None
     arena: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Supervisor:
@@ -188,12 +183,10 @@ class Supervisor:
             pending = [c.restart_at for c in self.children if c.restart_at is not None]
             timeout = max(0.0, min(pending) - time.monotonic()) if pending else None
             for key, _ in self._selector.select(timeout):
-                if key.data is None:
-                    try:
+                if key.data is None:  # a signal arrived: empty the wake-up socket
+                    with contextlib.suppress(BlockingIOError):
                         while self._wake_r.recv(64):
                             pass
-                    except BlockingIOError:
-                        pass
                     continue
                 self._reap(key.data)
             now = time.monotonic()

@@ -1,15 +1,6 @@
-"""The Ray Serve deployment: a replica is one real visionserve server behind Ray's HTTP proxy.
-
-Each replica starts ``visionserve serve --workers 1`` on a free 127.0.0.1 port (``child.py``) and forwards every
-request to it unchanged: method, path, query, headers and a streamed body in; status, headers and a streamed body
-out, plus ``x-visionserve-replica`` and ``x-visionserve-node`` naming the replica and the Ray node that answered.
-So the image API, the v2 protocol, /metrics and the page all work through Ray's proxy, and the batching, decoding
-and CPU fallback are the server's own.
-
-Health: Ray calls ``check_health`` every ``health_check_period_s``; it asks the server's ``/v2/health/ready``, so a
-replica whose models failed, or whose server died, is replaced. Shutdown: Ray first stops routing to the replica
-and waits for its ongoing requests (``graceful_shutdown_wait_loop_s``), then calls ``__del__``, which sends the
-server SIGTERM (it drains its queue and exits) and kills it past ``drain_timeout_s``.
+"""The Ray Serve deployment: a replica is one real visionserve server behind Ray's HTTP proxy, started as a child
+process (``child.py``) and sent every request unchanged; its health checks, shutdown and settings: docs/deploy.md
+("What a replica is").
 """
 
 from __future__ import annotations
@@ -40,12 +31,9 @@ HOP_BY_HOP = frozenset(
      "upgrade", "host"}
 )  # fmt: skip
 
-# Batching wants requests waiting. A model's default max_batch_size is 32 (config.toml), so a replica needs about two
-# batches in hand to keep its device busy: one computing while the next fills. Ray's default target of 2 ongoing
-# requests would add replicas while each batch holds 2 images, so every replica would run batches of about 2, far
-# below what a GPU gives at 32 (`visionserve bench` prints images/s per batch size). So the target is two full
-# batches (64), and a replica takes up to 1.5 times that before Ray queues at the proxy (queuing there, not in the
-# server, lets a new replica take the backlog). For another model: target = 2 x its max_batch_size.
+# Two full batches of the default max_batch_size (32) per replica, not Ray's target of 2 ongoing requests, which would
+# keep every batch at about 2 images; 1.5 times that before Ray queues at the proxy (docs/deploy.md, "Why not Ray's
+# defaults").
 TARGET_ONGOING_REQUESTS = 64
 MAX_ONGOING_REQUESTS = 96
 AUTOSCALING = {

@@ -6,20 +6,16 @@ Nothing here knows Ray, so a plain test can drive it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import signal
-import sys
 
 import httpx
 import msgspec
 
+from service.core.lifetime import die_with_parent
+from service.core.repository import MODEL_NAME_ENV
 from service.launcher import READY_PATH, RunningServer, launch, stop, wait_ready_async
 
 log = logging.getLogger(__name__)
-
-MODEL_NAME_ENV = "VISIONSERVE_MODEL_NAME"  # read by the server's repository scan (service/core/repository.py)
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ReplicaOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,16 +45,6 @@ class ReplicaOptions(msgspec.Struct, frozen=True, kw_only=True):
             )
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM this process when the replica that started it dies.
-
-    ``ray.kill`` and a crashed node end the replica with SIGKILL, which runs no cleanup; without this the server
-    would live on, holding its port, its memory and its GPU.
-    """
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
 class ServerProcess:
     """``visionserve serve`` as a child process of this one, started, awaited and stopped by
     :mod:`service.launcher` (the one way every server is started)."""
@@ -67,11 +53,14 @@ class ServerProcess:
         self.options = options
         self.server: RunningServer | None = None
 
-    @property
-    def url(self) -> str:
+    def _started(self) -> RunningServer:
         if self.server is None:
             raise RuntimeError("visionserve has not been started")
-        return self.server.url
+        return self.server
+
+    @property
+    def url(self) -> str:
+        return self._started().url
 
     def start(self) -> None:
         """Start the server; its output goes where this process's goes (Ray keeps it in the replica's log)."""
@@ -79,27 +68,23 @@ class ServerProcess:
         # The CLI's own log level unless server_args sets one (the launcher's default, info, is for log files).
         flags = ("--drain-timeout-s", str(self.options.drain_timeout_s), "--log-level", "warning",
                  *self.options.server_args)  # fmt: skip
-        # preexec_fn is what Ray itself uses to tie its workers' lives to the raylet's (ray._private.services).
+        # ``ray.kill`` and a crashed node end the replica with SIGKILL, which runs no cleanup: the server dies with it
+        # (else it would live on, holding its port, its memory and its GPU). preexec_fn is what Ray itself uses to tie
+        # its workers' lives to the raylet's (ray._private.services).
         self.server = launch(
-            self.options.repository, *flags, log=None, env=env, preexec_fn=_die_with_parent,
+            self.options.repository, *flags, log=None, env=env, preexec_fn=die_with_parent,
             python=self.options.python, workers=1,
         )  # fmt: skip
         log.info("started visionserve (pid %d) on %s", self.server.process.pid, self.server.url)
 
-    @property
-    def returncode(self) -> int | None:
-        return None if self.server is None else self.server.process.poll()
-
     async def wait_ready(self, client: httpx.AsyncClient) -> None:
         """Return once ``/v2/health/ready`` answers 200; raise if the server exits or is not ready in time."""
-        if self.server is None:
-            raise RuntimeError("visionserve has not been started")
-        await wait_ready_async(self.server, client, self.options.ready_timeout_s)
+        await wait_ready_async(self._started(), client, self.options.ready_timeout_s)
 
     async def check_ready(self, client: httpx.AsyncClient, timeout_s: float = 5.0) -> None:
         """Raise unless the server runs and says it is ready (its models loaded, not draining)."""
-        if self.returncode is not None:
-            raise RuntimeError(f"visionserve exited with {self.returncode}")
+        if (code := self._started().process.poll()) is not None:
+            raise RuntimeError(f"visionserve exited with {code}")
         response = await client.get(self.url + READY_PATH, timeout=timeout_s)
         if response.status_code != 200:
             raise RuntimeError(f"visionserve is not ready: {READY_PATH} answered {response.status_code}")

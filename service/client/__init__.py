@@ -1,17 +1,5 @@
-"""The Python client of visionserve's image API, and the ``visionserve classify`` and ``visionserve detect``
-commands.
-
-::
-
-    from service.client import Client
-
-    with Client("http://127.0.0.1:8000", model="digits") as client:
-        for result in client.classify(["a.png", "b.jpg"], top_k=3):
-            print(result.top1.label if result.ok else result.error)
-
-``detect`` is the same for a detector: one :class:`DetectedImage` per image (``width``, ``height``, ``detections``
-of :class:`~service.core.answers.Detection`, or ``error``). :class:`AsyncClient` is the same for asyncio.
-Importing this package loads neither torch nor any server code.
+"""The Python client of visionserve's image API (README, "Python client"), and the ``visionserve classify``,
+``detect`` and ``segment`` commands. Importing this package loads neither torch nor any server code.
 """
 
 from __future__ import annotations

@@ -22,13 +22,14 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from service.client.errors import ClientError
+from service.client.errors import ClientError, error_text
 from service.client.images import ImageInput, encode
 from service.client.kinds import CLASSIFY, DETECT, SEGMENT, DetectedImage, Kind, R, SegmentedImage, answer_of
 from service.client.retry import Attempts, RetryPolicy
 from service.core.answers import ImageResult
 
 File = tuple[str, bytes, str]  # (filename, data, media type)
+Images = ImageInput | Sequence[ImageInput]  # a list or tuple of images, or one image
 
 # A safe start under any server (its --max-images defaults to 64); a server with a lower limit says so in a 413,
 # and the client learns it.
@@ -52,13 +53,7 @@ class _Base(Generic[_Http]):
     _http: _Http
 
     def __init__(
-        self,
-        url: str,
-        *,
-        model: str | None,
-        version: int | None,
-        retry: RetryPolicy | None,
-        max_images_per_request: int,
+        self, url: str, model: str | None, version: int | None, retry: RetryPolicy | None, max_images_per_request: int
     ) -> None:
         if max_images_per_request < 1:
             raise ValueError(f"max_images_per_request must be >= 1, got {max_images_per_request}")
@@ -84,7 +79,7 @@ class _Base(Generic[_Http]):
         return self._http.build_request("POST", call.route, params=call.query, files=[("file", f) for f in files])
 
     @staticmethod
-    def _files(images: ImageInput | Sequence[ImageInput]) -> list[File]:
+    def _files(images: Images) -> list[File]:
         many = images if isinstance(images, list | tuple) else [images]
         return [encode(image, i) for i, image in enumerate(many)]
 
@@ -101,8 +96,9 @@ class _Base(Generic[_Http]):
             return delay
         tries = f"{attempts.tried} attempt{'s' if attempts.tried > 1 else ''}"
         if response is not None:
+            message = error_text(response.content, response.reason_phrase)
             raise ClientError(
-                f"{self.url} answered {response.status_code} ({_message(response)}) to each of {tries}",
+                f"{self.url} answered {response.status_code} ({message}) to each of {tries}",
                 status=response.status_code,
                 retries=attempts.retries,
             )
@@ -121,7 +117,7 @@ class _Base(Generic[_Http]):
             for result in answer.results:
                 result.model, result.version = answer.model, answer.version
             return answer.results, []
-        message = _message(response)
+        message = error_text(response.content, response.reason_phrase)
         if status == 413 and len(files) > 1:
             found = _LIMIT_MESSAGE.search(message)
             limit = int(found.group(1)) if found else len(files) // 2  # a body too large: halve
@@ -133,23 +129,8 @@ class _Base(Generic[_Http]):
         raise ClientError(f"{self.url} answered {status}: {message}", status=status)
 
 
-def _message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-        if isinstance(body, dict) and isinstance(body.get("error"), str):
-            return str(body["error"])
-    except ValueError:
-        pass
-    return response.text[:300] or response.reason_phrase
-
-
 class Client(_Base[httpx.Client]):
-    """A blocking client of the image API.
-
-    >>> with Client("http://127.0.0.1:8000", model="digits") as client:  # doctest: +SKIP
-    ...     results = client.classify(["examples/digit-3.png"], top_k=3)
-    ...     print(results[0].top1.label)
-    """
+    """A blocking client of the image API (README, "Python client")."""
 
     def __init__(
         self,
@@ -163,57 +144,36 @@ class Client(_Base[httpx.Client]):
         headers: dict[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(url, model=model, version=version, retry=retry, max_images_per_request=max_images_per_request)
+        super().__init__(url, model, version, retry, max_images_per_request)
         # ``transport`` as httpx takes it: e.g. ``httpx.MockTransport(handler)`` to script a server in a test.
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, transport=transport)
 
     def classify(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        *,
-        model: str | None = None,
-        version: int | None = None,
-        **options: Any,
+        self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[ImageResult]:
-        """One :class:`ImageResult` per image, in order; ``options``: the classifier's
-        (:class:`~service.core.tasks.ClassifyOptions`: ``top_k``, 5 left out). ``images``: a list or tuple of
-        images, or one image; each a
-        path, bytes of an encoded file, a PIL image or a uint8 numpy array (HxW or HxWxC).
-
+        """One :class:`ImageResult` per image, in order; ``options``: :class:`~service.core.tasks.ClassifyOptions`'s
+        (``top_k``). ``images``: paths, bytes of encoded files, PIL images or uint8 numpy arrays (HxW or HxWxC).
         Raises :class:`ClientError` when a request is refused as a whole (an unknown model: 404) or the server
         cannot be reached within the retry policy; an image the server cannot use gets its own ``error``."""
         return self._ask(self._call(CLASSIFY, CLASSIFY.query(options), model, version), images)
 
     def detect(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        *,
-        model: str | None = None,
-        version: int | None = None,
-        **options: Any,
+        self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[DetectedImage]:
-        """One :class:`DetectedImage` per image, in order, from a detector's ``/detect`` route: the image's ``width``
-        and ``height`` (as a viewer shows it) and its ``detections`` (best first, boxes in its own pixels), or its
-        own ``error``. ``options``: the detector's (:class:`~service.core.tasks.DetectOptions`: ``score_threshold``,
-        ``iou_threshold``, ``max_detections``, ``classes``, ``class_agnostic``, ``box_format``, ``normalized``),
-        each sent only when given: the model's defaults stand for the rest. ``images`` and the errors
-        raised as :meth:`classify`'s."""
+        """One :class:`DetectedImage` per image, in order, from a detector's ``/detect`` route (README, "Detect
+        objects in a folder, or from Python"); ``options``: :class:`~service.core.tasks.DetectOptions`'s, each sent
+        only when given. ``images`` and the errors raised as :meth:`classify`'s."""
         return self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
 
     def segment(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        *,
-        model: str | None = None,
-        version: int | None = None,
-        **options: Any,
+        self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[SegmentedImage]:
         """One :class:`SegmentedImage` per image, in order, from a segmenter's ``/segment`` route: its ``instances``
         (a detection's fields, ``area`` and ``mask``: COCO's compressed RLE of the full image, or a base64 PNG with
         ``mask_format="png"``). ``options``: :class:`~service.core.tasks.SegmentOptions`'s, as :meth:`detect`'s."""
         return self._ask(self._call(SEGMENT, SEGMENT.query(options), model, version), images)
 
-    def _ask(self, call: _Call[R], images: ImageInput | Sequence[ImageInput]) -> list[R]:
+    def _ask(self, call: _Call[R], images: Images) -> list[R]:
         return [r for chunk in self._chunks(self._files(images)) for r in self._send(call, chunk)]
 
     def _send(self, call: _Call[R], files: list[File]) -> list[R]:
@@ -262,7 +222,7 @@ class AsyncClient(_Base[httpx.AsyncClient]):
         headers: dict[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        super().__init__(url, model=model, version=version, retry=retry, max_images_per_request=max_images_per_request)
+        super().__init__(url, model, version, retry, max_images_per_request)
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.max_concurrency = max_concurrency
@@ -275,45 +235,28 @@ class AsyncClient(_Base[httpx.AsyncClient]):
         )
 
     async def classify(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        *,
-        model: str | None = None,
-        version: int | None = None,
-        **options: Any,
+        self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[ImageResult]:
         """As :meth:`Client.classify`."""
         return await self._ask(self._call(CLASSIFY, CLASSIFY.query(options), model, version), images)
 
     async def detect(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        *,
-        model: str | None = None,
-        version: int | None = None,
-        **options: Any,
+        self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[DetectedImage]:
         """As :meth:`Client.detect`."""
         return await self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
 
     async def segment(
-        self,
-        images: ImageInput | Sequence[ImageInput],
-        *,
-        model: str | None = None,
-        version: int | None = None,
-        **options: Any,
+        self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[SegmentedImage]:
         """As :meth:`Client.segment`."""
         return await self._ask(self._call(SEGMENT, SEGMENT.query(options), model, version), images)
 
-    async def ask(
-        self, kind: Kind[R], images: ImageInput | Sequence[ImageInput], options: dict[str, Any], **where: Any
-    ) -> list[R]:
+    async def ask(self, kind: Kind[R], images: Images, options: dict[str, Any], **where: Any) -> list[R]:
         """Any task's route (``kind``), with the task's ``options`` (``where``: ``model``, ``version``)."""
         return await self._ask(self._call(kind, kind.query(options), where.get("model"), where.get("version")), images)
 
-    async def _ask(self, call: _Call[R], images: ImageInput | Sequence[ImageInput]) -> list[R]:
+    async def _ask(self, call: _Call[R], images: Images) -> list[R]:
         gate = asyncio.Semaphore(self.max_concurrency)
 
         async def one(chunk: list[File]) -> list[R]:

@@ -1,6 +1,9 @@
-"""The client's one error: a request refused as a whole, or not answered within the retry policy."""
+"""The client's one error: a request refused as a whole, or not answered within the retry policy; and the message
+an error answer carries."""
 
 from __future__ import annotations
+
+import msgspec
 
 from service.core.errors import VisionServeError
 
@@ -16,3 +19,14 @@ class ClientError(VisionServeError):
         super().__init__(message)
         self.status = status
         self.retries = retries
+
+
+def error_text(body: bytes, empty: str = "(no body)") -> str:
+    """The message of an ``{"error": ...}`` answer, else the start of the body as it came (``empty`` for none)."""
+    try:
+        decoded = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        decoded = None
+    if isinstance(decoded, dict) and isinstance(decoded.get("error"), str):
+        return str(decoded["error"])
+    return body[:300].decode(errors="replace") or empty

@@ -28,10 +28,7 @@ def sniff(head: bytes) -> str | None:
     """The media type of an image file from its first bytes (at least 12), or None when it is not an image."""
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "image/webp"
-    for magic, media in _MAGIC:
-        if head.startswith(magic):
-            return media
-    return None
+    return next((media for magic, media in _MAGIC if head.startswith(magic)), None)
 
 
 def is_image_file(path: Path) -> bool:
@@ -49,22 +46,17 @@ def discover(paths: Iterable[str | Path]) -> tuple[list[Path], int]:
     named on its own is always kept (if it is no image, its result says so). Duplicates are dropped.
     """
     found: list[Path] = []
-    seen: set[Path] = set()
     passed_over = 0
-    for given in paths:
-        path = Path(given)
-        if path.is_dir():
-            for file in _walk(path):
-                if is_image_file(file):
-                    if file not in seen:
-                        seen.add(file)
-                        found.append(file)
-                else:
-                    passed_over += 1
-        elif path not in seen:
-            seen.add(path)
+    for path in map(Path, paths):
+        if not path.is_dir():
             found.append(path)
-    return found, passed_over
+            continue
+        for file in _walk(path):
+            if is_image_file(file):
+                found.append(file)
+            else:
+                passed_over += 1
+    return list(dict.fromkeys(found)), passed_over
 
 
 def _walk(folder: Path) -> Iterator[Path]:

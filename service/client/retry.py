@@ -87,6 +87,4 @@ def parse_retry_after(value: str | None) -> float | None:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
+    return None if when.tzinfo is None else max(0.0, when.timestamp() - time.time())

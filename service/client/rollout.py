@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from service.client.errors import ClientError
+from service.client.errors import ClientError, error_text
 from service.core.arguments import integer_in, number_in
 from service.core.errors import ConfigError
 
@@ -24,9 +24,40 @@ ACTIONS = ("status", "start", "promote", "abort")
 TOKEN_ENV = "VISIONSERVE_ADMIN_TOKEN"
 MAX_VERSION = 2**63 - 1
 LOWEST_CLASSES = 5  # the lowest-agreement classes shown: where a candidate went wrong, not a full confusion matrix
-# start's own flags, refused with the other actions: a --fraction on `promote` would be ignored silently, and the
-# user would believe the fraction changed.
-START_FLAGS = ("candidate", "mode", "fraction", "sticky_header", "no_auto", "min_samples", "min_agreement")
+# start's own flags (each absent unless given), refused with the other actions: a --fraction on `promote` would be
+# ignored silently, and the user would believe the fraction changed.
+START_OPTIONS: dict[str, dict[str, Any]] = {
+    "--candidate": {
+        "type": integer_in(1, MAX_VERSION),
+        "metavar": "N",
+        "help": "the version on trial (it must be in the server's repository); start needs it",
+    },
+    "--mode": {
+        "choices": ("shadow", "canary"),
+        "help": "shadow: the candidate computes a copy and is never returned; canary: it answers; default: shadow",
+    },
+    "--fraction": {
+        "type": number_in(0, 1),
+        "metavar": "F",
+        "help": "of the requests that name no version; default: 0.1",
+    },
+    "--sticky-header": {
+        "metavar": "HEADER",
+        "help": "canary: route by a hash of this request header's value; default: at random",
+    },
+    "--no-auto": {"action": "store_true", "help": "only say what the evidence calls for; never act on it"},
+    "--min-samples": {
+        "type": integer_in(1, MAX_VERSION),
+        "metavar": "N",
+        "help": "compared requests before a promotion; default: the server's (1000)",
+    },
+    "--min-agreement": {
+        "type": number_in(0, 1),
+        "metavar": "X",
+        "help": "top-1 agreement the interval's lower bound must reach to promote; default: the server's (0.99)",
+    },
+}
+START_FLAGS = tuple(flag[2:].replace("-", "_") for flag in START_OPTIONS)
 
 
 class Latency(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,59 +119,13 @@ def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=ACTIONS, metavar="ACTION", help="status, start, promote or abort")
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name")
-    p.add_argument(
-        "--admin-token", default=None, metavar="TOKEN", help=f"the server's admin token; default: ${TOKEN_ENV}"
-    )
-    p.add_argument(
-        "--timeout",
-        type=number_in(0, 600, above=True),
-        default=60.0,
-        metavar="S",
-        help="seconds to wait for the server's answer",
-    )
+    p.add_argument("--admin-token", metavar="TOKEN", help=f"the server's admin token; default: ${TOKEN_ENV}")
+    timeout = number_in(0, 600, above=True)
+    p.add_argument("--timeout", type=timeout, default=60.0, metavar="S", help="seconds to wait for the server's answer")
     p.add_argument("--json", action="store_true", help="print the server's answer as JSON, as it came")
     g = p.add_argument_group("start")
-    g.add_argument(
-        "--candidate",
-        type=integer_in(1, MAX_VERSION),
-        default=None,
-        metavar="N",
-        help="the version on trial (it must be in the server's repository); start needs it",
-    )
-    g.add_argument(
-        "--mode",
-        choices=("shadow", "canary"),
-        default=None,
-        help="shadow: the candidate computes a copy and is never returned; canary: it answers; default: shadow",
-    )
-    g.add_argument(
-        "--fraction",
-        type=number_in(0, 1),
-        default=None,
-        metavar="F",
-        help="of the requests that name no version; default: 0.1",
-    )
-    g.add_argument(
-        "--sticky-header",
-        default=None,
-        metavar="HEADER",
-        help="canary: route by a hash of this request header's value; default: at random",
-    )
-    g.add_argument("--no-auto", action="store_true", help="only say what the evidence calls for; never act on it")
-    g.add_argument(
-        "--min-samples",
-        type=integer_in(1, MAX_VERSION),
-        default=None,
-        metavar="N",
-        help="compared requests before a promotion; default: the server's (1000)",
-    )
-    g.add_argument(
-        "--min-agreement",
-        type=number_in(0, 1),
-        default=None,
-        metavar="X",
-        help="top-1 agreement the interval's lower bound must reach to promote; default: the server's (0.99)",
-    )
+    for flag, options in START_OPTIONS.items():
+        g.add_argument(flag, **options)
     p.add_argument("--reason", default=None, help="promote and abort: why, kept with the decision")
 
 
@@ -222,17 +207,6 @@ def _without_nulls(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _without_nulls(v) for k, v in value.items() if v is not None}
     return [_without_nulls(v) for v in value] if isinstance(value, list) else value
-
-
-def error_text(body: bytes) -> str:
-    """The message of an ``{"error": ...}`` answer, else the start of the body as it came."""
-    try:
-        decoded = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        decoded = None
-    if isinstance(decoded, dict) and isinstance(decoded.get("error"), str):
-        return str(decoded["error"])
-    return body[:300].decode(errors="replace") or "(no body)"
 
 
 def _pct(value: float | None, digits: int = 2) -> str:

@@ -33,31 +33,22 @@ def reason_of(error: str) -> str:
 
 
 def progress_bar(command: str, enabled: bool, console: Console) -> Progress:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        Task,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich import progress
     from rich.text import Text
 
-    class RateColumn(ProgressColumn):
-        def render(self, task: Task) -> Text:
+    class RateColumn(progress.ProgressColumn):
+        def render(self, task: progress.Task) -> Text:
             speed = task.finished_speed or task.speed
             return Text(f"{speed:,.1f} images/s" if speed else "- images/s", style="progress.data.speed")
 
-    return Progress(
-        TextColumn(command),
-        BarColumn(),
-        MofNCompleteColumn(),
+    return progress.Progress(
+        progress.TextColumn(command),
+        progress.BarColumn(),
+        progress.MofNCompleteColumn(),
         RateColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
+        progress.TimeElapsedColumn(),
+        progress.TextColumn("ETA"),
+        progress.TimeRemainingColumn(),
         console=console,
         disable=not enabled,
     )

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core.scores import softmax
 from service.core.status import InferResult
 
 TOPK = 5
@@ -34,12 +35,6 @@ def wilson(agreed: int, n: int, confidence: float) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    e = np.exp(shifted)
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def _quantiles(values: deque[float]) -> dict[str, float | None]:
@@ -110,13 +105,12 @@ class Comparison:
         k = min(TOPK, primary.shape[1], candidate.shape[1])
         p_k = np.argsort(-primary, axis=1)[:, :k]
         c_k = np.argsort(-candidate, axis=1)[:, :k]
-        for i in range(n):
-            self.overlap_sum += len(set(p_k[i].tolist()) & set(c_k[i].tolist())) / k
+        self.overlap_sum += sum(len(set(p) & set(c)) / k for p, c in zip(p_k.tolist(), c_k.tolist(), strict=True))
         classes = min(primary.shape[1], candidate.shape[1])
         rows = np.arange(n)
         keep = p_top < classes
         shift = np.zeros(n)
-        shift[keep] = _softmax(candidate)[rows[keep], p_top[keep]] - _softmax(primary)[rows[keep], p_top[keep]]
+        shift[keep] = softmax(candidate)[rows[keep], p_top[keep]] - softmax(primary)[rows[keep], p_top[keep]]
         self.shift_sum += float(shift.sum())
         for bucket in np.clip(np.searchsorted(SHIFT_EDGES, shift, side="right") - 1, 0, len(self.shift_counts) - 1):
             self.shift_counts[int(bucket)] += 1
@@ -131,9 +125,8 @@ class Comparison:
 
     def record_times(self, n: int, primary_s: float, candidate_s: float, sizes: tuple[int, int]) -> None:
         """Each version's compute seconds per image for ``n`` compared images, by batch size."""
-        for _ in range(n):
-            self.primary_s.append(primary_s)
-            self.candidate_s.append(candidate_s)
+        self.primary_s.extend([primary_s] * n)
+        self.candidate_s.extend([candidate_s] * n)
         self._primary_total += primary_s * n
         self._candidate_total += candidate_s * n
         for version, size, seconds in (("p", sizes[0], primary_s), ("c", sizes[1], candidate_s)):

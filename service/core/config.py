@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -222,11 +223,6 @@ def _check_rules(settings: Any, declared: dict[str, Setting], source: str, prefi
             raise ConfigError(f"{prefix}{field} must be {setting.allowed}, got {value!r} ({source})")
 
 
-def _fail(field: str, value: Any, source: str) -> ConfigError:
-    allowed = SETTINGS[field].allowed if field in SETTINGS else "valid"
-    return ConfigError(f"{field} must be {allowed}, got {value!r} ({source})")
-
-
 def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
     """Validate a config mapping; ``source`` names the file in every message."""
     known = set(ModelConfig.__struct_fields__)
@@ -241,7 +237,8 @@ def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
     except msgspec.ValidationError as exc:
         match = re.search(r"at `\$\.(\w+)", str(exc))
         field = match.group(1) if match else "?"
-        raise _fail(field, raw.get(field), source) from exc
+        allowed = SETTINGS[field].allowed if field in SETTINGS else "valid"
+        raise ConfigError(f"{field} must be {allowed}, got {raw.get(field)!r} ({source})") from exc
     _check_rules(config, SETTINGS, source)
     _check_rules(config.faults, FAULT_SETTINGS, source, prefix="faults.")
     _check_rules(config.rollout, ROLLOUT_SETTINGS, source, prefix="rollout.")
@@ -290,21 +287,12 @@ _WIDTH = 118
 
 def _commented(assignment: str, doc: str) -> list[str]:
     """``assignment`` with ``doc`` as its comment, wrapped into lines aligned at ``_COMMENT_AT``."""
-    first = _WIDTH - max(_COMMENT_AT, len(assignment) + 2) - 2
-    words, lines, line = doc.split(), list[str](), ""
-    for word in words:
-        limit = first if not lines else _WIDTH - _COMMENT_AT - 2
-        if line and len(line) + 1 + len(word) > limit:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}" if line else word
-    lines.append(line)
-    lines = [line.replace("\0", " ") for line in lines]
+    width = _WIDTH - _COMMENT_AT - 2
+    shorter = max(_COMMENT_AT, len(assignment) + 2) - _COMMENT_AT  # the first line starts further right
+    wrapped = textwrap.wrap(doc, width, initial_indent="\0" * shorter, break_long_words=False, break_on_hyphens=False)
+    lines = [line.replace("\0", " ").strip() for line in wrapped]
     head = f"{assignment:<{_COMMENT_AT - 1}} #" if len(assignment) < _COMMENT_AT - 1 else f"{assignment}  #"
-    out = [f"{head} {lines[0]}"]
-    out += [f"{'':<{_COMMENT_AT}}# {rest}" for rest in lines[1:]]
-    return out
+    return [f"{head} {lines[0]}"] + [f"{'':<{_COMMENT_AT}}# {rest}" for rest in lines[1:]]
 
 
 def default_config_text(max_batch_size: int = 32) -> str:

@@ -9,28 +9,23 @@ from pathlib import Path
 INT8_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 
 
-def _cpuinfo() -> list[str]:
+def _cpuinfo(key: str) -> str | None:
+    """The first ``key`` line's value in ``/proc/cpuinfo`` (None where there is none)."""
     try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return []
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), None)
 
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else what the platform says."""
-    for line in _cpuinfo():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def int8_flags() -> tuple[str, ...]:
     """Which of :data:`INT8_FLAGS` the CPU has, in that order."""
-    flags: set[str] = set()
-    for line in _cpuinfo():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    flags = set((_cpuinfo("flags") or "").split())
     return tuple(f for f in INT8_FLAGS if f in flags)
 
 

@@ -142,17 +142,18 @@ class Preprocessor:
     def decode_many(self, images: Sequence[bytes]) -> list[Decoded]:
         """Decode several images in parallel (blocking); each entry is an array or that image's own error."""
         futures = [self.submit(data) for data in images]
-        out: list[Decoded] = []
-        for future in futures:
-            try:
-                out.append(future.result())
-            except VisionServeError as exc:
-                out.append(exc)
-        return out
+        return [_outcome(future) for future in futures]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._large.shutdown(wait=True)
+
+
+def _outcome(future: DecodeFuture) -> Decoded:
+    try:
+        return future.result()
+    except VisionServeError as exc:
+        return exc
 
 
 def is_jpeg(data: bytes) -> bool:
@@ -255,8 +256,5 @@ class GpuJpegDecoder:
         rest = [i for i, v in enumerate(out) if v is None]
         futures = [cpu.submit(images[i]) for i in rest]
         for i, future in zip(rest, futures, strict=True):
-            try:
-                out[i] = (future.result(), future.transform)
-            except VisionServeError as exc:
-                out[i] = (exc, None)
+            out[i] = (_outcome(future), future.transform)  # no transform for a refused image
         return [v for v in out if v is not None]

@@ -50,6 +50,14 @@ class VisionServeError(Exception):
     outcome: str = "error"
     retry_after_s: int | None = None  # sent as Retry-After (HTTP) or retry-after (gRPC trailers) where set
 
+    def __init_subclass__(cls, *, http_status: int = 0, grpc_code: str = "", outcome: str = "", **kwargs: Any) -> None:
+        """A subclass declares how it is answered where that differs from its base's: ``class
+        NotFoundError(VisionServeError, http_status=404, grpc_code="NOT_FOUND")``."""
+        super().__init_subclass__(**kwargs)
+        cls.http_status = http_status or cls.http_status
+        cls.grpc_code = grpc_code or cls.grpc_code
+        cls.outcome = outcome or cls.outcome
+
 
 class ConfigError(VisionServeError):
     """A setting, spec, checkpoint or repository entry is wrong; the message names the file, field and value."""
@@ -70,49 +78,31 @@ class CheckpointError(ConfigError):
     """A checkpoint that is not ours, or is corrupt."""
 
 
-class BadInputError(VisionServeError):
+class BadInputError(VisionServeError, http_status=400, grpc_code="INVALID_ARGUMENT", outcome="bad_input"):
     """A request or image that we refuse."""
 
-    http_status = 400
-    grpc_code = "INVALID_ARGUMENT"
-    outcome = "bad_input"
 
-
-class UnsupportedMediaError(BadInputError):
+class UnsupportedMediaError(BadInputError, http_status=415):
     """A media type or image format we do not take."""
 
-    http_status = 415
+
+class PayloadTooLargeError(BadInputError, http_status=413, grpc_code="RESOURCE_EXHAUSTED"):
+    """A body, image count or pixel count over the configured limits (RESOURCE_EXHAUSTED: what grpc itself answers
+    for a message over its size limit)."""
 
 
-class PayloadTooLargeError(BadInputError):
-    """A body, image count or pixel count over the configured limits."""
-
-    http_status = 413
-    grpc_code = "RESOURCE_EXHAUSTED"  # what grpc itself answers for a message over its size limit
-
-
-class ForbiddenError(VisionServeError):
+class ForbiddenError(VisionServeError, http_status=403, grpc_code="PERMISSION_DENIED", outcome="bad_input"):
     """Repository control without the admin token (or with none configured)."""
 
-    http_status = 403
-    grpc_code = "PERMISSION_DENIED"
-    outcome = "bad_input"
 
-
-class NotFoundError(VisionServeError):
+class NotFoundError(VisionServeError, http_status=404, grpc_code="NOT_FOUND"):
     """An unknown model or version."""
 
-    http_status = 404
-    grpc_code = "NOT_FOUND"
 
-
-class OverloadedError(VisionServeError):
+class OverloadedError(VisionServeError, http_status=503, grpc_code="UNAVAILABLE", outcome="rejected"):
     """The queue is full: 503 (gRPC UNAVAILABLE), or 429 (RESOURCE_EXHAUSTED) where the model's
     ``queue_full_status`` says so; either way with a Retry-After."""
 
-    http_status = 503
-    grpc_code = "UNAVAILABLE"
-    outcome = "rejected"
     retry_after_s = 1
 
     def __init__(self, *args: object, http_status: int = 503) -> None:
@@ -129,20 +119,12 @@ class MemoryBudgetError(OverloadedError):
     than the whole budget."""
 
 
-class DeadlineExceededError(VisionServeError):
+class DeadlineExceededError(VisionServeError, http_status=504, grpc_code="DEADLINE_EXCEEDED", outcome="timeout"):
     """The deadline passed before the item was computed."""
 
-    http_status = 504
-    grpc_code = "DEADLINE_EXCEEDED"
-    outcome = "timeout"
 
-
-class CancelledError(VisionServeError):
+class CancelledError(VisionServeError, http_status=499, grpc_code="CANCELLED", outcome="cancelled"):
     """The caller went away before the item was computed."""
-
-    http_status = 499
-    grpc_code = "CANCELLED"
-    outcome = "cancelled"
 
 
 class RuntimeFailure(VisionServeError):

@@ -1,20 +1,8 @@
 """What a detector's graph answers (its spec's ``output_layout``), read into one form: each image's candidate rows
 ``[K, 6]`` (x1, y1, x2, y2 in input pixels, score, class), which the server then suppresses or, for a graph that
-suppressed them itself, only selects. numpy only: the serving install has no torch.
-
-- ``candidates``: the project's own detectors, ``[N, K, 6]`` rows as above; suppressed here.
-- ``yolo``: ultralytics' YOLOv8/v11 export with ``nms=False``, ``[N, 4 + C, A]`` (centre x, centre y, width, height,
-  then one score per class for each of A anchors; ``[N, A, 4 + C]`` is read too): score and class are the best
-  class's; suppressed here.
-- ``yolov5``: ``[N, A, 5 + C]`` (box, objectness, class scores; either orientation): score is objectness times the
-  best class's score; suppressed here.
-- ``end2end``: YOLOv10 / YOLO26 style ``[N, K, 6]`` rows of x1, y1, x2, y2, confidence, class, suppressed by the
-  graph's own design: thresholded and selected here, never suppressed.
-- ``yolo-seg``: ultralytics' YOLOv8/v11 segmentation export: ``output0`` ``[N, 4 + C + P, A]`` (a ``yolo`` head
-  followed by P mask coefficients an anchor) and ``output1`` ``[N, P, h, w]``, the prototypes (P = 32, 160 x 160
-  for a 640 input); its boxes are read as ``yolo``'s, its masks by :mod:`service.core.tasks.segment`.
-- ``efficientnms``: TensorRT's EfficientNMS plugin outputs ``num_dets`` ``[N, 1]``, ``det_boxes`` ``[N, K, 4]``,
-  ``det_scores`` ``[N, K]``, ``det_classes`` ``[N, K]``: each image's first ``num_dets`` rows, already suppressed.
+suppressed them itself (``end2end``, ``efficientnms``), only selects. numpy only: the serving install has no torch.
+Each layout's outputs are tabled in docs/detection.md (``yolo-seg``, a ``yolo`` head followed by P mask
+coefficients an anchor, then the prototypes ``[N, P, h, w]``: docs/tasks.md).
 
 :func:`check_outputs` holds a graph's real output shapes to its layout (the export's refusal names what does not
 fit); :func:`image_rows` reads a computed batch, dropping rows under the score threshold before building them (a
@@ -154,15 +142,11 @@ def seg_outputs(outputs: Mapping[str, Any]) -> tuple[str, str]:
 def _efficient_nms(outputs: Mapping[str, np.ndarray], threshold: float) -> list[np.ndarray]:
     counts = np.asarray(outputs["num_dets"]).reshape(len(outputs["num_dets"]), -1)[:, 0]
     boxes, scores, classes = outputs["det_boxes"], outputs["det_scores"], outputs["det_classes"]
-    images = []
-    for i, count in enumerate(counts):
-        n = int(max(0, min(int(count), boxes.shape[1])))
-        rows = np.empty((n, 6), dtype=np.float32)
-        rows[:, :4] = boxes[i, :n]
-        rows[:, 4] = scores[i, :n]
-        rows[:, 5] = classes[i, :n]
-        images.append(_above(rows, threshold))
-    return images
+    sizes = np.clip(counts.astype(np.int64), 0, boxes.shape[1]).tolist()
+    return [
+        _above(np.column_stack((boxes[i, :n], scores[i, :n], classes[i, :n])).astype(np.float32), threshold)
+        for i, n in enumerate(sizes)
+    ]
 
 
 def top_rows(rows: list[np.ndarray], k: int) -> np.ndarray:

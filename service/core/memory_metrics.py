@@ -5,18 +5,20 @@ plain counts the engine keeps (a Prometheus call per request costs throughput: d
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
+
+from service.core.metrics import ScrapeCollector
 
 # A cold start is a load: 10 ms to about 3 minutes.
 COLD_START_BUCKETS = tuple(round(0.01 * 1.5**k, 4) for k in range(25))
 
 
-class ResidencyCollector(Collector):
+class ResidencyCollector(ScrapeCollector):
     """``snapshot()`` gives the engine's residency numbers (cold starts since the last call); this folds the cold
     starts into a cumulative histogram per model."""
 
@@ -24,9 +26,6 @@ class ResidencyCollector(Collector):
         self.snapshot = snapshot
         self._cold: dict[str, list[float]] = {}  # model -> [bucket counts..., sum]
         self._lock = threading.Lock()  # two scrapes at once (each on a thread of its own) take turns
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -43,9 +42,7 @@ class ResidencyCollector(Collector):
         for device, charged, limit in snap["devices"]:
             used.add_metric([device], charged)
             budget.add_metric([device], limit)
-        yield per_model
-        yield used
-        yield budget
+        yield from (per_model, used, budget)
         yield _counter("visionserve_model_loads", "Model loads, by reason (startup, on_demand, explicit)",
                        ("model", "reason"), snap["loads"])  # fmt: skip
         yield _counter("visionserve_model_evictions", "Models taken out of memory, by reason (lru, unload)",
@@ -63,12 +60,9 @@ class ResidencyCollector(Collector):
             counts[-1] += seconds
         family = HistogramMetricFamily("visionserve_cold_start_duration_seconds", "How long a request waited for "
                                        "its model's load (on-demand models)", labels=("model",))  # fmt: skip
+        bounds = (*map(str, COLD_START_BUCKETS), "+Inf")
         for model, counts in sorted(self._cold.items()):
-            cumulative, running = [], 0.0
-            for bound, count in zip((*map(str, COLD_START_BUCKETS), "+Inf"), counts[:-1], strict=True):
-                running += count
-                cumulative.append((bound, running))
-            family.add_metric([model], cumulative, counts[-1])
+            family.add_metric([model], list(zip(bounds, itertools.accumulate(counts[:-1]), strict=True)), counts[-1])
         return family
 
 

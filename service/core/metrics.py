@@ -1,20 +1,16 @@
 """Prometheus metrics: ``GET /metrics``, labels ``model``, ``version``, ``device``.
 
-The hot path appends one tuple per request and one per batch to a list (no locks, no per-metric calls); the
-lists are folded into counters and histograms in bulk, with numpy, every ``FOLD_EVERY`` records and whenever
-Prometheus scrapes, so a scrape always sees every request recorded before it. Queue depth, batches in flight and
-GPU memory are read at scrape time, so they cost nothing between scrapes.
-
-Why not prometheus-client's own ``Histogram.observe`` per request: measured served (docs/performance.md), five
-such calls per request cost about 3% of throughput on small images, several times what they cost in a tight loop.
-prometheus-client still renders the exposition format.
+The hot path appends one tuple per request and one per batch to a list (no locks, no per-metric calls); numpy folds
+the lists into counters and histograms every ``FOLD_EVERY`` records and before every scrape, so a scrape sees every
+request recorded before it. Queue depth, batches in flight and GPU memory are read at scrape time. Why not
+prometheus-client's ``Histogram.observe`` per request (which cost about 3% of throughput): docs/performance.md.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,13 +76,6 @@ class BatchRecord:
     failed: int
 
 
-def batch_size_buckets(max_batch_size: int = 256) -> tuple[float, ...]:
-    sizes = [1]
-    while sizes[-1] < max_batch_size:
-        sizes.append(sizes[-1] * 2)
-    return tuple(float(s) for s in sizes)
-
-
 class BucketCounts:
     """One histogram's cumulative state: counts per bucket (``le`` semantics, +Inf last), sum and count."""
 
@@ -104,10 +93,13 @@ class BucketCounts:
             self.sum += float(values.sum())
 
     def buckets(self) -> list[tuple[str, float]]:
-        return _buckets(self.counts.tolist(), tuple(self.bounds.tolist()))
+        return le_buckets(self.counts.tolist(), tuple(self.bounds.tolist()))
+
+    def state(self) -> StageState:
+        return StageState(self.counts.tolist(), self.sum)
 
 
-def _buckets(counts: list[int], bounds: tuple[float, ...] = DURATION_BUCKETS) -> list[tuple[str, float]]:
+def le_buckets(counts: Sequence[float], bounds: tuple[float, ...] = DURATION_BUCKETS) -> list[tuple[str, float]]:
     """Prometheus's cumulative ``le`` buckets from counts per bucket (+Inf last)."""
     cumulative = np.cumsum(counts)
     edges = [floatToGoString(b) for b in bounds] + ["+Inf"]
@@ -234,12 +226,8 @@ class RequestRecorder(_Folding):
 
     def state(self) -> RequestState:
         """Everything recorded so far, folded (call :meth:`fold` first for the latest records)."""
-        return RequestState(
-            self.labels,
-            self.outcomes.tolist(),
-            [StageState(stage.counts.tolist(), stage.sum) for stage in self.stages],
-            None if self.detections is None else StageState(self.detections.counts.tolist(), self.detections.sum),
-        )
+        detections = None if self.detections is None else self.detections.state()
+        return RequestState(self.labels, self.outcomes.tolist(), [stage.state() for stage in self.stages], detections)
 
 
 class BatchRecorder(_Folding):
@@ -250,7 +238,7 @@ class BatchRecorder(_Folding):
         self.labels = labels
         self.batches = 0
         self.images = 0
-        self.sizes = BucketCounts(batch_size_buckets())
+        self.sizes = BucketCounts(tuple(float(2**k) for k in range(9)))  # 1 to 256
         self.compute = BucketCounts(DURATION_BUCKETS)
 
     def record(self, size: int, compute_s: float) -> None:
@@ -263,8 +251,30 @@ class BatchRecorder(_Folding):
         self.compute.add(rows[:, 1])
 
 
-class Metrics:
-    """Every visionserve metric, in a registry of its own (one per app, so tests can run several)."""
+class ScrapeCollector(Collector):
+    """A collector whose families are read at scrape time: it describes none, so that registering it with a
+    registry that auto-describes does not collect at once."""
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+class LiveState(NamedTuple):
+    """A model version's state at scrape time."""
+
+    labels: tuple[str, str, str]  # model, version, device
+    queue_depth: int
+    inflight_batches: int
+    ready: bool
+    instances_replaced: int
+    backend: str = ""
+    precision: str = ""  # fp32, fp16, bf16, int8 (or "int8-ungated")
+
+
+class Metrics(ScrapeCollector):
+    """Every visionserve metric, in a registry of its own (one per app, so tests can run several); itself the
+    collector of what the hot path records and of what is read at scrape time (queue depth, batches in flight,
+    readiness, stuck instances replaced, GPU memory and utilisation)."""
 
     def __init__(self, request_states: Callable[[], Iterable[RequestState]] | None = None) -> None:
         """``request_states``: where requests come from when they are recorded elsewhere (the engine renders the
@@ -279,9 +289,8 @@ class Metrics:
         self._requests: list[RequestRecorder] = []
         self._batches: dict[tuple[str, str, str], BatchRecorder] = {}
         self._lock = threading.Lock()  # guards the recorder tables, not the records
-        self._live = _LiveCollector()
-        self.registry.register(_RecordedCollector(self))
-        self.registry.register(self._live)
+        self._sources: list[Callable[[], Iterable[LiveState]]] = []
+        self.registry.register(self)
 
     def request_recorder(self, model: str, version: int | str, device: str, protocol: str = "http") -> RequestRecorder:
         recorder = RequestRecorder((model, str(version), device, protocol))
@@ -317,7 +326,7 @@ class Metrics:
 
     def watch(self, source: Callable[[], Iterable[LiveState]]) -> None:
         """``source()`` yields a :class:`LiveState` per model version at scrape time."""
-        self._live.sources.append(source)
+        self._sources.append(source)
 
     def request_snapshot(self) -> list[RequestState]:
         """This process's requests so far (every recorder folded first)."""
@@ -335,19 +344,9 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-class _RecordedCollector(Collector):
-    """The counters and histograms the hot path records, as Prometheus families."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    def describe(self) -> Iterable[Metric]:
-        return []
-
     def collect(self) -> Iterator[Metric]:
-        own, batches = self.metrics.recorders()
-        source = self.metrics.request_states
+        own, batches = self.recorders()
+        source = self.request_states
         requests = merge_request_states(source() if source is not None else (r.state() for r in own))
         outcomes = CounterMetricFamily(
             "visionserve_requests", "Requests by outcome", labels=(*REQUEST_LABELS, "outcome")
@@ -357,13 +356,13 @@ class _RecordedCollector(Collector):
         found = HistogramMetricFamily(*DETECTIONS_HISTOGRAM, labels=REQUEST_LABELS)
         for r in requests:
             if r.detections is not None:
-                found.add_metric(list(r.labels), _buckets(r.detections.counts, DETECTION_BUCKETS), r.detections.sum)
+                found.add_metric(list(r.labels), le_buckets(r.detections.counts, DETECTION_BUCKETS), r.detections.sum)
             for name, count in zip(OUTCOMES, r.outcomes, strict=True):
                 outcomes.add_metric([*r.labels, name], float(count))
             for family, stage in zip(stages, r.stages, strict=False):
-                family.add_metric(list(r.labels), _buckets(stage.counts), stage.sum)
+                family.add_metric(list(r.labels), le_buckets(stage.counts), stage.sum)
             for name, stage in zip(STAGES, r.stages[len(REQUEST_HISTOGRAMS) :], strict=True):
-                waits.add_metric([*r.labels, name], _buckets(stage.counts), stage.sum)
+                waits.add_metric([*r.labels, name], le_buckets(stage.counts), stage.sum)
         images = CounterMetricFamily("visionserve_images", "Images computed", labels=LABELS)
         batch_count = CounterMetricFamily("visionserve_batches", "Batches computed", labels=LABELS)
         sizes = HistogramMetricFamily("visionserve_batch_size", "Images per batch", labels=LABELS)
@@ -374,39 +373,11 @@ class _RecordedCollector(Collector):
             batch_count.add_metric(list(b.labels), float(b.batches))
             sizes.add_metric(list(b.labels), b.sizes.buckets(), b.sizes.sum)
             compute.add_metric(list(b.labels), b.compute.buckets(), b.compute.sum)
-        yield outcomes
-        yield images
-        yield batch_count
-        yield from stages
-        yield waits
-        yield found
-        yield compute
-        yield sizes
+        yield from (outcomes, images, batch_count, *stages, waits, found, compute, sizes)
+        yield from self._live()
+        yield from _gpu_metrics()
 
-
-class LiveState(NamedTuple):
-    """A model version's state at scrape time."""
-
-    labels: tuple[str, str, str]  # model, version, device
-    queue_depth: int
-    inflight_batches: int
-    ready: bool
-    instances_replaced: int
-    backend: str = ""
-    precision: str = ""  # fp32, fp16, bf16, int8 (or "int8-ungated")
-
-
-class _LiveCollector(Collector):
-    """Read at scrape time: queue depth, batches in flight, readiness, stuck instances replaced, GPU memory and
-    utilisation."""
-
-    def __init__(self) -> None:
-        self.sources: list[Callable[[], Iterable[LiveState]]] = []
-
-    def describe(self) -> Iterable[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
+    def _live(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily("visionserve_queue_depth", "Images waiting in the queue", labels=LABELS)
         inflight = GaugeMetricFamily("visionserve_inflight_batches", "Batches being computed", labels=LABELS)
         ready = GaugeMetricFamily(
@@ -421,7 +392,7 @@ class _LiveCollector(Collector):
             "visionserve_model_info", "1 per served model version: its runtime and precision",
             labels=(*LABELS, "backend", "precision"),
         )  # fmt: skip
-        for source in self.sources:
+        for source in self._sources:
             for state in source():
                 labels = list(state.labels)
                 depth.add_metric(labels, state.queue_depth)
@@ -429,12 +400,7 @@ class _LiveCollector(Collector):
                 ready.add_metric(labels, 1.0 if state.ready else 0.0)
                 replaced.add_metric(labels, state.instances_replaced)
                 info.add_metric([*labels, state.backend, state.precision], 1.0)
-        yield depth
-        yield inflight
-        yield ready
-        yield replaced
-        yield info
-        yield from _gpu_metrics()
+        yield from (depth, inflight, ready, replaced, info)
 
 
 def _gpu_metrics() -> Iterator[Metric]:
@@ -445,18 +411,13 @@ def _gpu_metrics() -> Iterator[Metric]:
         samples = _torch_samples()
     if not samples:
         return
-    used_name, total_name, util_name = GPU_METRIC_NAMES
-    used = GaugeMetricFamily(used_name, "GPU memory in use", labels=["device"])
-    total = GaugeMetricFamily(total_name, "GPU memory in all", labels=["device"])
-    util = GaugeMetricFamily(util_name, "GPU busy fraction (last sample)", labels=["device"])
+    helps = ("GPU memory in use", "GPU memory in all", "GPU busy fraction (last sample)")
+    families = [GaugeMetricFamily(n, h, labels=["device"]) for n, h in zip(GPU_METRIC_NAMES, helps, strict=True)]
     for sample in samples:
-        used.add_metric([sample.device], sample.used_bytes)
-        total.add_metric([sample.device], sample.total_bytes)
-        if sample.utilization is not None:
-            util.add_metric([sample.device], sample.utilization)
-    yield used
-    yield total
-    yield util
+        for family, value in zip(families, (sample.used_bytes, sample.total_bytes, sample.utilization), strict=True):
+            if value is not None:
+                family.add_metric([sample.device], value)
+    yield from families
 
 
 def _torch_samples() -> list[GpuSample]:
@@ -465,10 +426,7 @@ def _torch_samples() -> list[GpuSample]:
 
         if not torch.cuda.is_available():
             return []
-        samples = []
-        for index in range(torch.cuda.device_count()):
-            free, whole = torch.cuda.mem_get_info(index)
-            samples.append(GpuSample(f"cuda:{index}", whole - free, whole, None))
-        return samples
+        memory = [torch.cuda.mem_get_info(index) for index in range(torch.cuda.device_count())]
+        return [GpuSample(f"cuda:{i}", whole - free, whole, None) for i, (free, whole) in enumerate(memory)]
     except Exception:
         return []

@@ -142,11 +142,7 @@ def _first_token(value: Any, path: str) -> tuple[str, str] | None:
         items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
     else:
         return None
-    for where, item in items:
-        found = _first_token(item, where)
-        if found is not None:
-            return found
-    return None
+    return next((found for where, item in items if (found := _first_token(item, where)) is not None), None)
 
 
 def load_config(parameters: Mapping[str, T]) -> T | None:

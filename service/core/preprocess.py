@@ -23,11 +23,7 @@ from service.core.errors import BadInputError, ConfigError, PayloadTooLargeError
 from service.core.spec import ModelSpec
 
 DEFAULT_FORMATS: Final = ("JPEG", "PNG", "WEBP", "BMP")
-RESAMPLE: Final = {
-    "bilinear": Image.Resampling.BILINEAR,
-    "bicubic": Image.Resampling.BICUBIC,
-    "nearest": Image.Resampling.NEAREST,
-}
+RESAMPLE: Final = {name: Image.Resampling[name.upper()] for name in ("bilinear", "bicubic", "nearest")}
 # JPEG draft decoding (DCT scaling) is asked for an image at least this many times the resize target, so that
 # the antialiased resize that follows still has the detail a full decode would give it (the same idea as
 # PIL's own ``reducing_gap``).

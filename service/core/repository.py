@@ -12,10 +12,8 @@
                              model.int8.onnx (`export --int8`: quantized, gated against model.onnx)
           spec.json          the ModelSpec
 
-KServe's storage initializer leaves one model's files directly in the folder it is given (``/mnt/models/1/...``,
-``/mnt/models/config.toml``) and names the model elsewhere (the InferenceService). A repository folder whose
-children are version folders is read that way: one model, named by ``model_name`` or the environment variable
-``VISIONSERVE_MODEL_NAME`` (the ServingRuntime sets it from the InferenceService's name).
+A folder whose children are version folders is one model's folder, as KServe's storage initializer leaves it
+(docs/deploy.md), named by ``model_name`` or the environment variable ``VISIONSERVE_MODEL_NAME``.
 
 Reading validates everything it can before a model is loaded: a missing or truncated model file, a spec or config
 that breaks its schema, or a label count that does not match the model's output width is refused with a message
@@ -175,44 +173,31 @@ def _check_zip(path: Path, what: str) -> None:
         raise ConfigError(f"{path} is corrupt: member {bad} fails its checksum")
 
 
-def _check_torchscript(path: Path, spec: ModelSpec, deep: bool) -> None:
-    _check_zip(path, "a TorchScript file")
+def _check_torch(path: Path, spec: ModelSpec, deep: bool, *, aoti: bool) -> None:
+    """A TorchScript file or an AOTInductor package: a sound archive and, ``deep``, run on a uint8 batch."""
+    _check_zip(path, "an AOTInductor package" if aoti else "a TorchScript file")
     if not deep:
         return
     import torch
 
     try:
-        module = load_torchscript(path, "cpu").eval()
-        x = torch.zeros((1, spec.input.channels, spec.input.height, spec.input.width), dtype=torch.uint8)
-        with torch.inference_mode():
-            shape = tuple(module(x).shape)
-    except Exception as exc:
-        raise ConfigError(f"{path} does not run on a uint8 batch of the spec's shape: {exc}") from exc
-    width = shape[-1]
-    if spec.output_layout is not None:  # a detector: its output held to its layout
-        check_outputs(spec.output_layout, {"output": shape}, spec.num_classes)
-    elif width != spec.num_classes:
-        raise ConfigError(f"labels in spec.json count {spec.num_classes} classes but {path} outputs {width} logits")
-
-
-def _check_aoti(path: Path, spec: ModelSpec, deep: bool) -> None:
-    _check_zip(path, "an AOTInductor package")
-    if not deep:
-        return
-    import torch
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            module = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
+        if aoti:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = torch._inductor.aoti_load_package(str(path), run_single_threaded=True)
+        else:
+            module = load_torchscript(path, "cpu").eval()
         x = torch.zeros((1, spec.input.channels, spec.input.height, spec.input.width), dtype=torch.uint8)
         with torch.inference_mode():
             out = module(x)
-        width = int((out[0] if isinstance(out, (list, tuple)) else out).shape[-1])
+        shape = tuple((out[0] if aoti and isinstance(out, list | tuple) else out).shape)
     except Exception as exc:
-        raise ConfigError(f"{path} does not load or run on a uint8 batch of the spec's shape: {exc}") from exc
-    if width != spec.num_classes:
-        raise ConfigError(f"labels in spec.json count {spec.num_classes} classes but {path} outputs {width} logits")
+        does = "does not load or run" if aoti else "does not run"
+        raise ConfigError(f"{path} {does} on a uint8 batch of the spec's shape: {exc}") from exc
+    if spec.output_layout is not None and not aoti:  # a detector: its output held to its layout
+        check_outputs(spec.output_layout, {"output": shape}, spec.num_classes)
+    elif shape[-1] != spec.num_classes:
+        raise ConfigError(f"labels in spec.json count {spec.num_classes} classes but {path} outputs {shape[-1]} logits")
 
 
 def read_version(model: str, path: Path, *, deep: bool = True, backend: str = "auto") -> ModelVersion:
@@ -222,10 +207,7 @@ def read_version(model: str, path: Path, *, deep: bool = True, backend: str = "a
     ``onnxruntime``), the TorchScript and AOTInductor files beside it are the runtimes' spares: checked without
     importing torch, and one that fails its check is set aside with a warning instead of refusing the version (a
     broken ``model.pt`` must not stop ``model.onnx`` from serving, nor cost a serving host a torch import)."""
-    try:
-        number = int(path.name)
-    except ValueError:
-        number = 0
+    number = int(path.name) if path.name.isdecimal() else 0
     if number < 1 or str(number) != path.name:
         raise ConfigError(f"version folders must be positive integers, got {path}")
     spec_path = path / SPEC_FILE
@@ -260,10 +242,9 @@ def _check_artifact(fmt: str, file: Path, spec: ModelSpec, *, deep: bool) -> Non
         raise ConfigError(f"{file} is empty")
     if fmt.startswith("onnx"):
         _check_onnx(file, spec)
-    elif fmt.startswith("aoti"):
-        _check_aoti(file, spec, deep and fmt == "aoti")  # a CUDA package cannot be loaded to check it here
-    else:
-        _check_torchscript(file, spec, deep)
+    else:  # a CUDA package cannot be loaded to check it here
+        aoti = fmt.startswith("aoti")
+        _check_torch(file, spec, deep and (fmt == "aoti" or not aoti), aoti=aoti)
 
 
 def read_model(path: Path, *, deep: bool = True, name: str | None = None) -> ModelEntry:

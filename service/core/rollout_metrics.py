@@ -6,12 +6,13 @@ from the documents ``GET /v2/models/{m}/rollout`` answers, so the two never disa
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from service.core.metrics import ScrapeCollector
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ OUTCOMES = (("compared", "samples"), ("shed", "shed"), ("error", "errors"))
 BOUNDS = (("estimate", "agreement"), ("low", "agreement_low"), ("high", "agreement_high"))
 
 
-class RolloutCollector(Collector):
+class RolloutCollector(ScrapeCollector):
     """``snapshot()`` gives one rollout document per model with a rollout (running, promoted or aborted), as
     ``GET /v2/models/{m}/rollout`` answers it. Every family is yielded on every scrape, with no samples when there
     is no rollout, so a dashboard's queries name metrics the server exports; a gauge whose value is null (no sample
@@ -28,9 +29,6 @@ class RolloutCollector(Collector):
 
     def __init__(self, snapshot: Callable[[], list[dict[str, Any]]]) -> None:
         self.snapshot = snapshot
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         documents = sorted((d for d in self.snapshot() if d.get("state", "none") != "none"), key=lambda d: d["model"])

@@ -42,9 +42,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
         int | None, flag("decoding threads per model version in each front end; default: one per core")
     ] = None
     drain_timeout_s: Annotated[float, flag("how long SIGTERM waits for queued work")] = 10.0
-    # Slow and hostile clients (service/frontend/http/connection.py): a request head over max_header_bytes is a 431;
-    # a head not complete header_timeout_s after the connection opened or the request began is a 408; a body that
-    # stalls for body_timeout_s, or averages under min_body_bytes_per_s after it, is a 408.
+    # Slow and hostile clients (service/frontend/http/connection.py): a 431 or a 408, as each flag's help says.
     max_header_bytes: Annotated[
         int, flag("largest request head (request line and headers), KiB; 431", name="--max-header-kb", unit=KiB)
     ] = 64 * KiB
@@ -65,9 +63,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
         Literal["text", "json"], flag("json: one access-log line per request", choices=("text", "json"))
     ] = "text"
     metrics: Annotated[bool, flag("turn /metrics and its recording off", name="--no-metrics")] = True
-    # Many models per device (service/engine/ondemand.py): the memory budget per device ("" = 70% of the machine's
-    # memory, 90% of each GPU's; "2GB" for every device; "cpu=8GB,cuda:0=60GB"), the youngest a model may be
-    # evicted at (the guard against churn), how many loads run at once, and how long a request waits for a load.
+    # Many models per device (service/engine/ondemand.py).
     memory_budget: Annotated[
         str,
         flag(
@@ -105,18 +101,23 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     ] = False
 
     def __post_init__(self) -> None:
-        positive = ("max_body_bytes", "max_images_per_request", "max_pixels", "max_header_bytes", "large_image_pixels")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        positive = "max_body_bytes max_images_per_request max_pixels max_header_bytes large_image_pixels decode_workers"
+        for name in positive.split():
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value}")
+        for name in ("engine_timeout_s", "header_timeout_s", "body_timeout_s", "stream_send_timeout_s",
+                     "source_connect_timeout_s", "source_read_timeout_s"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("min_body_bytes_per_s", "drain_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be between 0 and 65535, got {self.port}")
         if not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"grpc_port must be between 0 and 65535 (0: no gRPC), got {self.grpc_port}")
         if self.grpc_port and self.grpc_port == self.port:
             raise ConfigError(f"grpc_port and port must differ, both are {self.port}")
-        if self.engine_timeout_s <= 0:
-            raise ConfigError(f"engine_timeout_s must be > 0, got {self.engine_timeout_s}")
         from service.core.preprocess import pil_max_pixels  # PIL only once settings are checked
 
         if self.max_pixels > pil_max_pixels():
@@ -126,18 +127,6 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
                 f"max_sources must be >= 0 and source_max_pixels >= 1, got {self.max_sources} and "
                 f"{self.source_max_pixels}"
             )
-        for name in (
-            "header_timeout_s", "body_timeout_s", "stream_send_timeout_s", "source_connect_timeout_s",
-            "source_read_timeout_s",
-        ):  # fmt: skip
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.decode_workers is not None and self.decode_workers < 1:
-            raise ConfigError(f"decode_workers must be an integer >= 1, got {self.decode_workers}")
-        if self.min_body_bytes_per_s < 0:
-            raise ConfigError(f"min_body_bytes_per_s must be >= 0, got {self.min_body_bytes_per_s}")
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         parse_budget(self.memory_budget)
         if self.min_residency_s < 0 or self.cold_start_limit_s <= 0 or self.max_parallel_loads < 1:
             raise ConfigError(

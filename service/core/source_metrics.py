@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from service.core.stream_metrics import AGE_BOUNDS, age_buckets
+from service.core.metrics import ScrapeCollector
+from service.core.stream_metrics import age_buckets, empty_ages
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,10 @@ SOURCE_DIRECTIONS = ("in", "answered")
 
 
 class SourceState(msgspec.Struct, array_like=True, frozen=True):
-    """One source as its front end reports it: its id, model and state (one of :data:`SOURCE_STATES`), its frames
-    by outcome (:data:`SOURCE_OUTCOMES`, cumulative), its answered frames' ages (from decode to answer sent, as
-    :class:`~service.core.stream_metrics.StreamState`'s: a count per
-    :data:`~service.core.stream_metrics.STREAM_AGE_BUCKETS` bucket, the count above the last, then the sum in
-    seconds), its reconnects, its frames decoded and answered per second over the last 5 s, and the front end that
-    runs it. Cumulative, so a repeated report replaces the last one."""
+    """One source as its front end reports it (docs/sources.md, "Metrics"): its state (:data:`SOURCE_STATES`), frames
+    by outcome (:data:`SOURCE_OUTCOMES`), answered frames' ages (decode to answer sent, in
+    :class:`~service.core.stream_metrics.StreamState`'s layout), reconnects, fps over the last 5 s and the front end
+    that runs it. Cumulative, so a repeated report replaces the last one."""
 
     id: str
     model: str
@@ -57,7 +55,7 @@ def merge_source_states(states: Iterable[SourceState]) -> dict[str, SourceState]
     return merged
 
 
-class SourceCollector(Collector):
+class SourceCollector(ScrapeCollector):
     """``states()`` gives every front end's :class:`SourceState` (their latest reports). Each family is yielded on
     every scrape, without samples before any source, so a dashboard's queries name metrics the server exports; a
     source shows every outcome and direction, zeros included, so its rates start at zero; the count of sources
@@ -65,9 +63,6 @@ class SourceCollector(Collector):
 
     def __init__(self, states: Callable[[], Iterable[SourceState]]) -> None:
         self.states = states
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         labels = ("source", "model")
@@ -92,9 +87,7 @@ class SourceCollector(Collector):
             if (buckets := age_buckets(state.ages)) is not None:
                 ages.add_metric([id, state.model], buckets, state.ages[-1])
             else:  # a front end of another build: its other metrics still show
-                log.warning(
-                    "source %s ages: %d buckets, %d expected; left out", id, len(state.ages), len(AGE_BOUNDS) + 1
-                )
+                log.warning("source %s ages: %d buckets, %d expected; left out", id, len(state.ages), len(empty_ages()))
             for direction, rate in zip(SOURCE_DIRECTIONS, (state.fps_in, state.fps_answered), strict=True):
                 fps.add_metric([id, state.model, direction], rate)
             reconnects.add_metric([id, state.model], state.reconnects)

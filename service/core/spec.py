@@ -24,9 +24,6 @@ Interpolation = Literal["bilinear", "bicubic", "nearest"]
 # the centre (torchvision's classification transform); ``letterbox`` keeps the aspect, scales the image to fit the
 # input and centres it on ``pad_value``; ``stretch`` scales each axis to the input's, aspect not kept.
 Resize = Literal["center_crop", "letterbox", "stretch"]
-# What a detector's graph outputs: ``candidates`` (the project's own: ``[N, K, 6]`` rows of x1, y1, x2, y2 in input
-# pixels, score, class), YOLO exports and graphs that suppress themselves (service/core/layouts.py).
-OutputLayout = Layout
 
 
 class InputSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -103,6 +100,11 @@ class DetectionParity(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     score_margin: float
     min_iou_limit: float
     max_score_error_limit: float
+    # A segmenter's masks (in the input's pixels): its instances beyond the margin matched at mask IoU >= the limit.
+    masks: int | None = None
+    masks_unmatched: int | None = None
+    min_mask_iou: float | None = None
+    min_mask_iou_limit: float | None = None
 
 
 class ExportRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -148,7 +150,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     task: str = "classify"
     resize: Resize = "center_crop"
     pad_value: Annotated[int, msgspec.Meta(ge=0, le=255)] = 114
-    output_layout: OutputLayout | None = None  # a detector's; None for a classifier
+    output_layout: Layout | None = None  # a detector's (service/core/layouts.py); None for a classifier
     max_detections: PositiveInt = DetectOptions().max_detections  # the served default, declared once
 
     def __post_init__(self) -> None:

@@ -1,13 +1,10 @@
-"""The metrics of streams (docs/streams.md, "Counting"): per model, frames by outcome, the answered frames' age as
-a histogram, and the streams open; and the record every stream, source and model counts its frames in
-(:class:`FrameCounts`). Each front end counts its own streams (``ServerState.stream_outcome``) and
-reports them, cumulative, in its Snapshot to the engine; the engine sums every front end's at scrape time, as it
-does their requests, so nothing is counted twice and no Prometheus call sits on a frame's path."""
+"""The metrics of streams (docs/streams.md, "Counting": what each front end reports and the engine sums): per model,
+frames by outcome, the answered frames' age as a histogram, and the streams open; and the record every stream,
+source and model counts its frames in (:class:`FrameCounts`). No Prometheus call sits on a frame's path."""
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -16,8 +13,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+
+from service.core.metrics import ScrapeCollector, le_buckets
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +22,6 @@ log = logging.getLogger(__name__)
 STREAM_OUTCOMES = ("answered", "superseded", "expired", "error")
 # Answered stream frames' age, seconds: 1 ms to about 33 s.
 STREAM_AGE_BUCKETS = tuple(round(0.001 * 1.5**k, 6) for k in range(26))
-AGE_BOUNDS = (*map(floatToGoString, STREAM_AGE_BUCKETS), "+Inf")  # as /metrics shows them
 AGES_KEPT = 2048  # the answered ages the percentiles are read from (the newest)
 
 
@@ -48,9 +44,7 @@ def empty_ages() -> list[float]:
 def age_buckets(ages: list[float]) -> list[tuple[str, float]] | None:
     """An age histogram (:func:`empty_ages`' layout) as /metrics' cumulative buckets; None for one of another length
     (a front end of another build)."""
-    if len(ages) != len(AGE_BOUNDS) + 1:
-        return None
-    return list(zip(AGE_BOUNDS, itertools.accumulate(ages[:-1]), strict=True))
+    return le_buckets(ages[:-1], STREAM_AGE_BUCKETS) if len(ages) == len(STREAM_AGE_BUCKETS) + 2 else None
 
 
 @dataclass
@@ -106,16 +100,13 @@ def merge_stream_states(states: Iterable[StreamState]) -> dict[str, StreamState]
     return merged
 
 
-class StreamCollector(Collector):
+class StreamCollector(ScrapeCollector):
     """``states()`` gives every front end's :class:`StreamState` (their latest reports). Each family is yielded on
     every scrape, without samples before any stream, so a dashboard's queries name metrics the server exports; a
     model that has had a stream shows every outcome, zeros included, so its rates start at zero."""
 
     def __init__(self, states: Callable[[], Iterable[StreamState]]) -> None:
         self.states = states
-
-    def describe(self) -> Iterable[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         frames = CounterMetricFamily("visionserve_stream_frames", "Stream frames by outcome: answered, superseded "

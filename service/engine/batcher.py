@@ -1,19 +1,13 @@
-"""The dynamic batcher: Triton's semantics, per model, over one or more runtime instances.
+"""The dynamic batcher of one model over one or more runtime instances, with Triton's semantics (README, "The
+engine"): priority levels, FIFO within one, requests split across batches and reassembled, a bounded queue that
+refuses at once, deadlines and cancellation. When a batch goes and how many images it takes is the batch policy's
+call (``service.engine.policy``).
 
-- A batch forms when an instance is free: queued images are taken in priority order (lower number first), FIFO
-  within a level, while the batch stays within ``max_batch_size``. When it goes, and how many it takes, is the batch
-  policy's call (``service.engine.policy``: Triton's ``"delay"``, or ``"adaptive"``), never past
-  ``max_queue_delay_ms`` from the oldest queued image.
-- A request with more images than ``max_batch_size`` is split across batches and reassembled in order.
-- The queue is bounded; a request that does not fit is refused at once (:class:`OverloadedError`).
-- Every awaiting caller is resolved exactly once: its results, a deadline error, a rejection, or cancellation.
-  Images of a request whose deadline passed or whose caller went away are dropped before compute.
-- Running a batch, retrying what failed, and losing or replacing an instance belong to the instance pool
-  (``service.engine.instances``); when an instance is lost, its batch's unanswered images are requeued first in
-  line (taken out of service) or failed (stuck), and queued images wait for a replacement.
-
-It is event driven: the dispatcher sleeps on an event until the queue holds enough images or the oldest image's
-delay runs out (never a polling loop). It imports no HTTP code; a runtime's future is awaited, never blocked on.
+Every awaiting caller is resolved exactly once, and images of a request already resolved are dropped before
+compute. Running a batch, retrying and replacing instances are the instance pool's (``service.engine.instances``);
+when an instance is lost, its batch's unanswered images are requeued first in line or failed (stuck).
+Event driven: the dispatcher sleeps on an event, never in a polling loop; a runtime's future is awaited, never
+blocked on.
 """
 
 from __future__ import annotations
@@ -40,8 +34,8 @@ __all__ = ["Batcher", "BatcherConfig", "DeviceLost", "InferRequest", "InferResul
 log = logging.getLogger(__name__)
 
 
-class BatcherConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """The batching settings of one model (a subset of its ``config.toml``)."""
+class BatcherConfig(PoolConfig, frozen=True, kw_only=True):
+    """The batching settings of one model (a subset of its ``config.toml``), the instance pool's among them."""
 
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
@@ -49,22 +43,12 @@ class BatcherConfig(msgspec.Struct, frozen=True, kw_only=True):
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_size: int = 1024
     default_timeout_ms: float = 0.0
-    device_failures_before_removal: int = 3
-    stuck_after_s: float = 0.0  # 0: a batch may take as long as it takes
-    replace_timeout_s: float = 120.0  # the least time a stuck instance's replacement gets to load and warm up
-    unhealthy_after_failed_batches: int = 3
 
     def make_policy(self) -> BatchPolicy:
         """The batch policy these settings name."""
         return make_policy(self.policy, max_batch_size=self.max_batch_size,
                            max_queue_delay_ms=self.max_queue_delay_ms,
                            preferred_batch_sizes=self.preferred_batch_sizes)  # fmt: skip
-
-    def pool_config(self) -> PoolConfig:
-        """The instance pool's share of these settings."""
-        return PoolConfig(device_failures_before_removal=self.device_failures_before_removal,
-                          stuck_after_s=self.stuck_after_s, replace_timeout_s=self.replace_timeout_s,
-                          unhealthy_after_failed_batches=self.unhealthy_after_failed_batches)  # fmt: skip
 
 
 class InferRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,7 +95,7 @@ class Batcher:
         self.outputs = instances[0].outputs  # every instance of a model answers the same named outputs
         self.observer = observer
         self.policy = policy if policy is not None else self.config.make_policy()
-        self._pool = InstancePool(instances, self.config.pool_config(), name=name, on_device_lost=on_device_lost,
+        self._pool = InstancePool(instances, self.config, name=name, on_device_lost=on_device_lost,
                                   on_instance_stuck=on_instance_stuck, on_state_change=on_state_change)  # fmt: skip
         self._queue = ImageQueue()
         self._closing = False
@@ -255,11 +239,11 @@ class Batcher:
 
     async def _dispatch(self) -> None:
         while True:
-            instance = await self._pool.acquire()
+            instance = await self._pool.free.get()
             free_since = time.monotonic()  # the stages tell waiting for an instance from waiting for a batch
             batch = await self._next_batch()
             if batch is None:  # closing and empty: wait in case a failed device's images are requeued
-                self._pool.release(instance)
+                self._pool.free.put_nowait(instance)
                 self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -312,7 +296,7 @@ class Batcher:
                 item.pending.inflight -= 1
                 item.pending.release_if_unread()
             if outcome.healthy:
-                self._pool.release(instance)
+                self._pool.free.put_nowait(instance)
             if not self._queue and self._inflight == 0:
                 self._idle.set()
 

@@ -1,12 +1,8 @@
-"""The runtime instances behind one batcher: which are free, running a batch on one, and what a failure costs it.
-
-- A batch that fails is retried image by image, so one poison input fails alone. A device failure (CUDA out of
-  memory) splits the batch in halves first; an instance that keeps failing is taken out of service and the
-  ``on_device_lost`` hook may give replacements (the CPU fallback).
-- A batch unanswered for ``stuck_after_s`` means its instance is wedged (a forward cannot be interrupted): the
-  batch fails with :class:`InstanceStuckError`, the instance is abandoned, and ``on_instance_stuck`` gives its
-  replacement. ``unhealthy_after_failed_batches`` batches in a row that fail every image make the model report
-  itself unhealthy until a batch succeeds.
+"""The runtime instances behind one batcher: which are free, running a batch on one, and what a failure costs it
+(README, "The engine" and "Reliability"): a failing batch is retried image by image, out of memory halves it
+first, a device that keeps failing goes out of service (``on_device_lost`` may give replacements), a batch
+unanswered for ``stuck_after_s`` has its instance abandoned and replaced (``on_instance_stuck``), and batches that
+fail every image make the model unhealthy.
 
 The pool knows images and rows, not requests: it tells the batcher which rows got an answer through a callback,
 and leaves requeueing or failing the queue to it.
@@ -82,9 +78,9 @@ class InstancePool:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Put every instance in the free queue (on ``loop``, the batcher's)."""
         self._loop = loop
-        self._free: asyncio.Queue[RuntimeLike] = asyncio.Queue()
+        self.free: asyncio.Queue[RuntimeLike] = asyncio.Queue()  # a batch takes one, and puts it back unless lost
         for instance in self.instances:
-            self._free.put_nowait(instance)
+            self.free.put_nowait(instance)
 
     @property
     def serving(self) -> bool:
@@ -95,14 +91,6 @@ class InstancePool:
     def healthy(self) -> bool:
         """False while the last ``unhealthy_after_failed_batches`` batches (or more) failed every image."""
         return self.failed_streak < self.config.unhealthy_after_failed_batches
-
-    async def acquire(self) -> RuntimeLike:
-        """Wait for a free instance."""
-        return await self._free.get()
-
-    def release(self, instance: RuntimeLike) -> None:
-        """``instance`` is free again."""
-        self._free.put_nowait(instance)
 
     def changed(self) -> None:
         """Tell ``on_state_change`` (a failing hook is logged, never raised into a batch)."""
@@ -266,20 +254,17 @@ class InstancePool:
     def _add(self, replacements: list[RuntimeLike]) -> None:
         for replacement in replacements:
             self.instances.append(replacement)
-            self._free.put_nowait(replacement)
+            self.free.put_nowait(replacement)
 
 
 def _settle(waiter: asyncio.Future[Outputs], done: Future[Outputs], timer: asyncio.TimerHandle) -> None:
     """A runtime's answer, on the loop: into ``waiter`` unless the instance was declared stuck meanwhile."""
     timer.cancel()
-    if done.cancelled():
-        if not waiter.done():
-            waiter.cancel()
-        return
-    error = done.exception()
     if waiter.done():  # declared stuck; the late answer is dropped
         return
-    if error is not None:
+    if done.cancelled():
+        waiter.cancel()
+    elif (error := done.exception()) is not None:
         waiter.set_exception(error)
     else:
         waiter.set_result(done.result())

@@ -1,13 +1,5 @@
-"""The engine of one model version: devices, runtime instances, warm-up, the batcher, and the CPU fallback.
-
-Device choice is explicit and observable:
-
-- ``device = "auto"``: CUDA when a usable GPU exists (instances on every GPU), else the CPU, and the state says
-  why (``note``).
-- ``device = "cuda"`` / ``"cuda:N"`` with no usable GPU: with ``fallback = "cpu"`` the model serves from the CPU in
-  the ``DEGRADED`` state; with ``fallback = "none"`` it refuses to load.
-- At run time, a device that keeps failing is taken out of service by the batcher; with ``fallback = "cpu"`` CPU
-  instances take over (``DEGRADED``), with ``"none"`` its requests fail.
+"""The engine of one model version: devices, runtime instances, warm-up, the batcher, and the CPU fallback. Device
+choice is explicit and observable in the state and its note (README, "The engine").
 """
 
 from __future__ import annotations
@@ -17,7 +9,6 @@ import logging
 from collections.abc import Callable
 
 from service.core.config import ModelConfig
-from service.core.devices import may_have_gpu
 from service.core.errors import DeviceFailure, VisionServeError
 from service.core.metrics import BatchRecord
 from service.core.repository import ModelVersion
@@ -25,26 +16,11 @@ from service.core.spec import ModelSpec
 from service.core.status import EngineState, State
 from service.engine.batcher import Batcher, BatcherConfig, InferRequest, InferResult
 from service.runtime import FaultPlan, Runtime, RuntimeLike, choose_backend, make_runtime, warm_up
-from service.runtime.factory import resolve_precision
+from service.runtime.factory import cuda_devices, resolve_precision
 
 log = logging.getLogger(__name__)
 
 RuntimeFactory = Callable[[str], RuntimeLike]  # device -> a loaded runtime instance
-
-
-def cuda_devices() -> list[str]:
-    """The usable CUDA devices (none when torch has no working CUDA). A machine with no NVIDIA device file has
-    none, and is told so without importing torch (2.2 s and ~650 MB on every engine start, for nothing)."""
-    if not may_have_gpu():
-        return []
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return []
-        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    except Exception:  # a broken driver is the same as no GPU, for choosing a device
-        return []
 
 
 def plan_devices(config: ModelConfig, available: list[str]) -> tuple[list[str], bool, str | None]:
@@ -52,13 +28,11 @@ def plan_devices(config: ModelConfig, available: list[str]) -> tuple[list[str], 
     wanted = config.device
     if wanted == "cpu":
         return ["cpu"], False, None
-    if wanted == "auto":
-        if available:
-            return available, False, None
-        return ["cpu"], False, "device auto: no usable GPU, serving on CPU"
-    candidates = available if wanted == "cuda" else [d for d in available if d == wanted]
+    candidates = available if wanted in ("auto", "cuda") else [d for d in available if d == wanted]
     if candidates:
         return candidates, False, None
+    if wanted == "auto":
+        return ["cpu"], False, "device auto: no usable GPU, serving on CPU"
     reason = f"device {wanted} asked for, but it is not usable (usable GPUs: {available or 'none'})"
     if config.fallback == "none":
         raise DeviceFailure(f"{reason}; fallback = 'none', so the model is not served")
@@ -86,11 +60,10 @@ def engine_share(config: ModelConfig, mine: list[str], machine: list[str], *, pr
     try:
         planned = plan_devices(config, machine)[0]
     except VisionServeError:
-        return mine if primary else None
+        planned = ["cpu"]
     if planned == ["cpu"]:
         return mine if primary else None
-    own = [g for g in mine if g in planned]
-    return own or None
+    return [g for g in mine if g in planned] or None
 
 
 def serving_precision(
@@ -268,12 +241,7 @@ class ModelEngine:
             return []
         self._fallbacks += 1
         self._note += "; serving on CPU (fallback)"
-        loop = asyncio.get_running_loop()
-
-        def start_cpu() -> list[RuntimeLike]:
-            return [self._start("cpu") for _ in range(self.config.instances)]
-
-        return await loop.run_in_executor(None, start_cpu)
+        return await asyncio.get_running_loop().run_in_executor(None, self._start_on, "cpu")
 
     async def submit(self, request: InferRequest) -> InferResult:
         return await self.batcher.submit(request)

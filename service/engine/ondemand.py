@@ -1,17 +1,8 @@
-"""Many models on one device: on-demand models loaded by their first request, charged to a memory budget, and the
-least recently used evicted for a load (the accounts and the choice are :mod:`service.engine.residency`'s).
-
-- An on-demand model (``residency = "on_demand"``) is in the catalog from the start, state ``AVAILABLE``, so front
-  ends route to it; its first request starts its load, and every request arriving meanwhile waits for that one
-  load (bounded by its deadline and ``--cold-start-limit-s``), never a 404. Loads of different models run in
-  parallel up to ``--max-parallel-loads``.
-- A load that needs room evicts first; what may be evicted, and the 503 when nothing may, are the accounts'.
-- A pinned model (the default) loads at start as before, and is charged too, so the budget sees it.
-- What a model costs is measured at each load (all its versions, instances and warm-up): the growth of
-  :func:`~service.engine.residency.settled_used_bytes` across the load (freed heap handed back to the OS before
-  each reading, so a load's transient peak is not charged), at least its files' size. A load that overlapped
-  another cannot be told apart from it, so it is charged its last exclusive measurement (or
-  :data:`ESTIMATE_OVER_FILE` times its files' size, before there is one) and says so (``resident_bytes_estimated``).
+"""Many models on one device (README, "Many models on one device"): on-demand models loaded by their first request
+(every request arriving meanwhile waits for that one load), charged to a memory budget, and the least recently used
+evicted for a load; pinned models are charged too. The accounts and the choice of what to evict are
+:mod:`service.engine.residency`'s; what a load costs is measured here, across it (:func:`settled_used_bytes`), and a
+load that overlapped another is charged an estimate instead (``resident_bytes_estimated``).
 """
 
 from __future__ import annotations
@@ -20,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -83,9 +74,6 @@ class Residency:
         self.cold_starts: list[tuple[str, float]] = []  # (model, seconds), folded into a histogram at scrape
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def resident(self, name: str) -> bool:
-        return name in self.table.models
-
     def hit(self, name: str) -> None:
         self.hits[name] = self.hits.get(name, 0) + 1
         self.accounts.touch(name)
@@ -168,7 +156,7 @@ class Residency:
         room is made as for any load, and what the load measurably took stays charged until
         :meth:`release_extra`."""
         async with self._slots:
-            device = self._device(entry)
+            device = self._place(entry)
             need = int(ESTIMATE_OVER_FILE * _files_bytes(entry) / max(1, len(entry.versions)))
             await self._make_room(key, device, need)
             self.accounts.charge(key, device, need, pinned=True)
@@ -180,12 +168,12 @@ class Residency:
                 self.accounts.release(key)
                 raise
             self.accounts.charge(key, device, max(after - before, need), pinned=True)
-        self._changed()
+        self.table.changed()
 
     def release_extra(self, key: VersionKey) -> None:
         """The version charged under ``key`` left (a rollout decided)."""
         if self.accounts.release(key) is not None:
-            self._changed()
+            self.table.changed()
 
     def decided(self, name: str, key: VersionKey, *, promoted: bool, versions: int) -> Charge | None:
         """A rollout of ``name`` decided; its candidate was charged under ``key`` (loaded for the rollout) or shares
@@ -199,7 +187,7 @@ class Residency:
             if own is None or versions < 2:
                 return None
             return Charge(name, own.device, own.bytes // versions, own.pinned, own.loaded_at, own.last_used)
-        self._changed()
+        self.table.changed()
         if promoted and own is not None:
             self.accounts.charge(name, own.device, own.bytes + extra.bytes, pinned=own.pinned)
             return own  # no longer in the accounts: what :meth:`close` may take off the model's charge
@@ -227,12 +215,12 @@ class Residency:
                 if model is not None and alone:
                     model.bytes -= min(charge.bytes, max(0, before - after))
                     self.accounts.sizes[charge.model] = model.bytes
-            self._changed()
+            self.table.changed()
 
-    @contextlib.asynccontextmanager
-    async def replacing(self, name: str) -> AsyncIterator[None]:
-        """``name`` is loaded again (the repository API) while its old copy, out of the table, still closes: that
-        copy's charge is counted as leaving until the block ends, and the new load is charged as its own."""
+    @contextlib.contextmanager
+    def leaving(self, name: str) -> Iterator[None]:
+        """``name``'s copy, out of the table, closes in the block (evicted, or loaded again by the repository API):
+        its charge is counted as leaving until the block ends, and a new load is charged as its own."""
         charge = self.accounts.release(name)
         if charge is not None:
             self.accounts.leaving.append(charge)
@@ -270,7 +258,7 @@ class Residency:
         entry = entry or self.on_demand[name]
         pinned = entry.config.residency == "pinned"
         async with self._slots:
-            device = self._device(entry)
+            device = self._place(entry)
             drill = entry.config.faults.resident_bytes  # a model this big, by its config (tests, drills)
             need = drill or self.accounts.sizes.get(name) or int(ESTIMATE_OVER_FILE * _files_bytes(entry))
             await self._make_room(name, device, need)
@@ -299,7 +287,7 @@ class Residency:
         if not overlapped:
             self.accounts.sizes[name] = measured
         self.why_not.pop(name, None)
-        self._changed()
+        self.table.changed()
         self.loads[(name, reason)] = self.loads.get((name, reason), 0) + 1
         log.info("model %s resident on %s: %.1f MB%s", name, device, size / 1e6, " (estimated)" if overlapped else "")
 
@@ -317,7 +305,7 @@ class Residency:
                     continue
                 if isinstance(key, str):
                     self.why_not[key] = f"refused: {exc}"
-                self._changed()
+                self.table.changed()
                 raise MemoryBudgetError(f"model {name!r} cannot be loaded: {exc}") from None
             if not victims:
                 return  # it fits, and the caller reserves it before anything else runs (no await in between)
@@ -332,32 +320,19 @@ class Residency:
         engines = self.table.models.pop(name, None)
         if engines is None:
             return  # not resident: a reservation of a load in progress is that load's to keep or release
-        charge = self.accounts.release(name)
-        if charge is not None:
-            self.accounts.leaving.append(charge)
-        self._starts += 1  # memory falls meanwhile: a load measured across this is no exclusive measurement
-        if name in self.on_demand:
-            self.why_not[name] = why
-        self._changed()
-        try:
+        with self.leaving(name):
+            self._starts += 1  # memory falls meanwhile: a load measured across this is no exclusive measurement
+            if name in self.on_demand:
+                self.why_not[name] = why
+            self.table.changed()
             for engine in engines.values():
                 await engine.close(self.drain_timeout_s)
             await asyncio.to_thread(give_back_memory)
-        finally:
-            if charge is not None:
-                self.accounts.leaving.remove(charge)
         self.count_eviction(name, reason)
         log.info("model %s %s", name, why)
 
-    def _changed(self) -> None:
-        """The catalog changed (resident or not, and why)."""
-        self.table.changed()
-
     def count_eviction(self, name: str, reason: str) -> None:
         self.evictions[(name, reason)] = self.evictions.get((name, reason), 0) + 1
-
-    def _device(self, entry: ModelEntry) -> str:
-        return self._place(entry)
 
     # ---- what it shows --------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -396,7 +371,7 @@ class Residency:
         for name, entry in sorted(self.on_demand.items()):
             if name in self.table.models:
                 continue
-            devices = (self._device(entry),)
+            devices = (self._place(entry),)
             for number, version in sorted(entry.versions.items()):
                 try:
                     backend = choose_backend(version, entry.config)

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+import msgspec
 import numpy as np
 
 from service.core.errors import VisionServeError
@@ -134,17 +135,14 @@ class Pending:
             )  # fmt: skip
 
 
-class QueuedImage:
+class QueuedImage(msgspec.Struct):
     """One image of a request, from the queue to its answer."""
 
-    __slots__ = ("delivered", "enqueued", "image", "index", "pending")
-
-    def __init__(self, pending: Pending, index: int, image: np.ndarray, enqueued: float) -> None:
-        self.pending = pending
-        self.index = index
-        self.image = image
-        self.enqueued = enqueued
-        self.delivered = False
+    pending: Pending
+    index: int
+    image: np.ndarray
+    enqueued: float
+    delivered: bool = False
 
 
 def deliver(

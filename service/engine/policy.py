@@ -1,22 +1,15 @@
-"""When a batch goes, and how big it is: the batch policies, pure and synchronous (numbers in, a decision out).
-
-- ``"delay"`` (:class:`DelayPolicy`, Triton's): with an instance free, dispatch at once when a preferred size (or
-  the maximum) is queued, otherwise when the oldest queued image has waited ``max_queue_delay_ms``.
-- ``"adaptive"`` (:class:`AdaptivePolicy`) changes two things, both judged on the measured batch costs and arrival
-  rate (a :class:`CostModel`): the batch waits for the next image only while waiting costs the queued images less
-  than it saves the next one (:func:`dispatch_now`), never past ``max_queue_delay_ms``; and with a backlog, a batch
-  takes no more than the cost model's knee (:meth:`CostModel.knee`), the smallest size whose cost per image is within
-  :data:`KNEE_SLACK` of the cheapest size's. Past the knee a bigger batch buys almost no throughput, and every image in
-  it waits for the whole batch: on a CPU, where a batch costs about the same per image, that was most of the p99 near
-  saturation (docs/performance.md, "Near saturation: where the time goes"); on a GPU the knee is large.
-
-The batcher feeds a policy what it sees (:meth:`~BatchPolicy.observe_arrival`, :meth:`~BatchPolicy.observe_batch`)
-and asks it what to do; no event loop is involved, so a test drives one with plain numbers.
+"""When a batch goes, and how big it is: the batch policies, pure and synchronous (numbers in, a decision out: a test
+drives one with plain numbers). ``"delay"`` is Triton's (:class:`DelayPolicy`); ``"adaptive"`` (:class:`AdaptivePolicy`,
+README "The engine") judges both on the batch costs and arrival rate it observes: whether to wait for the next image
+(:func:`dispatch_now`), and, with a backlog, a batch no bigger than the knee (:meth:`CostModel.knee`). Past the knee
+a bigger batch buys almost no throughput and every image in it waits for the whole batch: on a CPU that was most of
+the p99 near saturation (docs/performance.md, "Near saturation: where the time goes").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from service.core.batchcost import KNEE_SLACK, SMOOTHING, CostModel
@@ -25,7 +18,6 @@ from service.core.batchcost import KNEE_SLACK, SMOOTHING, CostModel
 # slow batch there (a preempted forward) does not keep the knee low for ever (seen: one batch of 2 at 3.4x the cost
 # per image held a CPU model's batches at 1, 10% of its capacity lost)
 EXPLORE_EVERY = 16
-POLICIES = ("delay", "adaptive")
 __all__ = ["KNEE_SLACK", "SMOOTHING", "AdaptivePolicy", "BatchPolicy", "CostModel", "DelayPolicy", "make_policy"]
 
 
@@ -64,17 +56,19 @@ def dispatch_now(n: int, gap: float, t_n: float, t_next: float, t_one: float) ->
     return now <= wait
 
 
+@dataclass(kw_only=True, eq=False)
 class DelayPolicy:
     """Triton's: dispatch when a preferred size (or the maximum) is queued, else once the oldest image has waited
     ``max_queue_delay_ms``; a batch takes the largest preferred size that fits, or up to the maximum."""
 
-    def __init__(
-        self, *, max_batch_size: int, max_queue_delay_ms: float, preferred_batch_sizes: Sequence[int] = ()
-    ) -> None:
-        self.max_batch_size = max_batch_size
-        self.delay_s = max_queue_delay_ms / 1000.0
-        self.preferred = sorted(p for p in preferred_batch_sizes if p <= max_batch_size)
-        self._threshold = self.preferred[0] if self.preferred else max_batch_size
+    max_batch_size: int
+    max_queue_delay_ms: float
+    preferred_batch_sizes: Sequence[int] = ()
+
+    def __post_init__(self) -> None:
+        self.delay_s = self.max_queue_delay_ms / 1000.0
+        self.preferred = sorted(p for p in self.preferred_batch_sizes if p <= self.max_batch_size)
+        self._threshold = self.preferred[0] if self.preferred else self.max_batch_size
 
     def observe_arrival(self, t: float) -> None:
         """Nothing to learn: the delay policy goes by counts and the clock."""
@@ -104,25 +98,16 @@ class DelayPolicy:
         return fitting[-1] if fitting else self.max_batch_size
 
 
+@dataclass(kw_only=True, eq=False)
 class AdaptivePolicy(DelayPolicy):
     """The delay policy, except that a batch stops waiting early when :func:`dispatch_now` says so, and takes at
     most the cost model's knee, judged on ``costs`` (learned from the batches and arrivals observed). With no
     figures yet it dispatches at once, as large a batch as the delay policy would."""
 
-    def __init__(
-        self,
-        *,
-        max_batch_size: int,
-        max_queue_delay_ms: float,
-        preferred_batch_sizes: Sequence[int] = (),
-        costs: CostModel | None = None,
-    ) -> None:
-        super().__init__(
-            max_batch_size=max_batch_size,
-            max_queue_delay_ms=max_queue_delay_ms,
-            preferred_batch_sizes=preferred_batch_sizes,
-        )
-        self.costs = costs if costs is not None else CostModel()
+    costs: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         self._cut = 0  # batches cut to the knee so far
 
     def observe_arrival(self, t: float) -> None:
@@ -165,14 +150,16 @@ class AdaptivePolicy(DelayPolicy):
         return dispatch_now(queued, gap, t_n, t_next, t_one)
 
 
+POLICIES: dict[str, type[DelayPolicy]] = {"delay": DelayPolicy, "adaptive": AdaptivePolicy}
+
+
 def make_policy(
     name: str, *, max_batch_size: int, max_queue_delay_ms: float, preferred_batch_sizes: Sequence[int] = ()
 ) -> BatchPolicy:
     """The policy config ``batch_policy`` names: ``"delay"`` or ``"adaptive"``."""
-    kinds: dict[str, type[DelayPolicy]] = {"delay": DelayPolicy, "adaptive": AdaptivePolicy}
-    if name not in kinds:
+    if name not in POLICIES:
         raise ValueError(f"batch policy must be one of {', '.join(POLICIES)}, got {name!r}")
-    return kinds[name](
+    return POLICIES[name](
         max_batch_size=max_batch_size,
         max_queue_delay_ms=max_queue_delay_ms,
         preferred_batch_sizes=preferred_batch_sizes,

@@ -1,23 +1,13 @@
-"""Which models are resident on each device, what each really costs there, and which to evict for a load.
-
-A model is charged to its device with what loading it took, measured (:func:`used_bytes` before and after the
-load, all instances and warm-up included): on the CPU the engine process's resident memory, on CUDA the device's
-memory in use (``torch.cuda.mem_get_info``, which sees onnxruntime's allocations as well as torch's). The sum of
-charges per device stays within that device's budget; a load that needs room evicts the least recently used models
-that may go:
-
-- never a pinned model (``residency = "pinned"``);
-- never a model with work queued, in flight, or waiting for its own load (``busy``): no request is ever failed by
-  an eviction;
-- never a model resident for less than ``min_residency_s`` (the guard against churn: a load waits for such a model
-  to come of age, within its request's deadline, rather than evicting a model that was just paid for).
-
-When nothing may go, the load is refused at once (503, with Retry-After), naming the budget. This module only
-keeps the accounts and decides; ``service.engine.ondemand`` loads and evicts.
+"""Which models are resident on each device, what each really costs there, and which to evict for a load (README,
+"Many models on one device"): the least recently used that may go, never a pinned model, a busy one (work queued,
+in flight or waiting for its load) or one resident for under ``min_residency_s``; when nothing may go,
+:class:`NoRoom`. This module only keeps the accounts and decides; :mod:`service.engine.ondemand` loads and evicts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import time
 from collections.abc import Callable
@@ -77,12 +67,8 @@ def settled_used_bytes(device: str) -> int:
 
 def give_back_memory() -> None:
     """Return freed heap to the OS after an unload (glibc keeps it otherwise, and the resident set would not fall)."""
-    try:
-        import ctypes
-
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 @dataclass

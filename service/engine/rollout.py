@@ -1,20 +1,8 @@
 """Rollouts: a candidate version beside the serving one, compared on live requests, promoted or aborted on the
-evidence (docs/rollouts.md).
-
-Only requests that do not name a version take part (a :class:`~service.transport.messages.Submit` whose ``route``
-is not None). For those the engine, not the front end, chooses the version: the primary while a rollout runs (the
-candidate for a canary's share), the promoted version after a promotion. So a front end that has not yet heard of
-a promotion still lands its requests on the version that serves, and nothing is sent to a version being unloaded.
-
-- ``shadow``: a sampled request is answered by the primary; a copy of its uint8 tensor (the decoded input, never
-  decoded again) is queued on the candidate at the lowest priority with a short deadline. It is shed, not queued,
-  while live images wait or the shadow's version is still busy: shadow work never waits in front of live work.
-- ``canary``: a share of requests is answered by the candidate (by a hash of ``sticky_header``'s value when set),
-  and the primary computes the same input as a shadow would, so a canary is compared too. An image the candidate
-  fails is answered by the primary: a failing candidate costs its users nothing while the evidence gathers.
-
-Decisions (and the rollout itself) are written to ``<model>/rollout.json``; after a restart a running rollout starts
-over with its comparison reset (a log line says so), a decided one stays decided.
+evidence (docs/rollouts.md). Only requests naming no version take part (a :class:`Submit` whose ``route`` is not
+None), and the engine, not the front end, chooses their version: a front end that has not yet heard of a promotion
+still lands its requests on the version that serves, and nothing is sent to a version being unloaded. Comparison
+work is queued at the lowest priority and shed, never queued, while live work waits.
 """
 
 from __future__ import annotations
@@ -43,7 +31,7 @@ from service.engine.batcher import InferRequest, InferResult
 from service.engine.model import ModelEngine
 from service.engine.ondemand import Residency
 from service.engine.residency import Charge
-from service.engine.rollout_record import STATE_FILE, Rollout, none_document, read_state, rollout_config, write_state
+from service.engine.rollout_record import STATE_FILE, Rollout, read_state, rollout_config, write_state
 from service.engine.table import ModelTable
 from service.transport.messages import RolloutQuery, Submit, VersionKey
 
@@ -79,12 +67,9 @@ class Rollouts:
     def retired(self, entry: ModelEntry) -> set[int]:
         """Versions a decided rollout took out of service (a promoted candidate's old primary, an aborted
         candidate): not loaded again after a restart or a reload."""
-        record = read_state(entry.path)
-        if record is None or record.get("state") not in ("promoted", "aborted"):
-            return set()
-        if record["state"] == "promoted":
-            return {int(record["primary"])}
-        return {int(record["candidate"])}
+        record = read_state(entry.path) or {}
+        leaving = {"promoted": "primary", "aborted": "candidate"}.get(record.get("state", ""))
+        return {int(record[leaving])} if leaving else set()
 
     def loaded(self, entry: ModelEntry) -> None:
         """``entry`` was (re)loaded: take up its rollout from ``rollout.json`` or its config's ``[rollout]``."""
@@ -132,8 +117,7 @@ class Rollouts:
     def _begin(self, name: str, primary: int, candidate: int, config: RolloutConfig) -> Rollout:
         engines = self.table.models[name]
         _check_judged(engines[primary], engines[candidate])
-        spec = engines[primary].spec
-        rollout = Rollout(name, primary, candidate, config, list(spec.labels), task_for(spec).comparison(config))
+        rollout = Rollout(name, primary, candidate, config, task_for(engines[primary].spec).comparison(config))
         self.by_model[name] = rollout
         self.serving[name] = primary
         self._save(rollout)
@@ -176,8 +160,7 @@ class Rollouts:
             why = entry.version_errors.get(number)
             raise NotFoundError(f"model {name!r} has no usable version {number} in the repository"
                                 + (f": {why}" if why else ""))  # fmt: skip
-        config = self.table.configs[name].config
-        entry = ModelEntry(entry.name, entry.path, config, entry.versions, entry.version_errors)
+        entry = dataclasses.replace(entry, config=self.table.configs[name].config)
 
         async def load() -> None:
             engine = await self.make_engine(entry, number)
@@ -316,7 +299,7 @@ class Rollouts:
         if not rollout.running:
             return
         comparison = rollout.comparison
-        if isinstance(beside_out, BaseException) and _shed(beside_out):
+        if isinstance(beside_out, DeadlineExceededError | OverloadedError):
             comparison.record_shed(images)  # its deadline passed in the queue, or the queue was full
             return
         candidate, primary = (live_out, beside_out) if candidate_answers else (beside_out, live_out)
@@ -382,7 +365,7 @@ class Rollouts:
         if rollout is None:
             if name not in self.table.models:
                 raise NotFoundError(f"unknown model {name!r}")
-            return none_document(name, self.version_for(name, max(self.table.models[name])))
+            return {"model": name, "state": "none", "serving": self.version_for(name, max(self.table.models[name]))}
         return rollout.document()
 
     def documents(self) -> list[dict[str, Any]]:
@@ -430,7 +413,3 @@ def _size(result: InferResult) -> int:
 
 def _per_image(result: InferResult) -> float:
     return result.compute_s / _size(result)
-
-
-def _shed(exc: BaseException) -> bool:
-    return isinstance(exc, DeadlineExceededError | OverloadedError)

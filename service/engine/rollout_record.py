@@ -10,6 +10,7 @@ import os
 import random
 import time
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +26,22 @@ STATE_FILE = "rollout.json"
 _EFFECTIVE_SMOOTHING = 0.05  # weight of the newest sample in the effective fraction's moving average
 
 
+@dataclass(eq=False)
 class Rollout:
     """One model's rollout: its versions, settings, comparison and decision."""
 
-    def __init__(
-        self, model: str, primary: int, candidate: int, config: RolloutConfig, labels: list[str],
-        comparison: Comparison | None = None,
-    ) -> None:  # fmt: skip
-        self.model = model
-        self.primary = primary
-        self.candidate = candidate
-        self.config = config
-        self.comparison = comparison or Comparison(labels, confidence=config.confidence)
-        self.state = "running"
-        self.reason = ""
-        self.started_unix = time.time()
-        self.decided_unix: float | None = None
-        self.verdict, self.verdict_reason = "wait", "no samples yet"
-        self.done_share = 1.0  # moving average of sampled requests whose comparison was not shed
+    model: str
+    primary: int
+    candidate: int
+    config: RolloutConfig
+    comparison: Comparison
+    state: str = "running"
+    reason: str = ""
+    started_unix: float = field(default_factory=time.time)
+    decided_unix: float | None = None
+    verdict: str = "wait"
+    verdict_reason: str = "no samples yet"
+    done_share: float = 1.0  # moving average of sampled requests whose comparison was not shed
 
     @property
     def running(self) -> bool:
@@ -75,10 +74,6 @@ class Rollout:
             "verdict": self.verdict, "verdict_reason": self.verdict_reason, "policy": policy,
             "comparison": self.comparison.summary(),
         }  # fmt: skip
-
-
-def none_document(model: str, serving: int | None) -> dict[str, Any]:
-    return {"model": model, "state": "none", "serving": serving}
 
 
 def write_state(rollout: Rollout, model_dir: Path) -> None:

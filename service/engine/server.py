@@ -217,7 +217,9 @@ class EngineServer:
         return self.table.version
 
     def submit(self, peer: bytes, message: Submit, images: np.ndarray) -> None:
-        released = self._releaser(peer, message.id)
+        # How the front end learns that no batch reads the pixels any more where no answer says so (it keeps them
+        # until then); Release decides when.
+        released = Release(lambda why: self.endpoint.send(peer, Failed(message.id, WireError.of(CancelledError(why)))))
         version = message.version
         try:
             if self.draining:
@@ -265,11 +267,6 @@ class EngineServer:
         result = await self._enqueue(message, images, message.version, released, left_ms)
         result.cold_start_s = waited
         return result
-
-    def _releaser(self, peer: bytes, number: int) -> Release:
-        """How the front end learns that no batch reads a request's pixels any more where no answer says so (it
-        keeps them until then: a batch may read them); :class:`Release` decides when."""
-        return Release(lambda why: self.endpoint.send(peer, Failed(number, WireError.of(CancelledError(why)))))
 
     def _answer(
         self, key: tuple[bytes, int], model: str, future: asyncio.Future[InferResult], released: Release, version: int
@@ -353,7 +350,7 @@ class EngineServer:
             await self.residency.settle(name)  # an on-demand load of it in progress goes first
             old = self.table.models.pop(name, None)
             self.table.forget_errors(name)
-            async with self.residency.replacing(name):  # the old copy holds its memory until it is closed
+            with self.residency.leaving(name):  # the old copy holds its memory until it is closed
                 await self._load_charged(entry, "explicit")
                 for engine in (old or {}).values():
                     await engine.close(self.settings.drain_timeout_s)

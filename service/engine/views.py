@@ -3,6 +3,7 @@ version's statistics, and the repository index (Triton's). Plain reads, no event
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import msgspec
@@ -40,10 +41,8 @@ def stats(table: ModelTable, snapshots: list[Snapshot]) -> list[dict[str, Any]]:
         for c in snapshot.counts:
             into = counts.setdefault((c.model, c.version), {})
             for field in ModelCounts.__struct_fields__[2:]:
-                value = getattr(c, field)
-                into[field] = (
-                    max(into.get(field, 0), value) if field == "last_inference_ms" else (into.get(field, 0) + value)
-                )
+                merge = max if field == "last_inference_ms" else operator.add
+                into[field] = merge(into.get(field, 0), getattr(c, field))
     rows = []
     for name, versions in sorted(table.models.items()):
         for number, engine in sorted(versions.items()):

@@ -15,7 +15,6 @@ imports neither asyncio nor any HTTP code.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -48,7 +47,6 @@ class RuntimeLike(Protocol):
     def submit_outputs(self, batch: Batch) -> Future[Outputs]: ...
     def close(self) -> None: ...
     def abandon(self) -> None: ...
-    def describe(self) -> dict[str, Any]: ...
 
 
 class Runtime:
@@ -63,7 +61,6 @@ class Runtime:
         self.name = name
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.kind}-{name}-{device}")
-        self._thread_id: int | None = None
         # A classifier's one output unless the subclass's load learns others from the model.
         self.outputs: tuple[OutputInfo, ...] = classification_outputs(spec.num_classes)
         try:
@@ -97,10 +94,22 @@ class Runtime:
     def _check(self, batch: Batch) -> None:
         if self._closed:
             raise RuntimeFailure(f"runtime for {self.name} on {self.device} is closed")
+        s = self.spec.input
+        expected = (s.channels, s.height, s.width)
         if isinstance(batch, np.ndarray):
-            self._check_batch(batch)
-        else:
-            self._check_images(batch)
+            if batch.dtype != np.uint8 or batch.ndim != 4 or batch.shape[1:] != expected or batch.shape[0] < 1:
+                raise BadInputError(
+                    f"batch must be uint8 [N, {s.channels}, {s.height}, {s.width}] with N >= 1, "
+                    f"got {batch.dtype} {list(batch.shape)}"
+                )
+            return
+        if not batch:
+            raise BadInputError("a batch needs at least one image")
+        for image in batch:
+            if image.dtype != np.uint8 or image.shape != expected:
+                raise BadInputError(
+                    f"images must be uint8 [{s.channels}, {s.height}, {s.width}], got {image.dtype} {list(image.shape)}"
+                )
 
     def close(self) -> None:
         """Release the model and stop the worker thread (after any batch in progress)."""
@@ -129,7 +138,6 @@ class Runtime:
         return self._executor.submit(fn).result()
 
     def _load_on_worker(self) -> None:
-        self._thread_id = threading.get_ident()
         try:
             self._load()
         except Exception as exc:
@@ -182,9 +190,7 @@ class Runtime:
         named: Outputs = {}
         if len(arrays) == len(infos):
             for info, array in zip(infos, arrays, strict=True):
-                if array is None or array.ndim != len(info.shape) + 1:
-                    break
-                if array.shape[0] != n or tuple(array.shape[1:]) != info.shape:
+                if array is None or array.shape != (n, *info.shape):
                     break
                 named[info.name] = array if array.dtype == info.dtype else array.astype(info.dtype)
         if len(named) == len(infos):
@@ -194,26 +200,6 @@ class Runtime:
         raise RuntimeFailure(
             f"{self.kind} runtime for {self.name} returned shape {got} for a batch of {n}: expected {expected}"
         )
-
-    def _check_batch(self, batch: np.ndarray) -> None:
-        s = self.spec.input
-        expected = (s.channels, s.height, s.width)
-        if batch.dtype != np.uint8 or batch.ndim != 4 or tuple(batch.shape[1:]) != expected or batch.shape[0] < 1:
-            raise BadInputError(
-                f"batch must be uint8 [N, {s.channels}, {s.height}, {s.width}] with N >= 1, "
-                f"got {batch.dtype} {list(batch.shape)}"
-            )
-
-    def _check_images(self, images: Sequence[np.ndarray]) -> None:
-        s = self.spec.input
-        expected = (s.channels, s.height, s.width)
-        if not images:
-            raise BadInputError("a batch needs at least one image")
-        for image in images:
-            if image.dtype != np.uint8 or image.shape != expected:
-                raise BadInputError(
-                    f"images must be uint8 [{s.channels}, {s.height}, {s.width}], got {image.dtype} {list(image.shape)}"
-                )
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return RuntimeFailure(f"{self.kind} runtime failed on {self.device}: {type(exc).__name__}: {exc}")
@@ -243,6 +229,3 @@ class Runtime:
 
     def _release(self) -> None:
         return None
-
-    def describe(self) -> dict[str, Any]:
-        return {"runtime": self.kind, "device": self.device}

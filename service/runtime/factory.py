@@ -1,16 +1,10 @@
 """A loaded runtime instance for a model version on a device: which backend, which file, warmed up how.
 
 ``backend = "auto"`` picks, per device type, the fastest runtime measured there among the artifacts the version
-has (:data:`PREFERENCE`). The CPU fallback of a GPU-served model resolves "auto" again for the CPU.
-
-``precision = "int8"`` serves ``model.int8.onnx`` with onnxruntime, on the CPU and on CUDA (with onnxruntime's
-TensorRT or CUDA execution provider); without the artifact, or on CUDA without either provider, the model is
-refused at load, never served in fp32 instead.
-
-``precision = "auto"`` resolves per device (:func:`resolve_precision`): int8 where ``model.int8.onnx`` passed both of
-export's gates (agreement with fp32, and faster than fp32) on that device type, per ``spec.json``; else fp16 on
-CUDA where the runtime runs it (a ``.fp16.`` artifact, or a TorchScript module cast at load); else fp32. The
-runtime instance carries the precision it really runs, which metadata and metrics report.
+has (:data:`PREFERENCE`); the CPU fallback of a GPU-served model resolves "auto" again for the CPU.
+``precision = "int8"`` and ``"auto"`` resolve as the README's export section says (:func:`resolve_precision`): int8
+is refused at load where it cannot run, never served in fp32 instead, and the runtime instance carries the
+precision it really runs, which metadata and metrics report.
 """
 
 from __future__ import annotations
@@ -37,15 +31,9 @@ BACKENDS = ("onnxruntime", "torchscript", "aoti")
 
 # The order "auto" tries, per device type (the first runtime whose artifact the version has wins).
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    # CPU, measured (docs/performance.md, "Three runtimes on the CPU"): `visionserve bench --backend
-    # onnxruntime,torchscript,aoti --seconds 4`, the three in turns, 2-core VM, torch 2.14.1, onnxruntime 1.31.1,
-    # 2026-11-23, load average 0.3-2.3. Images/s at batch 1/8/32:
-    #   digits (smallcnn 32x32): onnxruntime 1622/2931/3468, aoti 1032/2250/2904, torchscript 875/1956/2608
-    #   resnet18 (224x224):      onnxruntime 19.8/11.2/14.6, aoti 10.3/9.4/13.1, torchscript 12.3/11.3/11.9
-    # onnxruntime won 5 of 6 (by 1.2-1.6x on digits, 1.6x and 1.11x on resnet18 at 1 and 32) and was 1% behind
-    # TorchScript at resnet18 batch 8; aoti beat TorchScript in 4 of 6. A run under a load average of 4-9 ranked
-    # TorchScript above aoti on resnet18 instead (Inductor's OpenMP kernels suffer most on oversubscribed
-    # cores), so aoti's place over TorchScript is the quieter run's call, close enough to re-measure.
+    # CPU, measured (docs/performance.md, "Three runtimes on the CPU", 2-core VM, 2026-11-23): onnxruntime won 5 of 6
+    # model and batch sizes (by 1.1-1.6x), and aoti beat TorchScript in 4 of 6 on the quieter run (under a load
+    # average of 4-9 TorchScript ranked above aoti on resnet18: close enough to re-measure).
     "cpu": ("onnxruntime", "aoti", "torchscript"),
     # CUDA: UNMEASURED until `make gpu-check` has run on a GPU. The order follows PyTorch's own guidance (torch
     # 2.14 deprecates TorchScript in favour of torch.export, and AOTInductor is its compiled serving path with
@@ -89,10 +77,8 @@ def int8_gated_on(version: ModelVersion, device: str) -> bool:
         return False
     record = version.spec.export_record(INT8_FILES["onnx"])
     gate = record.int8 if record is not None else None
-    speed = _int8_speed(version)  # None in spec.json files from before the speed gate: never timed
-    if gate is None or not gate.passed or speed is None:
-        return False
-    return speed.passed and speed.device == ("cuda" if device.startswith("cuda") else "cpu")
+    speed = gate.speed if gate is not None and gate.passed else None  # None before the speed gate: never timed
+    return speed is not None and speed.passed and speed.device == ("cuda" if device.startswith("cuda") else "cpu")
 
 
 def _auto_int8(version: ModelVersion, config: ModelConfig, device: str, backend: str | None = None) -> bool:
@@ -127,17 +113,25 @@ def _any_artifact(version: ModelVersion, backend: str) -> bool:
     return any(artifact(version, backend, d, p) is not None for d in ("cpu", "cuda") for p in ("fp32", "fp16"))
 
 
-def _planned_device(config: ModelConfig) -> str:
-    if config.device != "auto":
-        return config.device
-    if not may_have_gpu():  # no NVIDIA device file: the CPU, told without importing torch
-        return "cpu"
+def cuda_devices() -> list[str]:
+    """The usable CUDA devices (none when torch has no working CUDA). A machine with no NVIDIA device file has
+    none, and is told so without importing torch (2.2 s and ~650 MB on every engine start, for nothing)."""
+    if not may_have_gpu():
+        return []
     try:
         import torch
 
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except Exception:  # a broken driver is the same as no GPU, for choosing a runtime
-        return "cpu"
+        if not torch.cuda.is_available():
+            return []
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    except Exception:  # a broken driver is the same as no GPU, for choosing a device
+        return []
+
+
+def _planned_device(config: ModelConfig) -> str:
+    if config.device != "auto":
+        return config.device
+    return "cuda" if cuda_devices() else "cpu"
 
 
 def choose_backend(version: ModelVersion, config: ModelConfig, device: str | None = None) -> str:

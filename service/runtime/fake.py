@@ -99,6 +99,3 @@ class FaultInjectingRuntime:
 
     def abandon(self) -> None:
         self.inner.abandon()
-
-    def describe(self) -> dict[str, Any]:
-        return {**self.inner.describe(), "device": self.device, "fault_injection": True}

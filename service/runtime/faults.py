@@ -1,9 +1,6 @@
-"""Faults injected into a real runtime on its own worker thread: a fixed delay, a forward that never returns, a forward
-that raises (``image_delay_ms`` adds a delay per image: a batch whose cost grows with its size). They come from a
-model's ``[faults]`` table (``service.core.config.Faults``) and exist so that the reliability tests and fire drills
-can wedge or break a real model the way a driver bug or a bad kernel would, with the rest of the server unchanged.
-``load_delay_ms`` slows each instance's load (a replacement that takes a while, as a large model's does);
-``load_error`` makes it raise an exception of no project type.
+"""Faults injected into a real runtime on its own worker thread, from a model's ``[faults]`` table (README,
+"Reliability", fire drills): the reliability tests and drills wedge or break a real model the way a driver bug or a
+bad kernel would, with the rest of the server unchanged.
 
 One plan is shared by every instance of a model version (and by the instances that replace them), so "the sixth
 batch hangs" means the sixth batch the model ran, whichever instance ran it.

@@ -79,18 +79,8 @@ def translate_onnxruntime_error(exc: BaseException, device: str) -> VisionServeE
 
 
 # onnxruntime's output types, as served: floating ones as float32 (see OnnxRuntime._output_infos)
-ONNX_DTYPES = {
-    "tensor(float)": "float32",
-    "tensor(float16)": "float32",
-    "tensor(bfloat16)": "float32",
-    "tensor(double)": "float32",
-    "tensor(int64)": "int64",
-    "tensor(int32)": "int32",
-    "tensor(int16)": "int16",
-    "tensor(int8)": "int8",
-    "tensor(uint8)": "uint8",
-    "tensor(bool)": "bool",
-}
+ONNX_DTYPES = dict.fromkeys(["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"], "float32")
+ONNX_DTYPES.update({f"tensor({kind})": kind for kind in ("int64", "int32", "int16", "int8", "uint8", "bool")})
 
 NO_CUDA_PROVIDER = "onnxruntime here has no CUDA execution provider"
 
@@ -167,15 +157,13 @@ class OnnxRuntime(Runtime):
         # find a core; on 2 cores under open-loop load that lengthened p99 by up to 1.6x (docs/performance.md,
         # "Where each request waits").
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
-        providers: list[Any]
-        if self.device.startswith("cuda") and self.precision == "int8":
+        providers: list[Any] = ["CPUExecutionProvider"]
+        if self.device.startswith("cuda"):
             preload_cuda_libraries(ort)
-            providers = int8_cuda_providers(ort.get_available_providers(), _cuda_index(self.device), self.path)
-        elif self.device.startswith("cuda"):
-            preload_cuda_libraries(ort)
-            providers = [("CUDAExecutionProvider", self.cuda_options()), "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
+            if self.precision == "int8":
+                providers = int8_cuda_providers(ort.get_available_providers(), _cuda_index(self.device), self.path)
+            else:
+                providers.insert(0, ("CUDAExecutionProvider", self.cuda_options()))
         try:
             self.session = ort.InferenceSession(str(self.path), options, providers=providers)
         except Exception as exc:
@@ -206,7 +194,7 @@ class OnnxRuntime(Runtime):
         shapes = [o.shape[1:] for o in outputs]
         if not all(isinstance(d, int) for shape in shapes for d in shape):
             c, h, w = self.spec.input.channels, self.spec.input.height, self.spec.input.width
-            probe = self._run_session(np.zeros((1, c, h, w), dtype=np.uint8))
+            probe = self._forward(np.zeros((1, c, h, w), dtype=np.uint8))
             shapes = [list(array.shape[1:]) for array in probe]
         infos = []
         for o, shape in zip(outputs, shapes, strict=True):
@@ -216,7 +204,8 @@ class OnnxRuntime(Runtime):
             infos.append(OutputInfo(o.name, dtype, tuple(int(d) for d in shape)))
         return tuple(infos)
 
-    def _run_session(self, batch: np.ndarray) -> list[np.ndarray]:
+    def _forward(self, batch: np.ndarray) -> list[np.ndarray]:
+        """Every output in the graph's own dtype (the runtime casts what it serves)."""
         if self.device.startswith("cuda"):
             # IO binding: one host-to-device copy of the uint8 batch, outputs copied back once.
             binding = self.binding
@@ -228,12 +217,6 @@ class OnnxRuntime(Runtime):
             self.session.run_with_iobinding(binding)
             return list(binding.copy_outputs_to_cpu())
         return list(self.session.run(self.output_names, {self.input_name: batch}))
-
-    def _forward(self, batch: np.ndarray) -> list[np.ndarray]:
-        return [
-            np.asarray(array, dtype=info.dtype)
-            for array, info in zip(self._run_session(batch), self.outputs, strict=True)
-        ]
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return translate_onnxruntime_error(exc, self.device)

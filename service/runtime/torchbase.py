@@ -236,12 +236,6 @@ class TorchRuntime(Runtime):
             self.stream.synchronize()
             return [host_out[:n].numpy().copy() for host_out in self.host_outs]
 
-    def warm_up(self) -> None:
-        """Run every bucket once (CPU: lets oneDNN build its kernels for each shape)."""
-        c, h, w = self.spec.input.channels, self.spec.input.height, self.spec.input.width
-        for size in bucket_sizes(self.max_batch_size):
-            self.run(np.zeros((size, c, h, w), dtype=np.uint8))
-
     def _translate(self, exc: Exception) -> VisionServeError:
         return translate_torch_error(exc, self.kind, self.device)
 
@@ -253,7 +247,3 @@ class TorchRuntime(Runtime):
         self.__dict__.pop("module", None)
         if getattr(self, "cuda", False):
             self.torch.cuda.empty_cache()
-
-    def describe(self) -> dict[str, Any]:
-        graphs = sorted(self.__dict__.get("graphs", {}))
-        return {**super().describe(), "precision": self.precision, "cuda_graph_buckets": graphs}

@@ -107,13 +107,10 @@ class ControlCalls:
         return int(await self.call(HoldQuery(name, holder, hold)))
 
 
-class _Waiting:
-    __slots__ = ("answered", "future", "offset")
-
-    def __init__(self, future: asyncio.Future[Result | Failed], offset: int) -> None:
-        self.future = future
-        self.offset = offset  # the arena region the engine may still read; freed only when it answers
-        self.answered = 0.0  # time.perf_counter() when the answer was read off the socket
+class _Waiting(msgspec.Struct):
+    future: asyncio.Future[Result | Failed]
+    offset: int  # the arena region the engine may still read; freed only when it answers
+    answered: float = 0.0  # time.perf_counter() when the answer was read off the socket
 
 
 class EngineClient(ControlCalls):
@@ -142,7 +139,6 @@ class EngineClient(ControlCalls):
         self._queries: dict[int, asyncio.Future[Reply]] = {}
         self._last_heard = 0.0
         self._catalog_version = -1
-        self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
@@ -164,7 +160,7 @@ class EngineClient(ControlCalls):
         # is edge-triggered, so every send is followed by a check for what may have arrived meanwhile.
         loop.add_reader(sock.fileno(), self._drain)
         loop.add_reader(self._monitor.fileno(), self._drain_monitor)
-        self._tasks = [loop.create_task(self._watchdog(), name="engine-watchdog")]
+        self._watchdog_task = loop.create_task(self._watchdog(), name="engine-watchdog")
         loop.call_soon(self._drain)
         loop.call_soon(self._drain_monitor)
 
@@ -172,11 +168,9 @@ class EngineClient(ControlCalls):
         self._closed = True
         self._loop.remove_reader(self._sock.fileno())
         self._loop.remove_reader(self._monitor.fileno())
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        self._watchdog_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._watchdog_task
         self._mark_down("the front end is shutting down")
         with contextlib.suppress(Exception):
             self._sock.disable_monitor()

@@ -65,7 +65,6 @@ class EngineEndpoint:
         self._tokens = itertools.count(1)
         self._flushes: dict[int, tuple[set[bytes], asyncio.Future[None]]] = {}
         self.snapshots: dict[bytes, Snapshot] = {}  # the latest from each front end, live or gone
-        self._tasks: list[asyncio.Task[None]] = []
         self._draining = False
 
     async def start(self, handler: Handler) -> None:
@@ -83,24 +82,18 @@ class EngineEndpoint:
         # every send, look again for what arrived meanwhile). Many Submits are read per wake-up under load.
         loop.add_reader(sock.fileno(), self._drain)
         loop.call_soon(self._drain)
-        self._tasks = [loop.create_task(self._beat(), name="beat")]
+        self._beat_task = loop.create_task(self._beat(), name="beat")
         log.info("engine %s listening on %s", self.name, self.endpoint)
 
     async def close(self) -> None:
         self._loop.remove_reader(self._sock.fileno())
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        self._beat_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._beat_task
         self._sock.close(0)
         self._ctx.term()
         for arena in [*self._arenas.values(), *self._retired]:
             arena.close()
-
-    @property
-    def peers(self) -> list[bytes]:
-        return list(self._arenas)
 
     def send(self, peer: bytes, message: Any) -> None:
         sock = self._sock
@@ -176,11 +169,9 @@ class EngineEndpoint:
 
     def _hello(self, peer: bytes, hello: Hello) -> None:
         old_peer = self._by_frontend.get(hello.frontend)
-        if old_peer is not None and old_peer != peer:  # that front end was restarted: retire its old arena
-            old = self._arenas.pop(old_peer, None)
-            if old is not None and not old.close():
-                self._retired.append(old)
-        self._retired = [a for a in self._retired if not a.close()]
+        if old_peer is not None and old_peer != peer and old_peer in self._arenas:  # restarted: retire its old arena
+            self._retired.append(self._arenas.pop(old_peer))
+        self._retired = [a for a in self._retired if not a.close()]  # unmapped once no view of it is left
         current = self._arenas.get(peer)
         if current is None or current.name != hello.arena:
             self._arenas[peer] = ArenaReader(hello.arena)

@@ -56,27 +56,35 @@ def unlink(name: str) -> None:
         segment.close()
 
 
-def _close(segment: shared_memory.SharedMemory) -> bool:
-    """Unmap; False while arrays still point into it. Then the segment is let go as it is (the mapping goes with
-    the process) so that its ``__del__`` does not print a BufferError traceback at exit."""
-    try:
-        segment.close()
-    except BufferError:
-        segment._buf = None  # type: ignore[attr-defined]
-        segment._mmap = None  # type: ignore[attr-defined]
-        return False
-    return True
-
-
-class Arena:
-    """The front end's side: a first-fit allocator over its segment. Single-threaded (the event loop's)."""
+class Mapped:
+    """A shared-memory segment mapped here, as one uint8 array sliced per request (cheap)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.segment = attach(name)
         self.size = self.segment.size
         assert self.segment.buf is not None
-        self._bytes = np.frombuffer(self.segment.buf, dtype=np.uint8)  # one view, sliced per request (cheap)
+        self._bytes = np.frombuffer(self.segment.buf, dtype=np.uint8)
+
+    def close(self) -> bool:
+        """Unmap; False while views are still alive (try again later). Then the segment is let go as it is (the
+        mapping goes with the process) so that its ``__del__`` does not print a BufferError traceback at exit."""
+        if hasattr(self, "_bytes"):
+            del self._bytes
+        try:
+            self.segment.close()
+        except BufferError:
+            self.segment._buf = None  # type: ignore[attr-defined]
+            self.segment._mmap = None  # type: ignore[attr-defined]
+            return False
+        return True
+
+
+class Arena(Mapped):
+    """The front end's side: a first-fit allocator over its segment. Single-threaded (the event loop's)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
         self._starts: list[int] = [0]  # free blocks, sorted by start
         self._sizes: dict[int, int] = {0: self.size}
         self._used: dict[int, int] = {}
@@ -126,20 +134,12 @@ class Arena:
     def regions_in_use(self) -> int:
         return len(self._used)
 
-    def close(self) -> None:
-        del self._bytes
-        _close(self.segment)
 
-
-class ArenaReader:
+class ArenaReader(Mapped):
     """The engine's side: read-only views into a front end's segment."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
-        self.segment = attach(name)
-        self.size = self.segment.size
-        assert self.segment.buf is not None
-        self._bytes = np.frombuffer(self.segment.buf, dtype=np.uint8)
+        super().__init__(name)
         self._bytes.flags.writeable = False  # the engine only reads what front ends wrote
 
     def view(self, offset: int, shape: tuple[int, ...]) -> np.ndarray:
@@ -147,9 +147,3 @@ class ArenaReader:
         if offset < 0 or offset + need > self.size or min(shape) < 1:
             raise ValueError(f"region {offset}+{need} {shape} is outside arena {self.name} ({self.size} bytes)")
         return self._bytes[offset : offset + need].reshape(shape)
-
-    def close(self) -> bool:
-        """Unmap; False while views are still alive (try again later)."""
-        if hasattr(self, "_bytes"):
-            del self._bytes
-        return _close(self.segment)

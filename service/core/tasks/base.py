@@ -124,6 +124,11 @@ class Task:
         self.labels = spec.labels
         self.default: Any = self.defaults(spec)
 
+    @classmethod
+    def graph_outputs(cls) -> tuple[str, ...]:
+        """The names an export of ours gives its graph's outputs, in order."""
+        return (cls.output_name,)
+
     def defaults(self, spec: Any) -> Any:
         """The options a request that sets none has, for the model of ``spec`` (as declared, unless the spec
         says otherwise)."""

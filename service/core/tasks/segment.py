@@ -84,7 +84,11 @@ class Segment(Detect):
     response_type = SegmentResponse
     layouts = ("yolo-seg",)
     output_names = (DETECTIONS, NUM_DETECTIONS, MASKS)
-    gate = "boxes"  # export's parity and INT8 gates judge its boxes, as a detector's, until a mask gate lands
+    gate = "masks"  # export's parity gate judges its boxes as a detector's, and its masks (export/detect_parity.py)
+
+    @classmethod
+    def graph_outputs(cls) -> tuple[str, ...]:
+        return ("output0", "output1")  # as ultralytics names a segmentation export's
 
     def __init__(self, spec: Any) -> None:
         super().__init__(spec)
@@ -108,7 +112,7 @@ class Segment(Detect):
             rows, anchors = anchor_rows(values[: 4 + classes], classes, options.score_threshold)
             kept = keep(self.layout, rows, options)
             # Which anchor each kept row came from (suppression keeps rows, not their places).
-            matches = (rows[None, :, :] == kept[:, None, :]).all(axis=2).argmax(axis=1)
+            matches = (rows[None, :, :] == kept[:, None, :]).all(axis=2).argmax(axis=1) if len(rows) else anchors[:0]
             coefficients = values[4 + classes : 4 + classes + count][:, anchors[matches]].T  # [M, P]
             proto = np.asarray(proto, dtype=np.float32)
             if len(kept) and not (np.isfinite(coefficients).all() and np.isfinite(proto).all()):
