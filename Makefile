@@ -76,14 +76,14 @@ test-fast-models: $(STAMP)
 	VISIONSERVE_TEST_FAST_MODELS=1 $(BIN)/pytest tests/http tests/grpc tests/reliability tests/loadtest \
 		tests/service/test_aoti_served.py $(PYTEST_ARGS)
 
-# The embedded default models ship exported (examples/model_repository/digits, the classifier, and digits-detect,
-# the detector: model.onnx, spec.json, config.toml and its training record); `make serve` copies each into the
-# repository when that has none of that name yet.
-$(REPOSITORY)/digits $(REPOSITORY)/digits-detect:
+# The embedded default models ship exported (examples/model_repository/digits, the classifier, digits-detect, the
+# detector, and digits-segment, the segmenter: model.onnx, spec.json, config.toml and its training record); `make
+# serve` copies each into the repository when that has none of that name yet.
+$(REPOSITORY)/digits $(REPOSITORY)/digits-detect $(REPOSITORY)/digits-segment:
 	mkdir -p $(REPOSITORY)
 	cp -R examples/model_repository/$(notdir $@) $@
 
-serve: $(SERVE_STAMP) $(REPOSITORY)/digits $(REPOSITORY)/digits-detect
+serve: $(SERVE_STAMP) $(REPOSITORY)/digits $(REPOSITORY)/digits-detect $(REPOSITORY)/digits-segment
 	$(SERVE_BIN)/visionserve serve --repository $(REPOSITORY) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # Make the shipped default models again with the project's own train and export (needs `make install`);

@@ -12,8 +12,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from service.core.tasks import task_named
-
 DEFAULT_OPSET = 20
 MAX_EXPORT_BATCH = 4096  # the dynamic batch dimension's upper bound in the exported ONNX graph
 
@@ -40,15 +38,16 @@ def example_input(channels: int, height: int, width: int, batch: int = 2) -> tor
     return torch.randint(0, 256, (batch, channels, height, width), dtype=torch.uint8)
 
 
-def output_name(task: str) -> str:
-    """The ONNX graph's output: ``logits`` for a classifier, ``candidates`` for a detector (its ``output_layout``)."""
-    return task_named(task).output_name
-
-
 def to_onnx(
-    model: nn.Module, example: torch.Tensor, path: Path, *, opset: int = DEFAULT_OPSET, output: str = "logits"
+    model: nn.Module,
+    example: torch.Tensor,
+    path: Path,
+    *,
+    opset: int = DEFAULT_OPSET,
+    output: str | tuple[str, ...] = "logits",
 ) -> None:
-    """Export with torch's ONNX exporter (torch.export based); batch dimension dynamic from 1 to 4096."""
+    """Export with torch's ONNX exporter (torch.export based); batch dimension dynamic from 1 to 4096; ``output``:
+    the output's name, or each one's (a segmenter's two)."""
     import onnx
 
     batch = torch.export.Dim("batch", min=1, max=MAX_EXPORT_BATCH)
@@ -59,7 +58,7 @@ def to_onnx(
             (example,),
             str(path),
             input_names=["input"],
-            output_names=[output],
+            output_names=[output] if isinstance(output, str) else list(output),
             dynamic_shapes={"x": {0: batch}},
             opset_version=opset,
             dynamo=True,

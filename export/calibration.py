@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from export.quantize import MAX_CALIBRATION, Int8Data
+from export.sources import image_files, preprocessed
 from models.canvases import Canvases, CanvasParams, digit_pool, make_canvases
-from models.datasets import IMAGE_EXTENSIONS, load_dataset
-from service.core.errors import BadInputError, ConfigError
+from models.datasets import load_dataset
+from service.core.errors import ConfigError
 from service.core.preprocess import preprocess_image
 from service.core.samples import photo_like_jpegs
 from service.core.spec import ModelSpec
@@ -37,14 +38,8 @@ def from_dataset(name: str, spec: ModelSpec) -> Int8Data:
 def from_folder(folder: str | Path, spec: ModelSpec) -> Int8Data:
     """The folder's images in path order, taken alternately for calibration and to hold out. Where every image sits
     in a sub-folder named as one of the spec's labels (an ImageFolder tree), the held-out ones carry labels."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise ConfigError(f"--calibration-images {root} is not a folder")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-    files = files[: 2 * MAX_HELD_OUT]
-    if not files:
-        raise ConfigError(f"--calibration-images {root} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
-    images = np.stack([_preprocess(p, spec) for p in files])
+    root, files = Path(folder), image_files(folder, 2 * MAX_HELD_OUT)
+    images = np.stack([preprocessed(p, spec) for p in files])
     parts = [p.relative_to(root).parts for p in files]
     classes = [q[0] if len(q) > 1 else None for q in parts]
     labelled = all(c in spec.labels for c in classes)
@@ -71,13 +66,6 @@ def from_samples(spec: ModelSpec, count: int = 96) -> Int8Data:
         held_out=images[split:],
         held_out_source=f"{count - split} other generated photo-like JPEGs",
     )
-
-
-def _preprocess(path: Path, spec: ModelSpec) -> np.ndarray:
-    try:
-        return preprocess_image(path.read_bytes(), spec)
-    except BadInputError as exc:
-        raise ConfigError(f"calibration image {path} is unusable: {exc}") from exc
 
 
 def from_canvases(params: CanvasParams, spec: ModelSpec, held_out: int = 256) -> Int8Data:

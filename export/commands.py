@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shutil
 import sys
 from typing import TYPE_CHECKING
 
+from service.core.errors import ConfigError, DatasetError
 from service.core.layouts import LAYOUTS
 from service.core.tasks import TASKS, task_named
 
@@ -155,7 +157,6 @@ def _add_int8_arguments(p: argparse.ArgumentParser) -> None:
 
 def _min_speedup(text: str) -> float:
     from export.quantize import check_min_speedup
-    from service.core.errors import ConfigError
 
     try:
         value = float(text)
@@ -167,8 +168,6 @@ def _min_speedup(text: str) -> float:
 
 def _check_outside(args: argparse.Namespace) -> None:
     """An outside model's description, before torch is imported."""
-    from service.core.errors import ConfigError
-
     if not args.labels:
         raise ConfigError("--labels is required with --onnx or --torchscript")
     if args.input_size is None:
@@ -184,7 +183,7 @@ def print_report(report: ExportReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=sys.stdout, width=max(console_width(), 120))
+    console = Console(file=sys.stdout, width=max(shutil.get_terminal_size((140, 24)).columns, 120))
     title = f"export {report.name} version {report.version}" + (f", opset {report.opset}" if report.opset else "")
     table = Table(title=title)
     for column in ("artifact", "size", "export", "parity", "latency per batch (ms) on " + report.device, "written"):
@@ -210,15 +209,7 @@ def print_report(report: ExportReport) -> None:
         console.print("nothing was written: no artifact passed its parity check")
 
 
-def console_width() -> int:
-    import shutil
-
-    return shutil.get_terminal_size((140, 24)).columns
-
-
 def run_export(args: argparse.Namespace) -> int:
-    from service.core.errors import ConfigError
-
     # Refusals that need only the arguments come first: these before torch is imported, the request's own checks
     # before any model is built or image read (a bad --formats was refused only after the model was built and, for a
     # checkpoint, its validation images loaded).
@@ -231,26 +222,14 @@ def run_export(args: argparse.Namespace) -> int:
 
     from export import exporter, outside, sources
 
-    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
-    request = exporter.ExportRequest(
-        name=args.name,
-        repository=args.repository,
-        version=args.version,
-        formats=formats,
-        fp16=args.fp16,
-        opset=args.opset,
-        max_batch_size=args.max_batch_size,
-        latency=not args.no_latency,
-        device=args.device,
-        aoti_devices=tuple(d.strip() for d in args.aoti_devices.split(",") if d.strip()),
-        int8=args.int8 or args.int8_ungated or args.int8_allow_slower,
-        int8_ungated=args.int8_ungated,
-        int8_method=args.int8_method,
-        int8_exclude=tuple(n.strip() for n in args.int8_exclude.split(",") if n.strip()),
-        int8_min_speedup=args.int8_min_speedup,
-        int8_allow_slower=args.int8_allow_slower,
-        int8_min_map=args.int8_min_map,
-    )
+    # Each of ExportRequest's fields from the flag of its name, the comma-separated ones split.
+    given = {f: getattr(args, f) for f in exporter.ExportRequest.__struct_fields__ if hasattr(args, f)}
+    listed = {
+        f: tuple(n.strip() for n in given[f].split(",") if n.strip())
+        for f in ("formats", "aoti_devices", "int8_exclude")
+    }
+    int8 = args.int8 or args.int8_ungated or args.int8_allow_slower
+    request = exporter.ExportRequest(**{**given, **listed, "int8": int8, "latency": not args.no_latency})
     exporter.check_request(request)
     err = Console(stderr=True)
 
@@ -267,7 +246,7 @@ def run_export(args: argparse.Namespace) -> int:
             description=outside.described(args),
             calibration=args.calibration_images,
             progress=progress,
-            int8_data=_int8_source(args, dataset=None),
+            int8_data=_int8_source(args),
         )
     else:
         if args.checkpoint:
@@ -279,45 +258,30 @@ def run_export(args: argparse.Namespace) -> int:
             images = sources.calibration_images(args.calibration_images, source.spec)
             described = f"{len(images)} images from {args.calibration_images} and random uint8 batches"
             source = dataclasses.replace(source, real_images=images, real_source=described)
-        report = exporter.export_source(
-            source,
-            request,
-            progress=progress,
-            int8_data=_int8_source(args, dataset=_checkpoint_dataset(args.checkpoint) if args.checkpoint else None),
-        )
+        report = exporter.export_source(source, request, progress=progress, int8_data=_int8_source(args))
     print_report(report)
     return 0 if report.ok else 1
 
 
-def _checkpoint_dataset(path: str) -> str | None:
-    from models.checkpoint import load_checkpoint
-
-    record = load_checkpoint(path).record
-    return record.dataset if record is not None else None
-
-
-def _int8_source(args: argparse.Namespace, dataset: str | None) -> Int8Source | None:
+def _int8_source(args: argparse.Namespace) -> Int8Source | None:
     """Where --int8 takes its images: the folder given, else the checkpoint's dataset, else (ungated only)
     generated ones; None without --int8, or when nothing fits (the export then says what to pass)."""
     if not (args.int8 or args.int8_ungated or args.int8_allow_slower):
         return None
     from export import calibration
+    from models.checkpoint import load_checkpoint
 
     folder = args.calibration_images
     if folder:
         return lambda spec: calibration.from_folder(folder, spec)
-    if dataset == "canvases":  # a detector's: the generator it trained on, from its checkpoint
-        from models.checkpoint import load_checkpoint
-
-        record = load_checkpoint(args.checkpoint).record
-        if record is not None and record.detection is not None:
-            params = record.detection.generator
-            return lambda spec: calibration.from_canvases(params, spec)
-    if dataset is not None:
+    record = load_checkpoint(args.checkpoint).record if args.checkpoint else None
+    if record is not None and record.detection is not None:  # a detector's: the generator it trained on
+        params = record.detection.generator
+        return lambda spec: calibration.from_canvases(params, spec)
+    if record is not None:
+        dataset = record.dataset
 
         def from_dataset(spec: ModelSpec) -> Int8Data:
-            from service.core.errors import ConfigError, DatasetError
-
             try:
                 return calibration.from_dataset(dataset, spec)
             except DatasetError as exc:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -38,6 +38,8 @@ from service.core.tasks import task_named
 SCORE_THRESHOLD = 0.05  # models/detection_eval.py's: below it candidates add nothing measurable to AP
 EMPTY_BOX_PX = 1e-3  # two empty boxes are the same box when their corners agree this closely, in input pixels
 PARITY_ROWS = 300  # a layout read by the server: each image's best rows compared (an end-to-end YOLO's own K)
+MASK_MIN_IOU = 0.99  # a segmenter's instance and its partner: their masks, in the input's pixels, overlap this much
+BOXES = ("boxes", "masks")  # the gates that judge boxes (a segmenter's too)
 
 
 class DetectTolerance(msgspec.Struct, frozen=True):
@@ -83,6 +85,9 @@ class DetectParityResult:
     checked: bool = True
     note: str = ""
     error: str = ""
+    masks: int | None = None  # a segmenter's instances beyond the margin, eager's and the artifact's together
+    masks_unmatched: int = 0  # of those, without a partner at mask IoU >= MASK_MIN_IOU
+    min_mask_iou: float = 1.0  # the lowest of an instance's best mask IoU with the other side's
 
     @property
     def passed(self) -> bool:
@@ -91,7 +96,8 @@ class DetectParityResult:
         if not self.checked:
             return True
         return (
-            self.unmatched == 0
+            self.masks_unmatched == 0
+            and self.unmatched == 0
             and self.class_agreement == 1.0
             and self.max_score_error <= self.tolerance.max_score_error
             and self.min_iou >= self.tolerance.min_iou
@@ -114,20 +120,23 @@ class DetectParityResult:
             f"{self.min_iou:.4f}), class agreement {self.class_agreement:.2%}, max score error "
             f"{self.max_score_error:.2e} (limit {t.max_score_error:.0e}); {self.left_out} within {t.score_margin:g} "
             f"of the cut left out, on {self.images} images" + (f" ({self.note})" if self.note else "")
-        )
-
-    def record(self) -> DetectionParity:
-        t = self.tolerance
-        return DetectionParity(
-            images=self.images, boxes=self.boxes, unmatched=self.unmatched, left_out=self.left_out,
-            min_iou=self.min_iou, class_agreement=self.class_agreement, max_score_error=self.max_score_error,
-            score_threshold=t.score_threshold, score_margin=t.score_margin, min_iou_limit=t.min_iou,
-            max_score_error_limit=t.max_score_error,
+            + (f"; masks: {self.masks - self.masks_unmatched}/{self.masks} matched at IoU >= {MASK_MIN_IOU} (lowest "
+               f"{self.min_mask_iou:.4f})" if self.masks is not None else "")
         )  # fmt: skip
 
     def record_fields(self) -> dict[str, Any]:
         """What spec.json's export record holds of this check."""
-        return {"detection_parity": self.record()} if self.checked else {}
+        t = self.tolerance
+        record = DetectionParity(
+            images=self.images, boxes=self.boxes, unmatched=self.unmatched, left_out=self.left_out,
+            min_iou=self.min_iou, class_agreement=self.class_agreement, max_score_error=self.max_score_error,
+            score_threshold=t.score_threshold, score_margin=t.score_margin, min_iou_limit=t.min_iou,
+            max_score_error_limit=t.max_score_error, masks=self.masks,
+            masks_unmatched=self.masks_unmatched if self.masks is not None else None,
+            min_mask_iou=self.min_mask_iou if self.masks is not None else None,
+            min_mask_iou_limit=MASK_MIN_IOU if self.masks is not None else None,
+        )  # fmt: skip
+        return {"detection_parity": record} if self.checked else {}
 
 
 def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -206,11 +215,18 @@ def compare_detections(
     return DetectParityResult(images, boxes, unmatched, left_out, min_iou, agreement, worst, tolerance)
 
 
+def reference_of(spec: ModelSpec, out: Any) -> Any:
+    """What the gate keeps of eager's output on a batch (an array, or a dict of several outputs): what it compares
+    (:func:`parity_rows`), or for a segmenter the outputs themselves (its masks are compared too)."""
+    outputs = out if isinstance(out, dict) else {"output": out}
+    return outputs if task_named(spec.task).gate == "masks" else parity_rows(spec, outputs)
+
+
 def parity_rows(spec: ModelSpec, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
     """What the gate compares of a computed batch: a classifier's logits; a detector's candidate rows ``[N, K, 6]``
     (the graph's own for ``candidates``; for other layouts each image's :data:`PARITY_ROWS` best rows as the server
     reads them, :mod:`service.core.layouts`)."""
-    if task_named(spec.task).gate != "boxes" or spec.output_layout == "candidates":
+    if task_named(spec.task).gate not in BOXES or spec.output_layout == "candidates":
         return np.asarray(next(iter(outputs.values())), dtype=np.float32)
     rows = image_rows(spec.output_layout, outputs, spec.num_classes, SCORE_THRESHOLD)
     return top_rows(rows, PARITY_ROWS)
@@ -229,14 +245,65 @@ def check_parity(
     def rows(batch: np.ndarray) -> np.ndarray:
         return parity_rows(spec, run(batch))
 
-    if task_named(spec.task).gate == "boxes":
-        return compare_detections(reference, rows, batches, DETECT_FP32 if precision == "fp32" else DETECT_FP16)
+    gate = task_named(spec.task).gate
+    tolerance = DETECT_FP32 if precision == "fp32" else DETECT_FP16
+    if gate == "masks":
+        return compare_masks(spec, reference, run, batches, tolerance)
+    if gate == "boxes":
+        return compare_detections(reference, rows, batches, tolerance)
     return compare(reference, rows, batches, FP32 if precision == "fp32" else FP16)
+
+
+def compare_masks(
+    spec: ModelSpec,
+    reference: Sequence[Any],
+    run: Callable[[np.ndarray], Mapping[str, np.ndarray]],
+    batches: Sequence[np.ndarray],
+    tolerance: DetectTolerance,
+) -> DetectParityResult:
+    """A segmenter's gate: its boxes as a detector's (:func:`compare_detections`), then its masks as the server
+    answers them (in the input's pixels): every instance scored at least ``score_margin`` above the cut, on either
+    side, matched one to one to an instance of its class on the other side scored above the cut less the margin,
+    at mask IoU >= :data:`MASK_MIN_IOU`. ``reference``: eager's outputs on each batch, by name."""
+    from service.core.boxes import match
+    from service.core.masks import mask_ious
+    from service.core.status import InferResult
+    from service.core.tasks import Segment
+
+    task = Segment(spec)
+    cut = tolerance.score_threshold
+
+    def instances(outputs: Mapping[str, np.ndarray], threshold: float) -> list[tuple[np.ndarray, list[Any]]]:
+        options = msgspec.structs.replace(task.default, score_threshold=max(0.0, threshold))
+        n = len(next(iter(outputs.values())))
+        rows, masks, _ = task.instances(InferResult(dict(outputs), [None] * n), options)
+        return list(zip(rows, masks, strict=True))
+
+    answers = [run(batch) for batch in batches]
+    shown = iter(answers)
+    boxes = compare_detections([parity_rows(spec, r) for r in reference], lambda _: parity_rows(spec, next(shown)),
+                               batches, tolerance)  # fmt: skip
+    masks = unmatched = 0
+    lowest = 1.0
+    for expected, got in zip(reference, answers, strict=True):
+        sides = [(instances(one, cut + tolerance.score_margin), instances(other, cut - tolerance.score_margin))
+                 for one, other in ((expected, got), (got, expected))]  # fmt: skip
+        for sure, near in sides:
+            for (mine, my_masks), (theirs, their_masks) in zip(sure, near, strict=True):
+                overlaps = mask_ious(my_masks, their_masks)
+                # Two empty masks (a box narrower than a pixel, or nothing above 0.5) are the same mask.
+                empty = np.array([m.area == 0 for m in my_masks], bool)[:, None]
+                overlaps[empty & np.array([m.area == 0 for m in their_masks], bool)[None, :]] = 1.0
+                found, _ = match(mine, theirs, MASK_MIN_IOU, overlaps)
+                masks, unmatched = masks + len(mine), unmatched + len(mine) - len(found)
+                if len(mine):
+                    lowest = min(lowest, float(overlaps.max(axis=1, initial=0.0).min()))
+    return replace(boxes, masks=masks, masks_unmatched=unmatched, min_mask_iou=lowest)
 
 
 def refuse_unproved(spec: ModelSpec, *, formats: Sequence[str]) -> None:
     """Refuse what the detection gate does not prove yet, with the reason, before any work (a classifier passes)."""
-    if task_named(spec.task).gate != "boxes":
+    if task_named(spec.task).gate not in BOXES:
         return
     if "aoti" in formats:
         raise ConfigError(

@@ -8,12 +8,8 @@ Formats: ONNX and TorchScript (portable across devices, the default: a few secon
 
 Nothing reaches the repository before its parity is proved: artifacts are written to a hidden staging folder
 beside the version, checked, and only the ones that pass are moved into ``<repository>/<name>/<version>/`` with
-``spec.json`` (which records each artifact's measured error). A failing artifact is not written, and the report
-says by how much it failed.
-
-With ``int8`` the fp32 ``model.onnx`` that passed its parity check is quantized in the staging folder
-(:mod:`export.quantize`) and ``model.int8.onnx`` joins it only if it agrees with fp32 on held-out images and is
-faster on the export's device (``int8_ungated``, ``int8_allow_slower``: written anyway, marked in spec.json).
+``spec.json`` (which records each artifact's measured error). With ``int8`` the fp32 ``model.onnx`` that passed is
+quantized there too and gated (:mod:`export.quantize`).
 """
 
 from __future__ import annotations
@@ -27,8 +23,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -40,12 +37,11 @@ from export.artifacts import (
     cuda_toolkit_missing,
     example_input,
     half_model,
-    output_name,
     to_aoti,
     to_onnx,
     to_torchscript,
 )
-from export.detect_parity import DetectParityResult, check_parity, drop_refused, parity_rows, refuse_unproved
+from export.detect_parity import DetectParityResult, check_parity, drop_refused, reference_of, refuse_unproved
 from export.int8_gate import MIN_BOX_MAP, NO_INT8_DATA, Int8Verdict
 from export.parity import FP16, FP32, ParityResult, eager_outputs, exact_fp32, parity_batches
 from export.quantize import INT8_FILE, MIN_SPEEDUP, Int8Data, Int8Options, quantize_model
@@ -53,6 +49,7 @@ from service.core.config import CONFIG_FILE, default_config_text, load_config
 from service.core.errors import ConfigError, VisionServeError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
 from service.core.spec import SPEC_FILE, ExportRecord, ModelSpec, write_spec
+from service.core.tasks import task_named
 from service.runtime import AotiRuntime, OnnxRuntime, Runtime, TorchScriptRuntime
 from service.runtime.onnxrt import NO_CUDA_PROVIDER, runnable_device
 
@@ -130,12 +127,6 @@ def check_request(request: ExportRequest) -> None:
         raise ConfigError("--int8 quantizes the ONNX artifact: add onnx to --formats")
 
 
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
 def make_runtime(fmt: str, spec: ModelSpec, path: Path, device: str, max_batch_size: int) -> Runtime:
     if fmt == "onnx":
         return OnnxRuntime(spec, path, device=device, name=spec.name)
@@ -183,6 +174,10 @@ class Candidate:
     produce: Callable[[Path], None]
     device: str | None = None  # where it runs: None for any device, else the one it was compiled for
 
+    @property
+    def file(self) -> str:
+        return (FP16_FILES if self.precision == "fp16" else MODEL_FILES)[self.format]
+
 
 def module_candidates(module: nn.Module, spec: ModelSpec, request: ExportRequest) -> list[Candidate]:
     """Candidates that export ``module`` (and its fp16 copy with ``request.fp16``) in each requested format."""
@@ -191,22 +186,16 @@ def module_candidates(module: nn.Module, spec: ModelSpec, request: ExportRequest
     if request.fp16:
         variants.append(("fp16", half_model(module)))
     out: list[Candidate] = []
+    output = task_named(spec.task).graph_outputs()  # logits for a classifier, candidates for a detector
     for precision, variant in variants:
         for fmt in request.formats:
             if fmt == "aoti":
                 out += _aoti_candidates(variant, precision, shape, request.aoti_devices)
-                continue
-            if fmt == "onnx":
-
-                def produce(path: Path, m: nn.Module = variant) -> None:
-                    to_onnx(m, example_input(*shape), path, opset=request.opset, output=output_name(spec.task))
-
+            elif fmt == "onnx":
+                onnx = partial(to_onnx, variant, example_input(*shape), opset=request.opset, output=output)
+                out.append(Candidate(fmt, precision, onnx))
             else:
-
-                def produce(path: Path, m: nn.Module = variant) -> None:
-                    to_torchscript(m, example_input(*shape), path)
-
-            out.append(Candidate(fmt, precision, produce))
+                out.append(Candidate(fmt, precision, partial(to_torchscript, variant, example_input(*shape))))
     return out
 
 
@@ -253,7 +242,7 @@ def export_model(
     candidates = module_candidates((artifact_model or eager).eval(), spec, request)
 
     def reference(batches: list[np.ndarray]) -> list[np.ndarray]:  # read as the artifact's are (end2end: top rows)
-        return [parity_rows(spec, {"output": out}) for out in eager_outputs(eager, batches)]
+        return [reference_of(spec, out) for out in eager_outputs(eager, batches)]
 
     return publish(
         spec,
@@ -332,7 +321,7 @@ def publish(
     model_dir = Path(request.repository) / request.name
     version, max_batch = _next_version(request, model_dir)
     version_dir = model_dir / str(version)
-    device = _device(request.device)
+    device = request.device if request.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     shape = (spec.input.channels, spec.input.height, spec.input.width)
     batches = parity_batches(real_images, shape, max_batch)
     say(f"reference outputs on {sum(len(b) for b in batches)} images")
@@ -392,20 +381,18 @@ def _gate_alone(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, Ex
     try:
         return _gate(stage, candidate)
     except Exception as exc:
-        file_name = (FP16_FILES if candidate.precision == "fp16" else MODEL_FILES)[candidate.format]
-        (stage.folder / file_name).unlink(missing_ok=True)
+        (stage.folder / candidate.file).unlink(missing_ok=True)
         reason = str(exc) if isinstance(exc, VisionServeError) else f"{type(exc).__name__}: {exc}"
         stage.say(f"{candidate.format} {candidate.precision} failed: {reason}")
         tolerance = FP32 if candidate.precision == "fp32" else FP16
         parity = ParityResult(0, float("nan"), float("nan"), tolerance, error=reason)
-        return ArtifactReport(candidate.format, candidate.precision, file_name, 0, 0.0, parity), None
+        return ArtifactReport(candidate.format, candidate.precision, candidate.file, 0, 0.0, parity), None
 
 
 def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRecord | None]:
     """Produce ``candidate`` in the staging folder and check its parity (and latency); its record if it passed,
     else it is deleted again."""
-    fmt, precision = candidate.format, candidate.precision
-    file_name = (FP16_FILES if precision == "fp16" else MODEL_FILES)[fmt]
+    fmt, precision, file_name = candidate.format, candidate.precision, candidate.file
     target = stage.folder / file_name
     stage.say(f"exporting {fmt} {precision}")
     started = time.perf_counter()
@@ -435,20 +422,21 @@ def _gate(stage: _Stage, candidate: Candidate) -> tuple[ArtifactReport, ExportRe
     if not parity.passed:
         target.unlink()
         return report, None
-    return report, _export_record(stage, fmt, precision, file_name, parity)
+    checked_on = f"{stage.real_source}; {parity.images} images" if parity.checked else parity.note
+    fields = {**parity.record_fields(), "source_sha256": stage.source_sha256, "parity_checked_on": checked_on}
+    return report, _export_record(stage.request, fmt, precision, file_name, **fields)
 
 
-def _export_record(stage: _Stage, fmt: str, precision: str, file_name: str, parity: Checked) -> ExportRecord:
+def _export_record(request: ExportRequest, fmt: str, precision: str, file_name: str, **fields: Any) -> ExportRecord:
+    """spec.json's record of an artifact written: its file, format and precision, the versions, and ``fields``."""
     return ExportRecord(
         format="onnx" if fmt == "onnx" else ("aoti" if fmt.startswith("aoti") else "torchscript"),
         file=file_name,
-        precision="fp16" if precision == "fp16" else "fp32",
-        opset=stage.request.opset if fmt == "onnx" else None,
+        precision=precision,  # type: ignore[arg-type]
+        opset=request.opset if fmt == "onnx" else None,
         versions=_versions(),
-        source_sha256=stage.source_sha256,
-        **parity.record_fields(),
-        parity_checked_on=f"{stage.real_source}; {parity.images} images" if parity.checked else parity.note,
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        **fields,
     )
 
 
@@ -484,15 +472,6 @@ def _int8_artifact(stage: _Stage, data: Int8Data, reports: list[ArtifactReport])
     gate = verdict.record
     if request.latency and gate.speed is not None:  # the speed gate timed it on the export's device already
         report.latency_ms = dict(gate.speed.int8_median_ms)
-    return ExportRecord(
-        format="onnx",
-        file=INT8_FILE,
-        precision="int8",
-        opset=request.opset,
-        versions=_versions(),
-        parity_max_rel_error=verdict.max_rel_error,
-        parity_top1_agreement=gate.top1_agreement,
-        parity_checked_on=f"{gate.held_out_source}; {gate.held_out_images} held-out images, against model.onnx",
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        int8=gate,
-    )
+    checked_on = f"{gate.held_out_source}; {gate.held_out_images} held-out images, against model.onnx"
+    figures = {"parity_max_rel_error": verdict.max_rel_error, "parity_top1_agreement": gate.top1_agreement}
+    return _export_record(request, "onnx", "int8", INT8_FILE, **figures, parity_checked_on=checked_on, int8=gate)

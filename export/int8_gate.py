@@ -1,23 +1,19 @@
-"""What an INT8 artifact is judged on against fp32, by task, and the verdict the export report prints.
+"""What an INT8 artifact is judged on against fp32, by task (README, "INT8"), and the verdict the export report prints.
 
-A classifier (:class:`Top1Judge`): top-1 agreement with fp32 on held-out images, at least ``minimum``; where their
-labels are known, accuracy within ``max_drop`` of fp32's.
-
-A detector (:class:`BoxJudge`): top-1 means nothing on boxes. fp32's detections at the served default threshold
-(0.25) are taken as the ground truth of each held-out image, and int8's detections (from 0.05, scored) are held to
-them by mAP@0.5 (all-point, per class, models/detection_eval.py's definition): at least ``minimum`` (0.95,
-``--int8-min-map``). Where the images' boxes are known (held-out canvases), int8's labelled mAP@0.5 is within
-``max_drop`` (one point) of fp32's. Both read the graph's rows as the server does (its layout, suppressed alike).
+A classifier (:class:`Top1Judge`): top-1 agreement with fp32, and accuracy where labels are known. A detector
+(:class:`BoxJudge`): fp32's detections are each held-out image's truth, and int8's are held to them by mAP@0.5
+(models/detection_eval.py's definition); both read the graph's rows as the server does (its layout, suppressed alike).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from service.core.errors import ConfigError
 from service.core.spec import Int8Record, Int8Speed, ModelSpec
 from service.core.status import InferResult
 from service.core.tasks import Detect, DetectOptions, task_named
@@ -35,26 +31,10 @@ NO_INT8_DATA = (
 )
 
 
-class Judge(Protocol):
-    measure: str  # what the agreement is, in words
-    minimum: float
-    max_drop: float
-
-    def agreement(self, got: np.ndarray, reference: np.ndarray) -> float:
-        """int8's outputs ``got`` against fp32's ``reference`` on the same images: 0..1."""
-        ...
-
-    def accuracy(self, outputs: np.ndarray, truth: Any) -> float:
-        """Outputs against the images' labels (class indices, or boxes and classes): 0..1."""
-        ...
-
-    def record(self, agreement: float, fp32: float | None, int8: float | None) -> dict[str, Any]:
-        """The figures' fields of :class:`Int8Record`."""
-        ...
-
-
 class Top1Judge:
-    measure = "top-1 agreement with fp32"
+    """A classifier's judge. Every judge gives the ``agreement`` of int8's outputs with fp32's on the same images and
+    the ``accuracy`` of outputs against the images' labels (class indices, or boxes and classes), both 0..1, and
+    ``record``s the figures' fields of :class:`Int8Record`."""
 
     def __init__(self, minimum: float, max_drop: float) -> None:
         self.minimum, self.max_drop = minimum, max_drop
@@ -71,8 +51,6 @@ class Top1Judge:
 
 
 class BoxJudge:
-    measure = "mAP@0.5 of int8's boxes against fp32's"
-
     def __init__(self, spec: ModelSpec, minimum: float, max_drop: float) -> None:
         self.spec, self.minimum, self.max_drop = spec, minimum, max_drop
 
@@ -102,9 +80,17 @@ class BoxJudge:
         return {"box_map50_vs_fp32": agreement, "min_box_map50": self.minimum, "fp32_map50": fp32, "int8_map50": int8}
 
 
+Judge = Top1Judge | BoxJudge
+
+
 def judge_for(spec: ModelSpec | None, *, min_top1: float, max_drop: float, min_box_map: float) -> Judge:
-    """The judge of ``spec``'s task (a classifier's where no spec is given)."""
-    if spec is not None and task_named(spec.task).gate == "boxes":
+    """The judge of ``spec``'s task (a classifier's where no spec is given); a segmenter's is refused (its gate on
+    masks, int8's against fp32's, is not built: a box judge would pass masks it never looked at)."""
+    gate = task_named(spec.task).gate if spec is not None else "top1"
+    if gate not in ("top1", "boxes"):
+        raise ConfigError(f"--int8 of {spec.name if spec else 'this model'} is refused: INT8 is gated on top-1 or on "
+                          f"boxes, and this model is judged on {gate}: export it in fp32")  # fmt: skip
+    if spec is not None and gate == "boxes":
         return BoxJudge(spec, min_box_map, max_drop)
     return Top1Judge(min_top1, max_drop)
 
@@ -142,17 +128,12 @@ class Int8Verdict:
 
     def describe(self) -> str:
         r = self.record
-        verdict = "pass" if r.passed else ("UNGATED, would FAIL" if not r.gated else "FAIL")
-        if r.passed and not r.gated:
-            verdict = "UNGATED, would pass"
-        speed = r.speed
+        verdict = ("pass" if r.passed else "FAIL") if r.gated else f"UNGATED, would {'pass' if r.passed else 'FAIL'}"
+        speed, text = r.speed, ""
         if speed is not None and not speed.passed:
             verdict = "NOT FASTER than fp32, written anyway" if speed.allowed_slower else "FAIL, not faster than fp32"
-            if not r.gated:
-                verdict += ", UNGATED"
-        text = ""
-        if speed is not None and not speed.passed:
-            text += describe_speed(speed) + "; "
+            verdict += "" if r.gated else ", UNGATED"
+            text = describe_speed(speed) + "; "
         text += _agreement(r)
         fp32, int8 = (
             (r.fp32_accuracy, r.int8_accuracy) if r.top1_agreement is not None else (r.fp32_map50, r.int8_map50)

@@ -153,12 +153,12 @@ def wrap_onnx(src: Path, dst: Path, spec: ModelSpec, layout: str) -> None:
                 numpy_helper.from_array(-mean / std, "vs_shift"),
             ]
         )
+        last = "vs_normalised"
         nodes = [
             helper.make_node("Cast", ["input"], ["vs_float"], to=TensorProto.FLOAT),
             helper.make_node("Mul", ["vs_float", "vs_scale"], ["vs_scaled"]),
+            helper.make_node("Add", ["vs_scaled", "vs_shift"], [last]),
         ]
-        last = "vs_normalised"
-        nodes.append(helper.make_node("Add", ["vs_scaled", "vs_shift"], [last]))
         if layout == "nhwc":
             nodes.append(helper.make_node("Transpose", [last], ["vs_nhwc"], perm=[0, 2, 3, 1]))
             last = "vs_nhwc"
@@ -218,10 +218,6 @@ class OnnxReference:
         self.layout = layout
         self.one_at_a_time = meta[0].shape[:1] == [1]  # a graph with a fixed batch of one
 
-    def __call__(self, batch: np.ndarray) -> np.ndarray:
-        """The first output, as float32 (a classifier's logits)."""
-        return np.asarray(next(iter(self.outputs(batch).values())), dtype=np.float32)
-
     def outputs(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         """Every output by name, batch-first."""
         if self.one_at_a_time and len(batch) > 1:
@@ -242,7 +238,7 @@ def runs_batches(session_run: OnnxReference, spec: ModelSpec) -> bool:
     batch = np.zeros((2, spec.input.channels, spec.input.height, spec.input.width), np.uint8)
     with contextlib.suppress(Exception), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return session_run(batch).shape[0] == 2
+        return next(iter(session_run.outputs(batch).values())).shape[0] == 2
     return False
 
 
@@ -292,12 +288,10 @@ def place_outside_model(
     if not src.is_file():
         raise ConfigError(f"--{kind} {src} does not exist")
     spec = outside_spec(request.name, kind, labels, description)
-    images = calibration_images(calibration, spec) if calibration else None
-    real_source = (
-        f"{len(images)} images from {calibration} and random uint8 batches"
-        if images is not None
-        else ("random uint8 batches only")
-    )
+    images, real_source = None, "random uint8 batches only"
+    if calibration:
+        images = calibration_images(calibration, spec)
+        real_source = f"{len(images)} images from {calibration} and random uint8 batches"
     sha = file_sha256(src)
     if kind == "onnx":
         if "torchscript" in request.formats and request.formats != DEFAULT_FORMATS:

@@ -17,10 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 
-FP32_MAX_REL_ERROR = 1e-4
-FP32_MIN_TOP1 = 1.0
-FP16_MAX_REL_ERROR = 2e-2
-FP16_MIN_TOP1 = 0.99
 MIN_RANDOM_IMAGES = 16
 
 
@@ -29,8 +25,8 @@ class Tolerance(msgspec.Struct, frozen=True):
     min_top1_agreement: float
 
 
-FP32 = Tolerance(FP32_MAX_REL_ERROR, FP32_MIN_TOP1)
-FP16 = Tolerance(FP16_MAX_REL_ERROR, FP16_MIN_TOP1)
+FP32 = Tolerance(max_rel_error=1e-4, min_top1_agreement=1.0)
+FP16 = Tolerance(max_rel_error=2e-2, min_top1_agreement=0.99)
 
 
 @dataclass(frozen=True)
@@ -89,10 +85,16 @@ def parity_batches(
     return batches
 
 
-def eager_outputs(model: nn.Module, batches: Sequence[np.ndarray]) -> list[np.ndarray]:
+def eager_outputs(model: nn.Module, batches: Sequence[np.ndarray]) -> list[Any]:
+    """The model's output on each batch: an array, or for a model of several outputs (a segmenter's) a dict of them
+    named as the TorchScript runtime names them (``output_0``, ``output_1``, ...)."""
     model.eval()
     with torch.inference_mode():
-        return [model(torch.from_numpy(b)).float().numpy() for b in batches]
+        outs = [model(torch.from_numpy(b)) for b in batches]
+    return [
+        {f"output_{i}": o.float().numpy() for i, o in enumerate(out)} if isinstance(out, tuple) else out.float().numpy()
+        for out in outs
+    ]
 
 
 def compare(

@@ -1,24 +1,10 @@
-"""INT8 at export: onnxruntime static quantization of ``model.onnx``, gated on agreement with fp32.
+"""INT8 at export: onnxruntime static quantization of ``model.onnx``, gated on agreement with fp32, then on speed.
 
-``model.int8.onnx`` is onnxruntime's QDQ format (per-channel int8 weights, uint8 activations: the pairing its own
-guide gives for x86 CPUs with VNNI, where resnet18 ran 3.0x fp32's images/s at batch 1 on this project's 2-core
-VM), calibrated on real images that went through the model's own preprocessing. The calibration method is
-measured, not assumed: with ``method="auto"`` MinMax and Percentile are both tried (Entropy too when neither
-agrees well enough) and the one whose int8 outputs agree best with fp32 on the calibration images is kept.
-
-The gate runs on held-out images, never the calibration set: top-1 agreement with fp32 of at least
-:data:`MIN_TOP1_AGREEMENT` and, where the images' labels are known, accuracy within :data:`MAX_ACCURACY_DROP` of
-fp32's. A model that fails is not written, and the message says by how much it missed and what to try.
-``ungated`` writes it anyway, marked so in ``spec.json``: for speed work on models whose fp32 predictions mean
-nothing (initial weights), where agreement is noise.
-
-A model that passes is then timed against ``model.onnx`` on the export's device (onnxruntime's CUDA provider
-where it has one for a CUDA export, else the CPU), in turns, median per batch size: INT8 is not faster on every CPU
-(onnxruntime #17389: 15.2 against 15.8 ms). Unless it takes at most ``1 - min_speedup`` of fp32's time at each size
-it is refused with the figures; ``allow_slower`` (and ``ungated``) write it anyway, marked in ``spec.json``.
-
-The graph's uint8 front (Cast, then the normalising Mul/Add, and a Transpose for NHWC models) stays in float:
-quantizing it would only add a rounding step before the first convolution, which quantizes its input anyway.
+The gates, their figures and flags are README's ("INT8"). ``model.int8.onnx`` is onnxruntime's QDQ format
+(per-channel int8 weights, uint8 activations: the pairing its own guide gives for x86 CPUs with VNNI, where resnet18
+ran 3.0x fp32's images/s at batch 1 on this project's 2-core VM). The graph's uint8 front (Cast, then the
+normalising Mul/Add, and a Transpose for NHWC models) stays in float: quantizing it would only add a rounding step
+before the first convolution, which quantizes its input anyway.
 
 This module needs onnx and onnxruntime, not torch.
 """
@@ -44,8 +30,6 @@ from service.core.cpu import describe_cpu
 from service.core.errors import ConfigError
 from service.core.spec import Int8Record, Int8Speed, ModelSpec
 from service.core.tasks import task_named
-
-__all__ = ["Int8Verdict", "describe_speed"]  # the verdict and its words live in export/int8_gate.py
 
 MIN_TOP1_AGREEMENT = 0.99
 MAX_ACCURACY_DROP = 0.01  # one point
@@ -171,11 +155,7 @@ def _quantize(
 ) -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    methods = {
-        "minmax": CalibrationMethod.MinMax,
-        "percentile": CalibrationMethod.Percentile,
-        "entropy": CalibrationMethod.Entropy,
-    }
+    methods = {m.name.lower(): m for m in CalibrationMethod}  # minmax, percentile, entropy (and distribution)
     # Its histogram calibrators print progress to stdout, and it logs a warning through the root logger.
     root = logging.getLogger()
     level = root.level

@@ -96,16 +96,23 @@ def from_architecture(name: str, *, weights: str | None = None, input_size: int 
 
 def calibration_images(folder: str | Path, spec: ModelSpec, limit: int = MAX_REAL_IMAGES) -> np.ndarray:
     """The user's images (any depth under ``folder``), preprocessed for ``spec``."""
+    return np.stack([preprocessed(path, spec) for path in image_files(folder, limit)])
+
+
+def image_files(folder: str | Path, limit: int) -> list[Path]:
+    """Up to ``limit`` of ``--calibration-images``' files (any depth), in path order; a folder of none is refused."""
     root = Path(folder)
     if not root.is_dir():
         raise ConfigError(f"--calibration-images {root} is not a folder")
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)[:limit]
     if not files:
         raise ConfigError(f"--calibration-images {root} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
-    out = []
-    for path in files:
-        try:
-            out.append(preprocess_image(path.read_bytes(), spec))
-        except BadInputError as exc:
-            raise ConfigError(f"calibration image {path} is unusable: {exc}") from exc
-    return np.stack(out)
+    return files
+
+
+def preprocessed(path: Path, spec: ModelSpec) -> np.ndarray:
+    """One of the user's images through ``spec``'s preprocessing; an unusable one is refused."""
+    try:
+        return preprocess_image(path.read_bytes(), spec)
+    except BadInputError as exc:
+        raise ConfigError(f"calibration image {path} is unusable: {exc}") from exc

@@ -30,11 +30,7 @@ _CHUNK = 256  # canvases whose clutter is drawn at once: [chunk, slots, H, W] fl
 
 
 class CanvasParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything that decides a canvas stream; written into the training record as it is.
-
-    A frozen msgspec Struct rather than a dataclass: the house's record type, encoded into the checkpoint's
-    training record without a converter.
-    """
+    """Everything that decides a canvas stream; written into the training record as it is."""
 
     canvas_size: int = 96
     min_digits: int = 1
@@ -72,6 +68,7 @@ class Canvases:
     boxes: np.ndarray  # float32 [N, M, 4]: x1, y1, x2, y2 in pixels, clipped to the canvas
     labels: np.ndarray  # int64 [N, M]: 0-9, or -1 for padding
     digit_ids: np.ndarray  # int64 [N, M]: the index of the pasted digit in scikit-learn's 1,797, or -1
+    masks: np.ndarray | None = None  # bool [N, M, H, W]: each digit's ink (its box's threshold), where asked for
 
     def __len__(self) -> int:
         return len(self.images)
@@ -210,16 +207,13 @@ def _place(
         lefts = rng.uniform(-off_x, s - w + off_x, size=_PLACEMENT_TRIES).round().astype(int)
         tops = rng.uniform(-off_y, s - h + off_y, size=_PLACEMENT_TRIES).round().astype(int)
         for left, top in zip(lefts.tolist(), tops.tolist(), strict=True):
-            box = (
-                float(min(max(left + ink[0], 0), s)),
-                float(min(max(top + ink[1], 0), s)),
-                float(min(max(left + ink[2], 0), s)),
-                float(min(max(top + ink[3], 0), s)),
+            x1, y1, x2, y2 = (
+                float(min(max(v, 0), s)) for v in (left + ink[0], top + ink[1], left + ink[2], top + ink[3])
             )
-            if box[2] - box[0] < 2 or box[3] - box[1] < 2:
+            if x2 - x1 < 2 or y2 - y1 < 2:
                 continue
-            if all(_iou(box, other[4]) <= params.max_overlap_iou for other in placed):
-                placed.append((d, patch, left, top, box))
+            if all(_iou((x1, y1, x2, y2), other[4]) <= params.max_overlap_iou for other in placed):
+                placed.append((d, patch, left, top, (x1, y1, x2, y2)))
                 break
     return placed
 
@@ -234,11 +228,16 @@ def _paste(canvas: np.ndarray, patch: np.ndarray, left: int, top: int, level: fl
     region += alpha * (level - region)
 
 
-def make_canvases(params: CanvasParams, count: int, *, pool: DigitPool, seed: int | tuple[int, ...]) -> Canvases:
-    """``count`` canvases drawn from ``pool``; the same ``params``, pool and ``seed`` give the same canvases."""
+def make_canvases(
+    params: CanvasParams, count: int, *, pool: DigitPool, seed: int | tuple[int, ...], masks: bool = False
+) -> Canvases:
+    """``count`` canvases drawn from ``pool``; the same ``params``, pool and ``seed`` give the same canvases (and,
+    with ``masks``, each digit's instance mask: the pixels of its patch whose ink is at least the box's
+    :data:`INK_THRESHOLD`, a segmenter's truth)."""
     params.check()
     rng = np.random.default_rng(seed)
     s, m = params.canvas_size, params.max_digits
+    inks = np.zeros((count, m, s, s), bool) if masks else None
     images = np.empty((count, s, s), np.uint8)
     boxes = np.zeros((count, m, 4), np.float32)
     labels = np.full((count, m), -1, np.int64)
@@ -253,7 +252,11 @@ def make_canvases(params: CanvasParams, count: int, *, pool: DigitPool, seed: in
                 _paste(canvas, patch, left, top, ground + contrast * (255.0 - ground))
                 boxes[i, slot] = box
                 labels[i, slot] = pool.labels[d]
+                if inks is not None:
+                    y0, x0 = max(top, 0), max(left, 0)
+                    ink = patch[y0 - top : s - top, x0 - left : s - left] >= INK_THRESHOLD
+                    inks[i, slot, y0 : y0 + ink.shape[0], x0 : x0 + ink.shape[1]] = ink
                 digit_ids[i, slot] = pool.indices[d]
         grounds += rng.normal(0.0, params.noise_std, size=grounds.shape).astype(np.float32)  # over the ink too
         images[start : start + len(grounds)] = np.clip(grounds, 0, 255).round().astype(np.uint8)
-    return Canvases(images=images, boxes=boxes, labels=labels, digit_ids=digit_ids)
+    return Canvases(images=images, boxes=boxes, labels=labels, digit_ids=digit_ids, masks=inks)

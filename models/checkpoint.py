@@ -1,8 +1,5 @@
-"""Checkpoints: weights, the :class:`ModelSpec` and a training record, in one file.
-
-Files are read with ``torch.load(weights_only=True)``: tensors, strings and numbers only, so a file that is not
-ours is refused with a clear error and never unpickled into arbitrary objects. The spec and the record are stored
-as JSON text.
+"""Checkpoints: weights, the :class:`ModelSpec` and a training record (JSON text), in one file, read with
+``torch.load(weights_only=True)`` (README: a file that is not ours is refused, never unpickled into objects).
 """
 
 from __future__ import annotations
@@ -64,6 +61,7 @@ class DetectionEpoch(msgspec.Struct, frozen=True, kw_only=True):
     heatmap_loss: float  # focal loss on the class heatmaps
     size_loss: float  # L1 of width and height, in stride-4 cells
     offset_loss: float  # L1 of the centre's sub-cell offset
+    mask_loss: float | None = None  # a segmenter's: cross-entropy of the masks, inside their boxes
     duration_s: float
     generate_s: float  # of which making canvases and their targets
     canvases_per_s: float
@@ -91,6 +89,11 @@ class DetectionRecord(msgspec.Struct, frozen=True, kw_only=True):
     generate_s: float  # of the run's time, making canvases and targets
     eval_s: float
     history: tuple[DetectionEpoch, ...]
+    # A segmenter's masks on the same held-out canvases, by pycocotools' COCOeval (iouType "segm").
+    mask_ap: float | None = None  # AP@[.5:.95]
+    mask_ap_50: float | None = None
+    mask_ap_75: float | None = None
+    mask_evaluator: str | None = None
 
 
 class TrainRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,7 +11,7 @@ import argparse
 import shutil
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from service.core.arguments import number_in
 from service.core.errors import ConfigError
@@ -169,13 +169,6 @@ class _RichProgress:
         )
         self.task: TaskID | None = None
 
-    def __enter__(self) -> _RichProgress:
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
-
     def start_epoch(self, epoch: int, batches: int) -> None:
         if self.task is not None:
             self.progress.remove_task(self.task)
@@ -203,48 +196,60 @@ class _RichProgress:
 
 
 # (epochs, batch size, learning rate) when the flags leave them out, by the architecture's task.
-TASK_DEFAULTS = {"classify": (15, 32, 0.05), "detect": (14, 64, 3e-3)}
+TASK_DEFAULTS = {"classify": (15, 32, 0.05), "detect": (14, 64, 3e-3), "segment": (14, 64, 3e-3)}
+
+
+class Trainer(NamedTuple):
+    """How an architecture's task trains: its loop, its summary, whether its bar shows accuracy, and whether it
+    trains on generated canvases (and on nothing else)."""
+
+    loop: Callable[..., TrainResult]
+    summary: Callable[[TrainConfig, TrainResult], None]
+    accuracy: bool
+    canvases: bool
+
+
+def _trainers() -> dict[str, Trainer]:
+    from models.detect_train import train_detector
+    from models.train import train
+
+    canvas = Trainer(train_detector, _detector_summary, accuracy=False, canvases=True)
+    return {"classify": Trainer(train, _classifier_summary, accuracy=True, canvases=False), "detect": canvas,
+            "segment": canvas}  # fmt: skip
 
 
 def train_from_args(args: argparse.Namespace) -> TrainResult:
-    """Run training as the flags say, with progress bars; rank 0 prints the summary."""
+    """Run training as the flags say (each architecture's task by its own loop), with progress bars; rank 0 prints
+    the summary."""
     from models.registry import get_architecture
     from models.train import TrainConfig
 
     task = get_architecture(args.arch).task
     epochs, batch_size, lr = TASK_DEFAULTS[task]
-    train_task = TRAINERS.get(task, _train_classifier)
-    if args.dataset == "canvases" and train_task is _train_classifier:
-        raise ConfigError("--dataset canvases trains a detector: choose --arch digitdet (see `visionserve models`)")
-    config = TrainConfig(
-        arch=args.arch,
-        dataset=args.dataset,
-        epochs=epochs if args.epochs is None else args.epochs,
-        batch_size=batch_size if args.batch_size is None else args.batch_size,
-        lr=lr if args.lr is None else args.lr,
-        weight_decay=args.weight_decay,
-        seed=args.seed,
-        device=args.device,
-        input_size=args.input_size,
-        weights=args.weights,
-        out=args.out,
-        workers=args.workers,
-        loader=args.loader,
-        augment=not args.no_augment,
-        resume=args.resume,
-        limit_batches=args.limit_batches,
-    )
-    return train_task(config, enabled=not args.no_progress)
-
-
-def _train_classifier(config: TrainConfig, *, enabled: bool) -> TrainResult:
-    from models.train import BatchProgress, train
-
-    with _RichProgress(config.epochs, enabled=enabled) as bar:
-        progress: BatchProgress = bar  # type: ignore[assignment]
-        result = train(config, progress=progress)
+    trainer = _trainers()[task]
+    if args.dataset == "canvases" and not trainer.canvases:
+        raise ConfigError(
+            "--dataset canvases trains a detector or a segmenter: choose --arch digitdet or digitseg (see "
+            "`visionserve models`)"
+        )
+    # Each of TrainConfig's fields from the flag of its name; a flag left out (None) takes the task's default.
+    given = {f: getattr(args, f) for f in TrainConfig.__struct_fields__ if getattr(args, f, None) is not None}
+    config = TrainConfig(**{"epochs": epochs, "batch_size": batch_size, "lr": lr, **given}, augment=not args.no_augment)
+    bar = _RichProgress(config.epochs, enabled=not args.no_progress, accuracy=trainer.accuracy)
+    with bar.progress:
+        result = trainer.loop(config, progress=bar)
     if result.rank != 0:
         return result
+    trainer.summary(config, result)
+    if result.path:
+        print(f"checkpoint written to {result.path}")
+    if result.best_path:
+        best = f"{result.record.best_val_accuracy:.2%}" if result.record.best_val_accuracy is not None else "n/a"
+        print(f"best epoch {result.record.best_epoch} (validation accuracy {best}) kept in {result.best_path}")
+    return result
+
+
+def _classifier_summary(config: TrainConfig, result: TrainResult) -> None:
     rec = result.record
     val = "n/a" if rec.val_accuracy is None else f"{rec.val_accuracy:.2%}"
     print(
@@ -259,20 +264,10 @@ def _train_classifier(config: TrainConfig, *, enabled: bool) -> TrainResult:
         print(f"skipped {rec.skipped_images} unreadable images: {shown}{more}")
     for warning in rec.warnings:
         print(f"warning: {warning}")
-    if result.path:
-        print(f"checkpoint written to {result.path}")
-    if result.best_path:
-        best = f"{rec.best_val_accuracy:.2%}" if rec.best_val_accuracy is not None else "n/a"
-        print(f"best epoch {rec.best_epoch} (validation accuracy {best}) kept in {result.best_path}")
-    return result
 
 
-def _train_detector(config: TrainConfig, *, enabled: bool) -> TrainResult:
-    """A detector's run (``models/detect_train.py``), with the same bars, and its held-out figures."""
-    from models.detect_train import train_detector
-
-    with _RichProgress(config.epochs, enabled=enabled, accuracy=False) as bar:
-        result = train_detector(config, progress=bar)
+def _detector_summary(config: TrainConfig, result: TrainResult) -> None:
+    """A detector's run (``models/detect_train.py``) and its held-out figures."""
     rec, det = result.record, result.record.detection
     assert det is not None
     per_class = "  ".join(f"{label} {'n/a' if ap is None else f'{ap:.3f}'}" for label, ap in det.ap_50.items())
@@ -286,13 +281,9 @@ def _train_detector(config: TrainConfig, *, enabled: bool) -> TrainResult:
         f"mAP@0.5 {det.map_50:.3f}  mAP@0.75 {det.map_75:.3f}"
     )
     print(f"AP@0.5 per class: {per_class}")
-    if result.path:
-        print(f"checkpoint written to {result.path}")
-    return result
-
-
-# Each architecture's task is trained by its own loop.
-TRAINERS = {"classify": _train_classifier, "detect": _train_detector}
+    if det.mask_ap is not None:
+        print(f"masks (pycocotools COCOeval, segm): AP@[.5:.95] {det.mask_ap:.3f}  AP@0.5 {det.mask_ap_50:.3f}  "
+              f"AP@0.75 {det.mask_ap_75:.3f}")  # fmt: skip
 
 
 ExportStep = Callable[[str], int]
@@ -346,8 +337,7 @@ def run_models(args: argparse.Namespace) -> int:
             str(spec.num_classes),
             arch.description,
         )
-    width = max(shutil.get_terminal_size((140, 24)).columns, 120)
-    console = Console(file=sys.stdout, width=width)
+    console = Console(file=sys.stdout, width=max(shutil.get_terminal_size((140, 24)).columns, 120))
     console.print(table)
     _print_repository(console, args.repository)
     return 0

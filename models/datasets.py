@@ -102,23 +102,31 @@ def _digits(spec: ModelSpec) -> Dataset:
     return _make("digits", [str(d) for d in range(10)], images, raw.target)
 
 
-def _folder(root: Path, spec: ModelSpec, progress: Progress | None) -> Dataset:
-    """An ImageFolder tree: one sub-folder per class, holding that class's images."""
+def class_files(root: Path, required: bool) -> dict[str, list[str]]:
+    """Each class folder's image files under ``root``, by class name, in path order: a folder that does not exist,
+    one with no class folder and (``required``) a class folder with no images are refused."""
     if not root.is_dir():
         raise DatasetError(f"dataset folder {root} does not exist or is not a folder")
     classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise DatasetError(f"dataset folder {root} has no class folders: expected one sub-folder per class")
-    files: list[tuple[Path, int]] = []
-    for index, folder in enumerate(classes):
+    out: dict[str, list[str]] = {}
+    for folder in classes:
         found = sorted(
-            p
+            str(p)
             for p in folder.rglob("*")
             if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
         )
-        if not found:
+        if not found and required:
             raise DatasetError(f"class folder {folder} holds no images (looked for {', '.join(IMAGE_EXTENSIONS)})")
-        files += [(p, index) for p in found]
+        out[folder.name] = found
+    return out
+
+
+def _folder(root: Path, spec: ModelSpec, progress: Progress | None) -> Dataset:
+    """An ImageFolder tree: one sub-folder per class, holding that class's images."""
+    classes = class_files(root, required=True)
+    files = [(Path(p), index) for index, paths in enumerate(classes.values()) for p in paths]
     images = np.empty((len(files), spec.input.channels, spec.input.height, spec.input.width), np.uint8)
     for i, (path, _) in enumerate(files):
         try:
@@ -130,7 +138,7 @@ def _folder(root: Path, spec: ModelSpec, progress: Progress | None) -> Dataset:
         if progress is not None:
             progress(i + 1, len(files))
     targets = np.array([cls for _, cls in files], dtype=np.int64)
-    return _make(f"folder:{root}", [c.name for c in classes], images, targets)
+    return _make(f"folder:{root}", list(classes), images, targets)
 
 
 def _synthetic(spec: ModelSpec, count: int, num_classes: int = 10) -> Dataset:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,7 +22,6 @@ import msgspec
 import numpy as np
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from models.canvases import Canvases, CanvasParams, digit_pool, digit_split, make_canvases
@@ -32,8 +30,11 @@ from models.config import TrainConfig
 from models.detection_eval import AP_DEFINITION, NMS_IOU, SCORE_THRESHOLD, average_precision, suppress
 from models.detector import STRIDE, DigitDet
 from models.normalize import Uint8Normalize
-from models.registry import get_architecture, with_input_size
-from models.train import TrainResult, resolve_device
+from models.records import library_versions
+from models.registry import get_architecture
+from models.segment_train import MASK_EVALUATOR, MASK_WEIGHT, evaluate_masks, mask_loss, mask_targets
+from models.segmenter import DigitSeg
+from models.train import TrainResult, resolve_device, spec_for, validate
 from service.core.errors import ConfigError
 from service.core.spec import ModelSpec
 
@@ -96,11 +97,10 @@ def make_targets(canvases: Canvases, num_classes: int, device: torch.device) -> 
     return Targets(heat[:, :num_classes], index, mask, size, centre - cell)
 
 
-def losses(
-    heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], t: Targets
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(focal heatmap loss, size L1, offset L1), each per object."""
-    logits, size, offset = heads
+def losses(heads: tuple[torch.Tensor, ...], t: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(focal heatmap loss, size L1, offset L1), each per object, of the detector's heads (a segmenter's first
+    three)."""
+    logits, size, offset = heads[:3]
     p = torch.sigmoid(logits)
     pos = t.heatmap == 1.0
     pos_term = F.logsigmoid(logits) * (1 - p) ** 2 * pos
@@ -117,12 +117,6 @@ def losses(
 def to_input(images: np.ndarray, device: torch.device) -> torch.Tensor:
     """Grey uint8 canvases ``[N, H, W]`` as the three-channel uint8 batch ``[N, 3, H, W]`` a server sends."""
     return torch.from_numpy(images).to(device).unsqueeze(1).expand(-1, 3, -1, -1)
-
-
-def detect_threads() -> int:
-    """Torch threads for this run: torch's own count (every usable core, or OMP_NUM_THREADS). On a 2-core VM busy
-    with other work (load 3.6) a step took 0.8 s on one thread and 3-4.5 s on two: set OMP_NUM_THREADS=1 there."""
-    return int(torch.get_num_threads())
 
 
 def _schedule(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -149,35 +143,45 @@ class _Run:
     step: int = 0
     generate_s: float = 0.0
 
+    @property
+    def segments(self) -> bool:
+        return isinstance(self.network, DigitSeg)
+
 
 def _epoch(run: _Run, epoch: int, progress: DetectProgress) -> DetectionEpoch:
     """``steps_per_epoch`` steps, each on ``batch_size`` new canvases."""
     started, generate = time.perf_counter(), 0.0
-    sums = np.zeros(4)
+    sums = np.zeros(5)
     pool = digit_pool("train")
+    segments = isinstance(run.network, DigitSeg)
     run.network.train()
     progress.start_epoch(epoch, run.steps_per_epoch)
     for done in range(1, run.steps_per_epoch + 1):
         t0 = time.perf_counter()
-        canvases = make_canvases(run.params, run.config.batch_size, pool=pool, seed=(run.params.seed, run.step))
+        canvases = make_canvases(run.params, run.config.batch_size, pool=pool, seed=(run.params.seed, run.step),
+                                 masks=segments)  # fmt: skip
         targets = make_targets(canvases, run.network.num_classes, run.device)
+        masks = mask_targets(canvases, run.device) if segments else None
         generate += time.perf_counter() - t0
-        heads = run.network.heads(run.normalize(to_input(canvases.images, run.device)))
+        heads: tuple[torch.Tensor, ...] = run.network.heads(run.normalize(to_input(canvases.images, run.device)))
         focal, size_l1, off_l1 = losses(heads, targets)
-        loss = focal + SIZE_WEIGHT * size_l1 + off_l1
+        mask = torch.zeros(())
+        if masks is not None:
+            mask = mask_loss(heads[3], heads[4], targets.index, targets.mask, masks[0], masks[1])
+        loss = focal + SIZE_WEIGHT * size_l1 + off_l1 + MASK_WEIGHT * mask
         run.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         run.optimizer.step()
         run.scheduler.step()
         run.step += 1
-        sums += [float(v.detach()) for v in (loss, focal, size_l1, off_l1)]
+        sums += [float(v.detach()) for v in (loss, focal, size_l1, off_l1, mask)]
         progress.advance(sums[0] / done, 0.0)
     duration = time.perf_counter() - started
     run.generate_s += generate
     mean = (sums / run.steps_per_epoch).tolist()
     return DetectionEpoch(
         epoch=epoch, steps=run.steps_per_epoch, loss=mean[0], heatmap_loss=mean[1], size_loss=mean[2],
-        offset_loss=mean[3], duration_s=duration, generate_s=generate,
+        offset_loss=mean[3], mask_loss=mean[4] if segments else None, duration_s=duration, generate_s=generate,
         canvases_per_s=run.steps_per_epoch * run.config.batch_size / duration,
     )  # fmt: skip
 
@@ -190,7 +194,7 @@ def evaluate(
     network.eval()
     found = []
     for i in range(0, len(canvases), batch):
-        found += suppress(network(normalize(to_input(canvases.images[i : i + batch], device))))
+        found += suppress(network.candidates(normalize(to_input(canvases.images[i : i + batch], device))))
     truth = [canvases.objects(i) for i in range(len(canvases))]
     at_50 = average_precision(found, truth, num_classes=network.num_classes, iou=0.5)
     at_75 = average_precision(found, truth, num_classes=network.num_classes, iou=0.75)
@@ -199,7 +203,10 @@ def evaluate(
 
 def _check(config: TrainConfig) -> None:
     layout = get_architecture(config.arch).spec.output_layout
-    if layout != "candidates":  # torchvision's detectors (models/tv_detectors.py): suppressed rows, another loss
+    if layout not in (
+        "candidates",
+        "yolo-seg",
+    ):  # torchvision's detectors (models/tv_detectors.py): suppressed rows, another loss
         raise ConfigError(
             f"--arch {config.arch} is a detector this loop does not train (output_layout {layout}): train digitdet "
             "here, or train it elsewhere and export it with --weights W.pt (its torchvision state dict)"
@@ -212,11 +219,7 @@ def _check(config: TrainConfig) -> None:
         raise ConfigError("--resume is for classifiers for now: a detector's run is short, start it again")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("a detector trains in one process: start it without torchrun")
-    if config.epochs < 1 or config.batch_size < 1 or not (config.lr > 0 and math.isfinite(config.lr)):
-        raise ConfigError(
-            f"--epochs and --batch-size must be >= 1 and --lr > 0, got {config.epochs}, {config.batch_size}, "
-            f"{config.lr}"
-        )
+    validate(config)
 
 
 def _prepare(config: TrainConfig, spec: ModelSpec, device: torch.device, generator: CanvasParams | None) -> _Run:
@@ -244,33 +247,33 @@ def train_detector(
     ``config.seed``), for training and held-out canvases alike; recorded."""
     _check(config)
     started = time.perf_counter()
-    spec = get_architecture(config.arch).spec
-    if config.input_size is not None:
-        spec = with_input_size(spec, config.input_size)
+    spec = spec_for(config)
     spec = msgspec.structs.replace(spec, name=f"{config.arch}-{DATASET}", resize_size=spec.input.height)
     if generator is not None and generator.canvas_size != spec.input.height:
         raise ConfigError(f"the canvas size ({generator.canvas_size}) must be the input's ({spec.input.height})")
     run = _prepare(config, spec, resolve_device(config.device), generator)
-    threads, previous = detect_threads(), torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        history = []
-        for epoch in range(1, config.epochs + 1):
-            history.append(_epoch(run, epoch, progress))
-            h = history[-1]
-            progress.note(
-                f"epoch {epoch:>3}/{config.epochs}  loss {h.loss:.4f} (heatmap {h.heatmap_loss:.3f}, size "
-                f"{h.size_loss:.3f}, offset {h.offset_loss:.3f})  {h.duration_s:.1f} s, {h.canvases_per_s:.0f} "
-                f"canvases/s ({h.generate_s:.1f} s making them)"
-            )
-        eval_started = time.perf_counter()
-        count = min(HELDOUT_CANVASES, (config.limit_batches or HELDOUT_CANVASES) * config.batch_size)
-        heldout = make_canvases(run.params, count, pool=digit_pool("heldout"), seed=run.params.heldout_seed)
-        figures = evaluate(run.network, run.normalize, heldout, run.device)
-        eval_s = time.perf_counter() - eval_started
-    finally:
-        torch.set_num_threads(previous)
-    record = _record(run, spec, history, figures, count, threads, eval_s, started)
+    # Torch's own thread count (every usable core, or OMP_NUM_THREADS), recorded. On a 2-core VM busy with other
+    # work (load 3.6) a step took 0.8 s on one thread and 3-4.5 s on two: set OMP_NUM_THREADS=1 there.
+    threads = torch.get_num_threads()
+    history = []
+    for epoch in range(1, config.epochs + 1):
+        history.append(_epoch(run, epoch, progress))
+        h = history[-1]
+        progress.note(
+            f"epoch {epoch:>3}/{config.epochs}  loss {h.loss:.4f} (heatmap {h.heatmap_loss:.3f}, size "
+            f"{h.size_loss:.3f}, offset {h.offset_loss:.3f}"
+            + (f", mask {h.mask_loss:.3f}" if h.mask_loss is not None else "")
+            + f")  {h.duration_s:.1f} s, {h.canvases_per_s:.0f} "
+            f"canvases/s ({h.generate_s:.1f} s making them)"
+        )
+    eval_started = time.perf_counter()
+    count = min(HELDOUT_CANVASES, (config.limit_batches or HELDOUT_CANVASES) * config.batch_size)
+    heldout = make_canvases(run.params, count, pool=digit_pool("heldout"), seed=run.params.heldout_seed,
+                            masks=run.segments)  # fmt: skip
+    figures = evaluate(run.network, run.normalize, heldout, run.device)
+    masks = evaluate_masks(run.network, run.normalize, spec, heldout, run.device) if run.segments else None
+    eval_s = time.perf_counter() - eval_started
+    record = _record(run, spec, history, figures, masks, count, threads, eval_s, started)
     if config.out:
         save_checkpoint(config.out, state_dict=run.network.state_dict(), spec=spec, record=record)
     return TrainResult(spec=spec, record=record, path=config.out or None)
@@ -285,6 +288,7 @@ def _record(
     spec: ModelSpec,
     history: list[DetectionEpoch],
     figures: tuple[float, tuple[float, ...], float, tuple[float, ...]],
+    masks: tuple[float, float, float] | None,
     heldout: int,
     threads: int,
     eval_s: float,
@@ -298,16 +302,13 @@ def _record(
         map_50=float(figures[0]), map_75=float(figures[2]), ap_50=_per_class(spec.labels, figures[1]),
         ap_75=_per_class(spec.labels, figures[3]), steps=run.step, canvases_seen=run.step * config.batch_size,
         max_detections=run.network.max_detections, threads=threads, generate_s=run.generate_s, eval_s=eval_s,
-        history=tuple(history),
+        history=tuple(history), mask_ap=masks[0] if masks else None, mask_ap_50=masks[1] if masks else None,
+        mask_ap_75=masks[2] if masks else None, mask_evaluator=MASK_EVALUATOR if masks else None,
     )  # fmt: skip
     return TrainRecord(
         dataset=DATASET, epochs=config.epochs, batch_size=config.batch_size, lr=config.lr, seed=config.seed,
         device=str(run.device), world_size=1, train_size=run.step * config.batch_size, val_size=heldout,
         val_accuracy=None, duration_s=time.perf_counter() - started, history=(),
-        versions={
-            "torch": str(torch.__version__),
-            "torchvision": str(torchvision.__version__),
-            "python": platform.python_version(),
-        },
+        versions=library_versions(),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"), detection=detection,
     )  # fmt: skip

@@ -1,14 +1,9 @@
 """Detection quality: all-point average precision per class at an IoU threshold, and its mean over classes (mAP).
 
-The definition (PASCAL VOC 2010 onwards, and COCO's per-threshold AP without its 101-point sampling): per class,
-every detection of every image in descending score order; one is a true positive when its best-overlapping ground
-truth box of that class in its image has IoU >= the threshold and was not matched by a higher-scoring detection,
-else a false positive (a duplicate of a matched box counts against it). AP is the area under the precision-recall
-curve after making precision monotone (each point's precision the best at any higher recall), summed at every
-point where recall changes. A class with no ground truth box has no AP and is left out of the mean.
-
-Detections are suppressed per class first (:func:`suppress`, torchvision's ``batched_nms``), as the server does with
-its own implementation.
+The definition is :data:`AP_DEFINITION` (PASCAL VOC 2010 onwards, and COCO's per-threshold AP without its 101-point
+sampling): AP is the area under the precision-recall curve made monotone, summed at every point where recall
+changes. Detections are suppressed per class first (:func:`suppress`, torchvision's ``batched_nms``), as the server
+does with its own implementation.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 STRIDE = 4  # input pixels per head cell
-OUTPUT_COLUMNS = ("x1", "y1", "x2", "y2", "score", "class")
 _PRIOR = 0.1  # the heatmap's initial probability everywhere (CenterNet's -2.19 bias): a stable start for focal loss
 
 
@@ -80,6 +79,10 @@ class DigitDet(nn.Module):
         logits, size, offset = self.heads(x)
         return decode(logits, size, offset, max_detections=self.max_detections, input_hw=x.shape[-2:])
 
+    def candidates(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows ``[N, K, 6]`` its boxes are judged on (a detector's forward; a segmenter's boxes alone)."""
+        return self(x)
+
 
 def decode(
     logits: torch.Tensor,
@@ -94,6 +97,18 @@ def decode(
     K is ``max_detections``, or every position when the map has fewer (a tiny input). Only ops that torch.export
     and ONNX (opset 17) take with a dynamic batch: Sigmoid, MaxPool, Equal, TopK, integer Div, GatherElements.
     """
+    return decode_cells(logits, size, offset, max_detections=max_detections, input_hw=input_hw)[0]
+
+
+def decode_cells(
+    logits: torch.Tensor,
+    size: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    max_detections: int,
+    input_hw: tuple[int, int] | torch.Size,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode`'s rows, and each one's head cell (flattened, ``[N, K]``: a segmenter's coefficients' place)."""
     _, classes, h, w = logits.shape
     heat = torch.sigmoid(logits)
     peaks = heat * (F.max_pool2d(heat, 3, stride=1, padding=1) == heat).to(heat.dtype)
@@ -113,4 +128,4 @@ def decode(
     y1 = (cy - wh[:, 1] / 2).clamp(0.0, height)
     x2 = (cx + wh[:, 0] / 2).clamp(0.0, width)
     y2 = (cy + wh[:, 1] / 2).clamp(0.0, height)
-    return torch.stack([x1, y1, x2, y2, scores, cls.to(heat.dtype)], dim=2)
+    return torch.stack([x1, y1, x2, y2, scores, cls.to(heat.dtype)], dim=2), pixel

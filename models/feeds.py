@@ -8,6 +8,7 @@ in-memory feed (digits, synthetic, small folders) indexes one uint8 tensor; the 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import NamedTuple, Protocol
 
 import torch
@@ -34,12 +35,7 @@ def even_batches(count: int, batch_size: int) -> list[tuple[int, int]]:
         return []
     batches = -(-count // batch_size)
     base, extra = divmod(count, batches)
-    spans, start = [], 0
-    for b in range(batches):
-        stop = start + base + (1 if b < extra else 0)
-        spans.append((start, stop))
-        start = stop
-    return spans
+    return list(pairwise(b * base + min(b, extra) for b in range(batches + 1)))  # the first ``extra`` take one more
 
 
 class Feed(Protocol):

@@ -1,16 +1,8 @@
 """Training on an image folder: ``folder:PATH``, streamed through DataLoader workers or held in memory.
 
-Layout: one sub-folder per class (torchvision's ImageFolder), or ``train/`` and ``val/`` (or ``validation/``)
-each holding the class folders; without those, a fixed stratified fifth of each class is validated.
-
-Streaming decodes each image lazily in a worker process (``--workers N``), with pinned memory on CUDA and
-prefetching, so memory stays flat in the folder's size. Training images get :mod:`models.augment`'s random
-resized crop and flip (off with ``--no-augment``); validation images get exactly the served transform
-(:func:`service.core.preprocess.decode_opened`, the very function serving calls). An image that cannot be read
-is skipped and named in the training record, never a crash mid-epoch; a class with no images is refused before
-training starts.
-
-Small folders trained without workers are decoded once into memory instead (:func:`choose_mode`).
+The layouts, streaming, augmentation and skipping rules are README's ("Training on your own images"). Validation
+images get exactly the served transform (:func:`service.core.preprocess.decode_opened`, the very function serving
+calls); small folders trained without workers are decoded once into memory instead (:func:`choose_mode`).
 """
 
 from __future__ import annotations
@@ -26,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from models.augment import Augmentation, augment_pil
-from models.datasets import _FOLDER_LIMITS, IMAGE_EXTENSIONS
+from models.datasets import _FOLDER_LIMITS, class_files
 from models.datasets import _split as stratified_split
 from models.feeds import Batch, MemoryFeed, even_batches
 from service.core.errors import DatasetError
@@ -62,32 +54,13 @@ class FolderIndex:
     layout: str  # "train/val folders" or "stratified split"
 
 
-def _class_files(root: Path, required: bool) -> dict[str, list[str]]:
-    classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise DatasetError(f"dataset folder {root} has no class folders: expected one sub-folder per class")
-    out: dict[str, list[str]] = {}
-    for folder in classes:
-        found = sorted(
-            str(p)
-            for p in folder.rglob("*")
-            if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_EXTENSIONS
-        )
-        if not found and required:
-            raise DatasetError(f"class folder {folder} holds no images (looked for {', '.join(IMAGE_EXTENSIONS)})")
-        out[folder.name] = found
-    return out
-
-
 def scan_folder(root: str | Path) -> FolderIndex:
     """List a folder's images and split them; an empty class or a stray validation class is refused here."""
     root = Path(root)
-    if not root.is_dir():
-        raise DatasetError(f"dataset folder {root} does not exist or is not a folder")
     val_dir = next((root / n for n in VAL_FOLDERS if (root / n).is_dir()), None)
     if (root / "train").is_dir() and val_dir is not None:
-        train = _class_files(root / "train", required=True)
-        val = _class_files(val_dir, required=False)
+        train = class_files(root / "train", required=True)
+        val = class_files(val_dir, required=False)
         stray = sorted(set(val) - set(train))
         if stray:
             raise DatasetError(f"{val_dir} has classes that {root / 'train'} lacks: {', '.join(stray)}")
@@ -100,7 +73,7 @@ def scan_folder(root: str | Path) -> FolderIndex:
             return Split(paths, targets)
 
         return FolderIndex(root, labels, split(train), split(val), "train/val folders")
-    files = _class_files(root, required=True)
+    files = class_files(root, required=True)
     labels = tuple(files)
     paths = [p for name in labels for p in files[name]]
     targets = np.array([i for i, name in enumerate(labels) for _ in files[name]], dtype=np.int64)
@@ -253,11 +226,6 @@ class StreamFeed:
         self.train_loader = self.val_loader = None  # type: ignore[assignment]
 
 
-def memory_bytes(index: FolderIndex, spec: ModelSpec) -> int:
-    per_image = spec.input.channels * spec.input.height * spec.input.width
-    return (len(index.train.paths) + len(index.val.paths)) * per_image
-
-
 def choose_mode(requested: str, index: FolderIndex, spec: ModelSpec, workers: int) -> str:
     """``memory`` or ``stream``. ``auto`` holds a folder in memory only when it is small (``MEMORY_MODE_MAX_BYTES``)
     and no workers would decode it alongside the training loop: with a worker, streaming overlaps decoding with
@@ -267,7 +235,8 @@ def choose_mode(requested: str, index: FolderIndex, spec: ModelSpec, workers: in
         raise DatasetError(f"--loader must be one of {', '.join(MODES)}, got {requested!r}")
     if requested != "auto":
         return requested
-    return "memory" if workers == 0 and memory_bytes(index, spec) <= MEMORY_MODE_MAX_BYTES else "stream"
+    size = (len(index.train.paths) + len(index.val.paths)) * spec.input.channels * spec.input.height * spec.input.width
+    return "memory" if workers == 0 and size <= MEMORY_MODE_MAX_BYTES else "stream"
 
 
 def decode_all(
@@ -294,32 +263,15 @@ def decode_all(
 
 
 def memory_feed(
-    index: FolderIndex,
-    spec: ModelSpec,
-    *,
-    batch_size: int,
-    seed: int,
-    workers: int,
-    rank: int = 0,
-    world: int = 1,
-    augmentation: Augmentation | None = None,
+    index: FolderIndex, spec: ModelSpec, *, workers: int, **options: Any
 ) -> tuple[MemoryFeed, list[tuple[str, str]]]:
-    """The folder decoded once (by ``workers`` processes) into a :class:`MemoryFeed`, and the files it skipped."""
-    train_images, train_targets, skipped = decode_all(index.train, spec, workers)
-    val_images, val_targets, val_skipped = decode_all(index.val, spec, workers)
+    """The folder decoded once (by ``workers`` processes) into a :class:`MemoryFeed` (``options``: its batch size,
+    seed, rank, world and augmentation), and the files it skipped."""
+    train, val = decode_all(index.train, spec, workers), decode_all(index.val, spec, workers)
     feed = MemoryFeed(
-        name=f"folder:{index.root}",
-        labels=index.labels,
-        train=(train_images, train_targets),
-        val=(val_images, val_targets),
-        batch_size=batch_size,
-        seed=seed,
-        rank=rank,
-        world=world,
-        spec=spec,
-        augmentation=augmentation,
+        name=f"folder:{index.root}", labels=index.labels, train=train[:2], val=val[:2], spec=spec, **options
     )
-    return feed, skipped + val_skipped
+    return feed, train[2] + val[2]
 
 
 def validation_sample(root: str | Path, spec: ModelSpec, limit: int = 512) -> np.ndarray | None:

@@ -35,6 +35,15 @@ def accuracy_warnings(history: list[EpochRecord]) -> tuple[str, ...]:
     )
 
 
+def library_versions() -> dict[str, str]:
+    """The versions a training record names."""
+    return {
+        "torch": str(torch.__version__),
+        "torchvision": str(torchvision.__version__),
+        "python": platform.python_version(),
+    }
+
+
 def training_record(
     config: TrainConfig,
     feed: Feed,
@@ -62,11 +71,7 @@ def training_record(
         val_accuracy=history[-1].val_accuracy,
         duration_s=time.perf_counter() - started,
         history=tuple(history),
-        versions={
-            "torch": str(torch.__version__),
-            "torchvision": str(torchvision.__version__),
-            "python": platform.python_version(),
-        },
+        versions=library_versions(),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         loader=feed.mode,
         workers=feed.workers,

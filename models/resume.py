@@ -5,17 +5,13 @@ Stored in the checkpoint's ``resume`` entry as tensors, numbers and strings only
 run would have given: the shuffling and the augmentation of an epoch depend only on (seed, epoch), and the
 process-wide generators (dropout, the in-memory shuffle) are put back as they were.
 
-A larger ``--epochs`` than the checkpoint's extends the run. The one-cycle schedule is then rebuilt for the new
-total and fast-forwarded to the steps already done, so epochs N+1..M get the learning rates (and momentum) that
-epochs N+1..M of a run started with ``--epochs M`` would have had: the rate climbs back from the end of the old
-cycle to where the longer cycle stands (a warm restart) and anneals to its floor by epoch M. This is what a user
-of torchvision's reference scripts gets from ``--resume`` with a larger ``--epochs`` on their default step
-schedule, whose rate depends on the epoch alone: the run carries on as if the larger count had been asked for
-from the start. The other reading, a fresh segment from the current rate, would go on at the rate a finished
-one-cycle ends on (the peak / 250 000) and learn next to nothing; a second full cycle (warm-up to the peak again)
-would undo more of what the first converged to. (Their cosine schedule reloads its old length, ``T_max``, with
-the scheduler's state and climbs again past it: not a behaviour to copy.) The record lists each extension
-(:class:`~models.checkpoint.Extension`).
+A larger ``--epochs`` extends the run on the one-cycle schedule rebuilt for the new total and fast-forwarded (README,
+"Training on your own images"): what a user of torchvision's reference scripts gets from ``--resume`` with a larger
+``--epochs`` on their step schedule, whose rate depends on the epoch alone. The other reading, a fresh segment from
+the current rate, would go on at the rate a finished one-cycle ends on (the peak / 250 000) and learn next to
+nothing; a second full cycle (warm-up to the peak again) would undo more of what the first converged to. (Their
+cosine schedule reloads its old length, ``T_max``, with the scheduler's state and climbs again past it: not a
+behaviour to copy.)
 """
 
 from __future__ import annotations
@@ -28,7 +24,9 @@ import numpy as np
 import torch
 
 from models.checkpoint import Checkpoint, Extension, TrainRecord
+from models.config import TrainConfig
 from service.core.errors import ConfigError
+from service.core.spec import ModelSpec
 
 RESUME_FORMAT = 1
 
@@ -62,37 +60,26 @@ def capture(
     return state
 
 
-def check_compatible(
-    ckpt: Checkpoint,
-    *,
-    arch: str,
-    dataset: str,
-    labels: tuple[str, ...],
-    input_size: int,
-    epochs: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    world: int,
-) -> TrainRecord:
-    """The run to resume must be the checkpoint's: same architecture, data and classes, input size, batch size,
-    peak learning rate, seed and number of processes; any of them changed is refused, naming the flag and both
-    values. ``--epochs`` may grow past the checkpoint's (the run is extended, see :func:`extensions`), never
-    shrink. Where and how the run goes on may change too: ``--out``, ``--device``, ``--workers``, ``--loader``."""
-    record = ckpt.record
+def check_compatible(ckpt: Checkpoint, config: TrainConfig, dataset: str, spec: ModelSpec, world: int) -> TrainRecord:
+    """The run to resume (``config`` on ``dataset`` at ``spec``, in ``world`` processes) must be the checkpoint's:
+    same architecture, data and classes, input size, batch size, peak learning rate, seed and number of processes;
+    any of them changed is refused, naming the flag and both values. ``--epochs`` may grow past the checkpoint's
+    (the run is extended, see :func:`extensions`), never shrink. Where and how the run goes on may change too:
+    ``--out``, ``--device``, ``--workers``, ``--loader``."""
+    record, epochs = ckpt.record, config.epochs
     assert record is not None
     wanted = {
-        "arch": (ckpt.spec.architecture, arch),
+        "arch": (ckpt.spec.architecture, config.arch),
         "dataset": (record.dataset, dataset),
-        "input-size": (ckpt.spec.input.height, input_size),
-        "batch-size": (record.batch_size, batch_size),
-        "lr": (record.lr, lr),
-        "seed": (record.seed, seed),
+        "input-size": (ckpt.spec.input.height, spec.input.height),
+        "batch-size": (record.batch_size, config.batch_size),
+        "lr": (record.lr, config.lr),
+        "seed": (record.seed, config.seed),
         "processes (world size)": (record.world_size, world),
     }
     differ = [f"--{k} {old!r} in the checkpoint, {new!r} now" for k, (old, new) in wanted.items() if old != new]
-    if ckpt.spec.labels != labels:
-        differ.append(f"the classes {_few(ckpt.spec.labels)} in the checkpoint, {_few(labels)} now")
+    if ckpt.spec.labels != spec.labels:
+        differ.append(f"the classes {_few(ckpt.spec.labels)} in the checkpoint, {_few(spec.labels)} now")
     if differ:
         raise ConfigError(
             "--resume continues the same run, but "

@@ -88,7 +88,8 @@ def best_path_for(out: str | Path) -> Path:
     return out.with_name(f"{out.stem}.best{out.suffix or '.pt'}")
 
 
-def _spec_for(config: TrainConfig, dataset_labels: tuple[str, ...] | None = None) -> ModelSpec:
+def spec_for(config: TrainConfig, dataset_labels: tuple[str, ...] | None = None) -> ModelSpec:
+    """The architecture's spec at the run's input size, with the dataset's labels when given."""
     spec = get_architecture(config.arch).spec
     if config.input_size is not None:
         spec = with_input_size(spec, config.input_size)
@@ -97,7 +98,8 @@ def _spec_for(config: TrainConfig, dataset_labels: tuple[str, ...] | None = None
     return spec
 
 
-def _validate(config: TrainConfig) -> None:
+def validate(config: TrainConfig) -> None:
+    """Refuse settings no run can take, naming the flag and the value."""
     if config.epochs < 1:
         raise ConfigError(f"--epochs must be an integer >= 1, got {config.epochs}")
     if config.batch_size < 1:
@@ -110,12 +112,6 @@ def _validate(config: TrainConfig) -> None:
         raise ConfigError(f"--limit-batches must be an integer >= 1, got {config.limit_batches}")
     if config.loader not in ("auto", "memory", "stream"):
         raise ConfigError(f"--loader must be auto, memory or stream, got {config.loader!r}")
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 @contextlib.contextmanager
@@ -142,12 +138,6 @@ def evaluate(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, devi
     return evaluate_batches(model, batches, device)[0]
 
 
-def _amp_dtype(device: torch.device) -> torch.dtype | None:
-    if device.type != "cuda":
-        return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-
-
 def _compute_threads(device: torch.device, feed: Feed, threads: int) -> int:
     """On the CPU, streaming workers decode on cores of their own: the loop's intra-op threads keep off them.
     Measured on a busy 2-core VM: mobilenet_v3_small trained at 80 images/s on one thread and at 11 on two, its
@@ -166,17 +156,17 @@ def _make_feed(
         index = scan_folder(config.dataset.removeprefix("folder:"))  # an empty class is refused here
         workers = default_workers() if config.workers is None else config.workers
         augmentation = augmentation_for(config.arch) if config.augment else None
-        common = {
-            "batch_size": config.batch_size,
-            "seed": config.seed,
-            "workers": workers,
-            "rank": rank,
-            "world": world,
-            "augmentation": augmentation,
-        }
+        common: dict[str, Any] = dict(
+            batch_size=config.batch_size,
+            seed=config.seed,
+            workers=workers,
+            rank=rank,
+            world=world,
+            augmentation=augmentation,
+        )
         if choose_mode(config.loader, index, spec, workers) == "memory":
-            return memory_feed(index, spec, **common)  # type: ignore[arg-type]
-        return StreamFeed(index, spec, pin_memory=device.type == "cuda", **common), []  # type: ignore[arg-type]
+            return memory_feed(index, spec, **common)
+        return StreamFeed(index, spec, pin_memory=device.type == "cuda", **common), []
     data = dataset or load_dataset(config.dataset, spec)
     feed = MemoryFeed(
         name=data.name,
@@ -239,7 +229,7 @@ def train(
     dataset: Dataset | None = None,
 ) -> TrainResult:
     """Train ``config.arch`` on ``config.dataset``; rank 0 writes ``config.out`` each epoch (unless it is empty)."""
-    _validate(config)
+    validate(config)
     progress = progress or BatchProgress()
     device = resolve_device(config.device)
     resume_from = load_resume_state(config.resume) if config.resume else None
@@ -271,11 +261,13 @@ def _prepare(
     device: torch.device,
 ) -> _Run:
     """The feed, the network (resumed, or from ``--weights``) on the device, its optimiser, and the state so far."""
-    feed, skipped_list = _make_feed(config, _spec_for(config), dataset, rank, world, device)
-    spec = _spec_for(config, feed.labels)
+    feed, skipped_list = _make_feed(config, spec_for(config), dataset, rank, world, device)
+    spec = spec_for(config, feed.labels)
     if feed.train_size == 0:
         raise ConfigError(f"dataset {config.dataset} has no training images")
-    _seed_everything(config.seed)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
     network = get_architecture(config.arch).build(num_classes=len(feed.labels))
     previous = _load_start(config, network, feed.name, spec, world, resume_from)
     model, train_model = _place(network, spec, device, world)
@@ -303,18 +295,7 @@ def _load_start(
 ) -> TrainRecord | None:
     """Load the weights the run starts from; the interrupted run's record when resuming."""
     if resume_from is not None:
-        previous = resuming.check_compatible(
-            resume_from[0],
-            arch=config.arch,
-            dataset=dataset,
-            labels=spec.labels,
-            input_size=spec.input.height,
-            epochs=config.epochs,
-            batch_size=config.batch_size,
-            lr=config.lr,
-            seed=config.seed,
-            world=world,
-        )
+        previous = resuming.check_compatible(resume_from[0], config, dataset, spec, world)
         apply_weights(network, resume_from[0].state_dict, source=str(config.resume))
         return previous
     if config.weights:
@@ -347,7 +328,7 @@ def _optimiser(
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=config.lr, total_steps=config.epochs * steps_per_epoch, pct_start=0.2
     )
-    amp_dtype = _amp_dtype(device)
+    amp_dtype = None if device.type != "cuda" else torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     return optimizer, scheduler, scaler, amp_dtype
 

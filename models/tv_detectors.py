@@ -1,27 +1,10 @@
 """torchvision's COCO detectors behind the uint8 front: ``[N, K, 6]`` rows, already suppressed ("end2end").
 
-torchvision's detectors resize, suppress and postprocess inside and answer a list of ``{boxes, scores, labels}``
-per image; :class:`TorchvisionDetector` takes the float batch the uint8 front makes (x / 255: the detector applies
-its own mean and std) and answers fixed-size rows ``x1, y1, x2, y2, score, class`` in input pixels, each image's
-K best (the model's detections per image) padded with zero rows. The class is torchvision's COCO category number
-(the 91-entry list, ``__background__`` and ``N/A`` included), so ``labels[class]`` names it.
-
-Built without weights (never downloaded), the detectors are made to answer something a parity gate can check:
-
-- the score threshold is 0, so every image has its K best rows whatever their scores (with real weights the rows
-  above torchvision's own thresholds are unchanged: suppression is per class, and a lower-scoring box never removes
-  a higher one); the server's ``score_threshold`` then cuts them per request;
-- their batch-norm statistics are recalibrated on seeded noise (torchvision's initialisation leaves ssdlite's
-  features at 1e-14 by the last stage: every score equal, every box the same), and the classification layer of the
-  heads that start near a constant score (a prior of 0.01, or weights of std 0.01) is drawn again for logits of
-  std 2 (a softmax) or 0.5 (a sigmoid per anchor) on that noise, so scores differ by image and anchor and many
-  exceed the gate's 0.05.
-
-A user's state dict (``--weights``) replaces all of it. Exports: TorchScript only (``torch.jit.script`` of the rows,
-called from the traced uint8 front, so the batch stays dynamic). ONNX is refused with the reason measured on torch
-2.14: ``torch.export`` stops in torchvision's ``batched_nms``, which branches on the number of boxes left after
-the score filter, a data-dependent size (``GuardOnDataDependentSymNode``), with a dynamic batch and a fixed batch
-of 2 alike.
+:class:`TorchvisionDetector` takes the float batch the uint8 front makes (x / 255: the detector applies its own mean
+and std) and answers each image's K best rows ``x1, y1, x2, y2, score, class`` in input pixels, padded with zero
+rows. Why the weightless detectors are built as they are (score threshold 0, batch-norm statistics from noise,
+classification layers drawn again), and why ONNX is refused, with the measurements: docs/detection.md,
+"torchvision's detectors from the zoo".
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from torch import nn
 
 from models.detector import DigitDet
 from models.registry import register
+from models.segmenter import DigitSeg
 from service.core.spec import InputSpec, ModelSpec
 
 DIGIT_LABELS = tuple(str(d) for d in range(10))
@@ -87,6 +88,29 @@ def smallcnn(*, num_classes: int = 10) -> nn.Module:
 )
 def digitdet(*, num_classes: int = 10) -> nn.Module:
     return DigitDet(num_classes=num_classes)
+
+
+@register(
+    "digitseg",
+    spec=ModelSpec(
+        name="digitseg",
+        architecture="digitseg",
+        input=InputSpec(channels=3, height=96, width=96),
+        resize_size=96,
+        mean=(0.5, 0.5, 0.5),
+        std=(0.5, 0.5, 0.5),
+        labels=DIGIT_LABELS,
+        task="segment",
+        resize="letterbox",
+        pad_value=0,  # as digitdet's: the canvases' ground is dark
+        output_layout="yolo-seg",
+        max_detections=100,
+    ),
+    description="digitdet with YOLACT-style masks: ultralytics' segmentation layout (the embedded segmenter)",
+    task="segment",
+)
+def digitseg(*, num_classes: int = 10) -> nn.Module:
+    return DigitSeg(num_classes=num_classes)
 
 
 def _torchvision_spec(name: str) -> ModelSpec:
