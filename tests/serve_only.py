@@ -63,6 +63,7 @@ def no_torch() -> None:
 def repository(root: Path) -> Path:
     shutil.copytree(SHIPPED, root / "digits")
     shutil.copytree(SHIPPED.parent / "digits-detect", root / "digits-detect")
+    shutil.copytree(SHIPPED.parent / "digits-segment", root / "digits-segment")
     shutil.copytree(SHIPPED, root / "spare")  # a broken TorchScript file beside the ONNX one
     (root / "spare" / "1" / "model.pt").write_bytes(b"PK\x03\x04 not a TorchScript archive")
     shutil.copytree(SHIPPED, root / "broken")  # its load raises (a runtime's own exception)
@@ -97,6 +98,12 @@ def serving(root: Path, log: Path) -> None:
         found = boxes.json()["results"][0]["detections"] if boxes.status_code == 200 else []
         check("the shipped detector finds the README canvas's digits",
               sorted(d["label"] for d in found) == CANVAS_DIGITS, boxes.text)  # fmt: skip
+        masks = httpx.post(f"{url}/v1/models/digits-segment/segment", content=CANVAS,
+                           headers={"Content-Type": "image/png"}, timeout=60)  # fmt: skip
+        outlined = masks.json()["results"][0]["instances"] if masks.status_code == 200 else []
+        check("the shipped segmenter outlines them, each mask COCO's RLE of the canvas (no torch here)",
+              sorted(i["label"] for i in outlined) == CANVAS_DIGITS
+              and all(i["mask"]["size"] == [192, 288] and i["area"] > 0 for i in outlined), masks.text)  # fmt: skip
         spare = httpx.post(f"{url}/v1/models/spare/classify", content=IMAGE, headers={"Content-Type": "image/png"})
         meta = httpx.get(f"{url}/v2/models/spare").json()
         check("a broken model.pt beside model.onnx: served from the ONNX one", spare.status_code == 200

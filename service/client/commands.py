@@ -191,8 +191,9 @@ async def run_files(
         output.write(str(path), result)
         if result.ok:
             tally.ok += 1
-            if isinstance(result, DetectedImage):
-                tally.boxes = (tally.boxes or 0) + len(result.detections or [])
+            if isinstance(result, DetectedImage | SegmentedImage):
+                found = result.detections if isinstance(result, DetectedImage) else result.instances
+                tally.boxes = (tally.boxes or 0) + len(found or [])
         else:
             tally.failed += 1
             key = reason or reason_of(result.error or "")

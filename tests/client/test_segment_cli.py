@@ -84,7 +84,7 @@ def test_coco_results_json_scored_by_cocoeval_with_the_folder_s_ids_and_overlays
     out, drawn = tmp_path / "results.json", tmp_path / "overlays"
     assert main(["segment", "--url", served.url, "--model", "seg", str(folder), "--no-progress", "--out", str(out),
                  "--annotations", str(truth), "--overlays", str(drawn)]) == 0  # fmt: skip
-    assert "segmented 3 images" in capsys.readouterr().err
+    assert "segmented 3 images" in (summary := capsys.readouterr().err) and "3 detections" in summary, summary
     results = json.loads(out.read_text())
     assert sorted(r["image_id"] for r in results) == [101, 102, 103] and {r["category_id"] for r in results} == {7}
     ap, ap_50 = segm_ap(truth, out)
