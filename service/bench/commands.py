@@ -118,6 +118,11 @@ RUN_LINES = [
         "{postprocess_ms_per_image:.3f} ms = {postprocess_share:.1%} of the forward ({candidates_per_image:.0f} "
         "candidates, {above_threshold_per_image:.1f} above the score threshold, {detections_per_image:.1f} kept)",
     ),
+    (
+        "answer_ms_per_image",
+        "    the server's whole answer (the task's postprocess: suppression, mapping, a segmenter's masks as RLE; the "
+        "rows): {answer_ms_per_image:.3f} ms = {answer_share:.1%} of the forward",
+    ),
     ("at_skipped", "  at 1,000 candidates: skipped ({at_skipped})"),
     (
         "at",

@@ -50,8 +50,8 @@ def _weights(coords: np.ndarray, size: int) -> np.ndarray:
     frac = (x - low).astype(np.float32)
     w = np.zeros((len(coords), size), dtype=np.float32)
     rows = np.arange(len(coords))
-    np.add.at(w, (rows, low), 1 - frac)
-    np.add.at(w, (rows, high), frac)
+    w[rows, low] = 1 - frac  # one (row, column) pair each: += on a fancy index adds once, as wanted
+    w[rows, high] += frac
     return w
 
 
@@ -152,17 +152,24 @@ def rle(mask: Mask) -> dict[str, object]:
 
 def _string(counts: list[int]) -> str:
     """pycocotools' ``rleToString``: each count (past the second, less the count two before) in 5-bit groups, low
-    first, each a character from 48 with 0x20 set while more follow."""
-    out = []
-    for i, count in enumerate(counts):
-        x = count - counts[i - 2] if i > 2 else count
-        more = True
-        while more:
-            c = x & 0x1F
-            x >>= 5
-            more = x != -1 if c & 0x10 else x != 0
-            out.append(chr(c + 48 + (0x20 if more else 0)))
-    return "".join(out)
+    first, each a character from 48 with 0x20 set while more follow. Vectorised over the counts, a pass per group
+    the largest needs; a Python loop over the characters took half of a segmenter's answer's time (digits-segment,
+    384 x 384 canvases, 2026-11-28)."""
+    x = np.asarray(counts, dtype=np.int64)
+    values = x.copy()
+    values[3:] -= x[1:-2]
+    groups = int(np.abs(values).max(initial=0)).bit_length() // 5 + 1  # enough for the largest, and its sign
+    chars = np.zeros((len(values), groups), dtype=np.uint8)
+    written = np.zeros((len(values), groups), dtype=bool)
+    active = np.ones(len(values), dtype=bool)
+    for k in range(groups):
+        group = values & 0x1F
+        values >>= 5  # arithmetic: a negative difference keeps its sign
+        more = np.where(group & 0x10, values != -1, values != 0) & active
+        chars[:, k] = group + 48 + 0x20 * more
+        written[:, k] = active
+        active = more
+    return chars[written].tobytes().decode()
 
 
 def png(mask: Mask) -> str:
