@@ -1,12 +1,8 @@
-"""The front end's one view of an engine: :class:`EngineLink`, with two sides.
-
-- Shared memory (:class:`SharedMemoryLinks`): the pixels go into this front end's arena and a small message to
-  each engine process (``service.transport``). What ``visionserve serve`` runs.
-- In process (``service.inprocess``): the engine runs on this event loop and the same messages are handed over
-  as objects. What the API tests, ``bench``, ``tune`` and the in-process client run, so a request can be stepped
-  through in one process. It lives above both rooms: the front end never imports the engine.
-
-Both pass the same contract test (``tests/frontend/test_link_contract.py``).
+"""The front end's one view of an engine: :class:`EngineLink`, with two sides, which pass the same contract test
+(``tests/transport/test_link_contract.py``): shared memory (:class:`SharedMemoryLinks`, what ``visionserve serve``
+runs: the pixels go into this front end's arena and a small message to each engine process), and in process
+(``service.inprocess``, above both rooms: the same messages handed over as objects on this event loop, so a request
+can be stepped through in one process).
 """
 
 from __future__ import annotations

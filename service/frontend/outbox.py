@@ -1,13 +1,6 @@
-"""The one delivery of answers to readers (docs/streams.md, docs/sources.md): a bounded :class:`Outbox` per reader,
-a stream session's client or a source's subscriber; and one stream session for both stream transports (the
-WebSocket route and gRPC's ``ModelStreamInfer``): a reader feeds a :class:`~service.frontend.stream.FrameStream`,
-whose answers go, encoded for the wire, through the session's outbox to one writer.
-
-A reader that leaves :data:`OUTBOX_LIMIT` answers unread is cut off rather than holding answers (and frames) in
-server memory or slowing a source; so is a client that does not take one within ``--stream-send-timeout-s``. The
-session ends once the client has closed its side or the server drains (every frame read is answered first), or at
-once when cut off; the transport's last word starts with "N frames read" (:meth:`StreamSession.frames_read`): the
-frames sent after those N were never read.
+"""The one delivery of answers to readers (docs/streams.md, docs/sources.md): a bounded :class:`Outbox` per reader, a
+stream session's client or a source's subscriber; and :class:`StreamSession`, the one stream session of both stream
+transports (the WebSocket route and gRPC's ``ModelStreamInfer``).
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""The Open Inference Protocol (KServe v2, as Triton speaks it) apart from its wire: what HTTP and gRPC share.
-
-Both protocols turn a request into :class:`Tensor` records and those into one request (:func:`ask_of`) for the one
-path (:mod:`service.frontend.request`); both describe a model with
-:func:`metadata` and :func:`model_config` (Triton's ``ModelConfig`` in its JSON form, which gRPC parses into the
-protobuf). So the two answer alike, with the same error messages, by construction.
-
-**Two ways of sending images, two honest names.** A model ``m`` takes either ``INPUT`` (UINT8 or FP32
-``[N, C, H, W]`` pixels, already preprocessed) or ``IMAGE`` (BYTES ``[N]``: encoded image files that the server
-decodes). Metadata lists exactly one input per name, so a tool that fills every listed input (perf_analyzer, a
-generic client) builds a valid request on its own:
-
-- ``m`` lists ``INPUT``: the tensor form any tool can fill;
-- ``m.image`` (:data:`IMAGE_SUFFIX`) lists ``IMAGE``: the same model version, engine and statistics.
-
-Either name also accepts the other input, so clients written for either way keep working. A model folder that is
-itself named ``m.image`` wins over the alias.
-
-**BYTES in JSON**: an element is the string itself, as UTF-8 (what tritonclient sends with ``binary_data=False``);
-with the input parameter ``"content_type": "base64"`` every element is base64 instead. For ``IMAGE`` an unmarked
-element written wholly in the base64 alphabet is also read as base64, since no image file format can be (JPEG, PNG,
-WebP and BMP headers all hold bytes outside it): earlier clients that sent base64 unmarked keep working.
-
-**max_batch_size** means what Triton's does: a v2 request whose batch is larger is refused (400); only the image
-API splits large requests across batches.
+"""The Open Inference Protocol (KServe v2, as Triton speaks it) apart from its wire: what HTTP and gRPC share, so both
+answer alike, with the same error messages, by construction. Both turn a request into :class:`Tensor` records and
+those into one request (:func:`ask_of`) for the one path (:mod:`service.frontend.request`); both describe a model
+with :func:`metadata` and :func:`model_config` (Triton's ``ModelConfig`` in its JSON form, which gRPC parses into
+the protobuf). The rules tools rely on (one input per name: ``m`` lists ``INPUT``, ``m.image`` lists ``IMAGE``;
+BYTES in JSON; ``max_batch_size``) are the README's "v2 rules existing tools rely on".
 """
 
 from __future__ import annotations
@@ -80,7 +61,7 @@ def server_ready(server: ServerState) -> bool:
 
 def is_ready(server: ServerState, slot: ModelSlot) -> bool:
     """Ready while its engine serves (DEGRADED does, from the fallback) and the server is not draining."""
-    return slot.engine.state().state in SERVING_STATES and not server.draining
+    return slot.engine.state in SERVING_STATES and not server.draining
 
 
 def platform(slot: ModelSlot) -> str:
@@ -88,11 +69,10 @@ def platform(slot: ModelSlot) -> str:
 
 
 def metadata(server: ServerState, named: Named) -> dict[str, Any]:
-    """Model metadata (the v2 JSON form): exactly one input, the one this name stands for. Its ``parameters`` are
-    scalars, as the v2 spec has them: the engine's state (:class:`EngineState`) one field a key, ``devices`` joined
-    with commas and ``note`` as ``state_reason`` ("" when there is none)."""
+    """Model metadata (the v2 JSON form): exactly one input, the one this name stands for, and the engine's state
+    as scalar ``parameters``, as the v2 spec has them."""
     slot, spec = named.slot, named.slot.spec
-    state = slot.engine.state()
+    state = slot.engine
     if named.view == IMAGE:
         inputs = [{"name": IMAGE, "datatype": "BYTES", "shape": [-1]}]
     else:
@@ -155,20 +135,16 @@ def model_config(named: Named) -> dict[str, Any]:
         "instance_group": [
             {"name": d, "count": config.instances, "kind": "KIND_GPU" if d.startswith("cuda") else "KIND_CPU",
              **({"gpus": [int(d.partition(":")[2] or 0)]} if d.startswith("cuda") else {})}
-            for d in slot.engine.state().devices
+            for d in slot.engine.devices
         ],
         "visionserve": msgspec.to_builtins(config),
     }  # fmt: skip
 
 
-# ---- requests ---------------------------------------------------------------------------------------------------
-
-
 def raw_tensor(view: str, dims: list[int], body: bytes) -> Tensor:
-    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): no JSON at all, the whole body is the
-    data of the model's one input, batch 1. For ``IMAGE`` (Triton's dims ``[1]``, one BYTES element) that is one
-    encoded image file; for ``INPUT`` (fixed dims ``[C, H, W]``) one image's UINT8 pixels, exactly C*H*W bytes, as
-    Triton deduces no other shape for them."""
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the whole body is the data of the
+    model's one input, batch 1: an encoded image file for ``IMAGE``; for ``INPUT`` (fixed dims ``[C, H, W]``) one
+    image's UINT8 pixels, exactly C*H*W bytes, as Triton deduces no other shape for them."""
     if view == IMAGE:
         return Tensor(IMAGE, "BYTES", [1], [body])
     size = math.prod(dims)
@@ -234,7 +210,7 @@ def images_from(tensor: Tensor) -> list[bytes]:
 
 
 def _json_hint(tensor: Tensor) -> str:
-    """Why a JSON string did not decode: it was taken as the string itself (the rule in this module's docstring)."""
+    """Why a JSON string did not decode: it was taken as the string itself (BYTES in JSON, the README's rule)."""
     if isinstance(tensor.payload, bytes) or not any(isinstance(x, str) for x in tensor.payload):
         return ""
     return (
@@ -306,9 +282,6 @@ def ask_of(server: ServerState, slot: ModelSlot, inputs: list[Tensor], want: Wan
     raise BadInputError(f"unknown input {tensor.name!r}: this model takes IMAGE (BYTES) or INPUT (UINT8/FP32)")
 
 
-# ---- statistics -------------------------------------------------------------------------------------------------
-
-
 def _duration(count: int, ns: int = 0) -> dict[str, int]:
     return {"count": count, "ns": ns}
 
@@ -365,9 +338,6 @@ async def model_statistics(
     return [_stats(slot, merged.get((slot.name, slot.version.version), {})) for slot in slots]
 
 
-# ---- repository -------------------------------------------------------------------------------------------------
-
-
 async def repository_index(server: ServerState, ready: bool = False) -> list[dict[str, Any]]:
     """Every model in the repository with its state; with ``ready``, only the ones ready (Triton's ``ready`` flag
     on the index request, HTTP and gRPC alike)."""
@@ -385,11 +355,10 @@ async def unload(server: ServerState, name: str) -> None:
 
 
 def require_admin(server: ServerState, authorization: str, *, what: str = "repository control", hint: str = "") -> None:
-    """The one admin check of every protocol: HTTP's guards (the control routes' and the sources') and gRPC's admin
-    RPCs all call it. Off unless an admin token is configured, and then needs ``Bearer <token>``, compared in
-    constant time (:func:`hmac.compare_digest`: a wrong token is refused in the same time whatever prefix of the
-    right one it shares, so the answer's timing does not spell the token out byte by byte). ``what`` names what
-    was refused in the message, ``hint`` adds where else the token may be given."""
+    """The one admin check of every protocol (HTTP's guards, gRPC's admin RPCs): off unless an admin token is
+    configured, then ``Bearer <token>``, compared in constant time (:func:`hmac.compare_digest`), so the answer's
+    timing does not spell the token out byte by byte. ``what`` names what was refused, ``hint`` where else the token
+    may be given."""
     token = server.settings.admin_token
     if not token:
         raise ForbiddenError(f"{what} needs the admin token, and this server has none: start it with --admin-token")

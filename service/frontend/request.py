@@ -1,11 +1,8 @@
-"""One request path for every protocol: v2 over HTTP and gRPC, the image API, and each frame of both streams.
-
-A protocol parses its request into one record (:class:`Ask`: encoded images or a pixel tensor, what the answer
-holds, priority, deadline) and encodes the :class:`Answer`; everything between is here, once: resolve and route
-(:func:`target`), then :func:`answer` (the request's record, however it ends, around parse, decode, infer, the
-version that answered (:func:`answered_version`), the task's postprocessing (:func:`postprocess`) and encoding,
-timed as ``postprocess``). A stream resolves once and runs each frame through :func:`run`, the same path less the
-parse, observed from the engine step on (a stream's request is a frame that reached the engine, docs/streams.md).
+"""One request path for every protocol: v2 over HTTP and gRPC, the image API, and each frame of both streams. A
+protocol parses its request into one record (:class:`Ask`) and encodes the :class:`Answer`; everything between is
+here, once: resolve and route (:func:`target`), then :func:`answer`, which records the request however it ends
+around parse and :func:`run` (decode, infer, the task's postprocessing and the encoding). A stream resolves once
+and runs each frame through :func:`run`, observed from the engine step on (docs/streams.md).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from service.frontend.timing import Timing
 
 T = TypeVar("T")
 # A model ``m`` is reached as ``m`` (its metadata lists INPUT, pixels) or ``m.image`` (IMAGE, encoded files):
-# service.frontend.protocol says why.
+# the README's v2 rules say why.
 IMAGE_SUFFIX = ".image"
 TENSOR, IMAGE = "INPUT", "IMAGE"
 
@@ -46,8 +43,8 @@ class Named:
 
 
 def resolve(server: ServerState, name: str, version: int | str | None = None) -> Named:
-    """The slot behind ``name`` (``m`` or ``m.image``); NotFoundError as ``server.slot``, BadInputError for a version
-    that is not one (:func:`~service.core.parameters.version_number`)."""
+    """The slot behind ``name`` (``m``, or ``m.image`` where no model folder has that name); NotFoundError as
+    ``server.slot``, BadInputError for a version that is not one."""
     number = version_number(version)
     if name.endswith(IMAGE_SUFFIX) and name not in server.slots and name[: -len(IMAGE_SUFFIX)] in server.slots:
         return Named(server.slot(name[: -len(IMAGE_SUFFIX)], number), name, IMAGE)
@@ -97,11 +94,9 @@ class Answer:
 
 
 class Expired(Exception):
-    """A frame too old to compute, found at ``stage`` (``decode``: it aged while decoded)."""
+    """A frame too old to compute: it aged past its deadline while it was decoded."""
 
-    def __init__(self, stage: str) -> None:
-        super().__init__(stage)
-        self.stage = stage
+    stage = "decode"
 
 
 def target(
@@ -268,7 +263,7 @@ async def _infer(
     if ask.expires is not None:
         timeout_ms = (ask.expires - time.perf_counter()) * 1000.0
         if timeout_ms <= 0:
-            raise Expired("decode")
+            raise Expired
     if observe is None:
         return await slot.infer(batch, timing, priority=ask.priority, timeout_ms=timeout_ms, route=route)
     with slot.observe(timing, protocol=observe):

@@ -1,10 +1,6 @@
-"""One front-end process: the app on uvicorn (uvloop and httptools where installed), with a graceful SIGTERM.
-
-The supervisor starts it with ``python -m service.frontend.server`` and its launch record (the settings, its
-name, its shared-memory arena, the engines' endpoints and the listening socket it inherits) in the environment.
-On SIGTERM readiness turns false and new inference is refused with 503 at once, while connections are still
-accepted; once every accepted request is answered (or ``drain_timeout_s`` passed) uvicorn stops accepting, waits
-for what is left, and the process exits 0. A second SIGTERM skips the wait for accepted requests.
+"""One front-end process: the app on uvicorn (uvloop and httptools where installed), with a graceful SIGTERM (the
+README's ``serve``). The supervisor starts it with ``python -m service.frontend.server`` and its launch record
+(:class:`FrontendLaunch`) in the environment. A second SIGTERM skips the wait for accepted requests.
 """
 
 from __future__ import annotations
@@ -97,14 +93,9 @@ def _http_protocol(settings: ServerSettings) -> Any:
     # Imported here: the module imports httptools, which is optional (the "fast" extra).
     from service.frontend.http.connection import ConnectionLimits, limited_protocol
 
-    return limited_protocol(
-        ConnectionLimits(
-            max_header_bytes=settings.max_header_bytes,
-            header_timeout_s=settings.header_timeout_s,
-            body_timeout_s=settings.body_timeout_s,
-            min_body_bytes_per_s=settings.min_body_bytes_per_s,
-        )
-    )
+    # Each limit is the server setting of its name.
+    limits = {name: getattr(settings, name) for name in ConnectionLimits.__struct_fields__}
+    return limited_protocol(ConnectionLimits(**limits))
 
 
 def _json_access_log() -> None:

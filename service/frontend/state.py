@@ -1,11 +1,7 @@
-"""What a front end holds while it runs: its links to the engines (``service.frontend.link``), the models they
-serve (read from their catalogs), a decoding pool per model, and its own request records.
-
-Handlers see one :class:`ServerState` and a :class:`ModelSlot` per served model version: ``decode`` (in this
-process's pool), ``infer`` (the uint8 batch goes over the link, and the engine's batcher computes it with every
-other front end's requests) and ``observe`` (one request record, however it ends). Linked means: every engine is up
-and has said what it serves (this front end can serve). Ready means: linked, every engine has heard from every
-front end (the whole server can serve), and the server is not draining.
+"""What a front end holds while it runs: its links to the engines (``service.frontend.link``), the models they serve
+(read from their catalogs), a decoding pool per model, and its own request records. Handlers see one
+:class:`ServerState` and a :class:`ModelSlot` per served model version (``decode`` in this process's pool,
+``infer`` over the link, ``observe`` one request record however it ends).
 """
 
 from __future__ import annotations
@@ -24,13 +20,7 @@ import numpy as np
 from service.core.boxes import Transform
 from service.core.config import ModelConfig
 from service.core.decoding import Decoded, Preprocessor
-from service.core.errors import (
-    BadInputError,
-    NotFoundError,
-    OverloadedError,
-    VisionServeError,
-    outcome_label,
-)
+from service.core.errors import BadInputError, NotFoundError, OverloadedError, VisionServeError, outcome_label
 from service.core.metrics import NOT_OBSERVED, PROTOCOLS, Metrics, ModelCounts
 from service.core.preprocess import ImageLimits
 from service.core.settings import ServerSettings
@@ -38,7 +28,6 @@ from service.core.spec import ModelSpec, decode_spec
 from service.core.status import EngineState, InferResult
 from service.core.stream_metrics import FrameCounts, StreamState
 from service.core.tasks import Task, task_for
-from service.frontend.exposition import merge_exposition
 from service.frontend.link import EngineLink, Linker
 from service.frontend.timing import Timing
 from service.transport.client import UNAVAILABLE
@@ -54,20 +43,6 @@ class VersionRef(msgspec.Struct, frozen=True):
     version: int
 
 
-class EngineView:
-    """The engine's report on one model version, as last read from its catalog."""
-
-    def __init__(self, info: ModelInfo) -> None:
-        self._state = msgspec.convert(info.state, EngineState)
-
-    @property
-    def backend(self) -> str:
-        return self._state.backend
-
-    def state(self) -> EngineState:
-        return self._state
-
-
 class ModelSlot:
     """One served model version, seen from a front end."""
 
@@ -77,10 +52,11 @@ class ModelSlot:
         self.spec = spec
         self.task: Task = task_for(spec)  # what its outputs mean: built once, not per request
         self.config = msgspec.convert(info.config, ModelConfig)
-        self.engine = EngineView(info)
+        self.engine = msgspec.convert(info.state, EngineState)  # its engine's report, as last read from the catalog
         self.pool = pool
-        self.stats = server.stats_of(info.model, info.version)  # shared by every slot of that version
-        labels = (info.model, str(info.version), ",".join(self.engine.state().devices))
+        key = (info.model, info.version)
+        self.stats = server.counts.setdefault(key, ModelCounts(*key))  # shared by every slot of that version
+        labels = (info.model, str(info.version), ",".join(self.engine.devices))
         metrics = server.metrics
         self._recorders = {p: metrics.request_recorder(*labels, p) for p in PROTOCOLS} if metrics else None
         self._guard_s = server.settings.engine_timeout_s
@@ -166,35 +142,17 @@ class ModelSlot:
         """Compute a uint8 batch [N, C, H, W] (or a list of [C, H, W] images, stacked straight into shared memory)
         in the engine's batcher; the model's queue_full_status rides on an overload error. ``route``: None when the
         request named its version, else the engine picks the version (:meth:`ServerState.route`)."""
+        n = len(images)
+        timing.mark_read()  # a tensor body: read and parsed by now
         try:
-            result = await self._infer(images, timing, priority, timeout_ms, route)
+            answer = await self._server.link_for(self.name).submit(
+                self.name, self.version.version, images, timeout_ms=timeout_ms, priority=priority,
+                request_id=uuid.uuid4().hex, guard_s=self._guard_s if not timeout_ms else timeout_ms / 1000.0 + 1.0,
+                route=route,
+            )  # fmt: skip
         except VisionServeError:
             self.stats.failure += 1
             raise
-        stats = self.answered_by(result.version).stats
-        stats.success += 1
-        stats.images += len(result.errors)
-        stats.queue_ns += int(result.queue_s * 1e9)
-        stats.compute_ns += int(result.compute_s * 1e9)
-        stats.preprocess_ns += int(timing.preprocess_s * 1e9)
-        stats.last_inference_ms = int(time.time() * 1000)
-        return result
-
-    async def _infer(
-        self,
-        images: np.ndarray | list[np.ndarray],
-        timing: Timing,
-        priority: int,
-        timeout_ms: float | None,
-        route: str | None,
-    ) -> InferResult:
-        n = len(images)
-        timing.mark_read()  # a tensor body: read and parsed by now
-        answer = await self._server.link_for(self.name).submit(
-            self.name, self.version.version, images, timeout_ms=timeout_ms, priority=priority,
-            request_id=uuid.uuid4().hex, guard_s=self._guard_s if not timeout_ms else timeout_ms / 1000.0 + 1.0,
-            route=route,
-        )  # fmt: skip
         result = answer.result
         timing.sent, timing.answered = answer.sent, answer.answered
         outputs = {tensor.name: tensor.array(n) for tensor in result.outputs}  # over the message's bytes
@@ -206,17 +164,22 @@ class ModelSlot:
         timing.cold_start_s += result.cold_start_s
         timing.engine = result.stamps
         timing.version = result.version
+        stats = self.answered_by(result.version).stats
+        stats.success += 1
+        stats.images += len(errors)
+        stats.queue_ns += int(result.queue_s * 1e9)
+        stats.compute_ns += int(result.compute_s * 1e9)
+        stats.preprocess_ns += int(timing.preprocess_s * 1e9)
+        stats.last_inference_ms = int(time.time() * 1000)
         return InferResult(
             outputs, errors, result.queue_s, result.compute_s, list(result.batch_sizes), version=result.version
         )
 
 
 class ServerState:
-    """The front end's view of the server: the engines' catalogs, readiness, and this process's records.
-
-    ``linker`` gives the links to the engines (shared memory from the supervisor, or in process); ``frontends`` is
-    how many front ends the server runs: it is ready once every engine has heard from all of them, so that no
-    front end answers ready while another cannot serve yet (they share one listening socket)."""
+    """The front end's view of the server: the engines' catalogs, readiness, and this process's records. ``linker``
+    gives the links to the engines; ``frontends``: how many front ends the server runs, all of which every engine
+    must have heard from before it is ready (they share one listening socket)."""
 
     def __init__(
         self, settings: ServerSettings, linker: Linker | None, *, frontend: str = "fe0", frontends: int = 1
@@ -233,7 +196,7 @@ class ServerState:
         self.frontends = frontends
         self._linker = linker
         self._pools: dict[tuple[str, int], Preprocessor] = {}
-        self._stats: dict[tuple[str, int], ModelCounts] = {}
+        self.counts: dict[tuple[str, int], ModelCounts] = {}  # per model version: this front end's
         self.links: list[EngineLink] = []
         self.routes: dict[str, int] = {}  # model -> the version serving requests that name none (a rollout's)
         self.sticky_headers: dict[str, str] = {}  # model -> the header a sticky canary routes by
@@ -356,12 +319,6 @@ class ServerState:
             raise OverloadedError(UNAVAILABLE)
         return best
 
-    def stats_of(self, model: str, version: int) -> ModelCounts:
-        counts = self._stats.get((model, version))
-        if counts is None:
-            counts = self._stats[(model, version)] = ModelCounts(model, version)
-        return counts
-
     def slot(self, name: str, version: int | str | None = None) -> ModelSlot:
         """The model version a request is for. Called as a request arrives: once draining, new work is refused
         here with 503, while requests already past this point are still computed and answered."""
@@ -419,13 +376,13 @@ class ServerState:
     def snapshot(self, token: int) -> Snapshot:
         """Everything this front end has recorded (cumulative): the engine sums every front end's."""
         requests = self.metrics.request_snapshot() if self.metrics is not None else []
-        counts = list(self._stats.values())  # encoded at once by the caller, before they count on
+        counts = list(self.counts.values())  # encoded at once by the caller, before they count on
         sources = self.sources.states() if self.sources is not None else []
-        return Snapshot(token, requests, counts, self._stream_states(), sources)
-
-    def _stream_states(self) -> list[StreamState]:
-        """Copies: the in-process engine reads them on a scrape's thread while streams count on."""
-        return [StreamState(m, c.outcomes(), list(c.ages), c.open) for m, c in sorted(dict(self.stream_counts).items())]
+        # Copies: the in-process engine reads them on a scrape's thread while streams count on.
+        streams = [
+            StreamState(m, c.outcomes(), list(c.ages), c.open) for m, c in sorted(dict(self.stream_counts).items())
+        ]
+        return Snapshot(token, requests, counts, streams, sources)
 
     async def each_engine(self, call: Callable[[EngineLink], Any]) -> list[Any]:
         """Ask every engine (``call``: one of a link's control calls on it); an engine that is down answers 503."""
@@ -474,6 +431,26 @@ class ServerState:
 
 
 def _changed(slot: ModelSlot, info: ModelInfo) -> bool:
-    return slot.engine.state() != msgspec.convert(info.state, EngineState) or slot.config != msgspec.convert(
+    return slot.engine != msgspec.convert(info.state, EngineState) or slot.config != msgspec.convert(
         info.config, ModelConfig
     )
+
+
+def merge_exposition(texts: list[Any]) -> bytes:
+    """Several engines' Prometheus texts as one (families merged by name; samples never overlap: each engine
+    labels its own devices, and only the first renders the front ends' request families)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Any] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(bytes(text).decode()):
+            seen = families.setdefault(family.name, family)
+            if seen is not family:
+                seen.samples.extend(family.samples)
+    lines: list[str] = []
+    for family in families.values():
+        lines += [f"# HELP {family.name} {family.documentation}", f"# TYPE {family.name} {family.type}"]
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            lines.append(f"{sample.name}{{{labels}}} {sample.value!r}" if labels else f"{sample.name} {sample.value!r}")
+    return ("\n".join(lines) + "\n").encode()

@@ -1,16 +1,7 @@
-"""A stream of frames to one model, with latest-frame semantics (docs/streams.md); the protocol-free part that the
-WebSocket route and gRPC's ``ModelStreamInfer`` share.
-
-At most one frame waits per stream: :meth:`FrameStream.offer` replaces a waiting frame (answered ``superseded``),
-and the stream's one worker takes the newest frame, drops it when it is older than ``max_age_ms`` (before decode,
-before compute, or by the engine at its deadline: ``expired``), else takes it through the one request path
-(:func:`service.frontend.request.run`) like any request. Each
-stream has at most one frame computing, so a fast stream cannot crowd slow ones out of the engine's queue.
-
-Every frame gets exactly one answer through ``emit``, a plain callback (the transport's outbox), in the order its
-fate is decided: ``result``, ``superseded``, ``expired`` or ``error``. A classifier's result holds the frame's
-``predictions``; a detector's its ``detections`` and the frame's ``width`` and ``height`` as a viewer shows it (EXIF
-orientation applied), the size its boxes are in; a frame that asked for v2 outputs (gRPC) its ``outputs``.
+"""A stream of frames to one model with latest-frame semantics (docs/streams.md): the protocol-free part that the
+WebSocket route and gRPC's ``ModelStreamInfer`` share. At most one frame waits and one computes per stream, so a
+fast stream cannot crowd slow ones out of the engine's queue; a frame is computed through the one request path
+(:func:`service.frontend.request.run`) like any request, and gets exactly one answer through ``emit``.
 """
 
 from __future__ import annotations
@@ -20,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,38 +45,29 @@ class Frame:
     # off the event loop when the frame is taken; ``data`` is then empty.
     prepare: Callable[[ModelSpec], tuple[np.ndarray, Transform]] | None = None
 
-    def age_ms(self, now: float | None = None) -> float:
-        return ((time.perf_counter() if now is None else now) - self.received) * 1000.0
+    def age_ms(self) -> float:
+        return (time.perf_counter() - self.received) * 1000.0
 
 
 Emit = Callable[[dict[str, Any]], None]
 
 
+@dataclass(eq=False)
 class FrameStream:
-    """One client's stream to ``where`` (a resolved model version and its route). ``emit`` receives every answer
-    (a dict, docs/streams.md): a result holds what the stream's ``want`` asks for (a classifier's ``predictions``,
-    its ``top_k``; a detector's ``detections``, with its suppression options, and the frame's ``width`` and
-    ``height``) or, for a frame that says what it wants (:attr:`Frame.want`), its v2 ``outputs``
-    (:class:`~service.core.tasks.OutputTensor`, never JSON); ``on_outcome(outcome, age_s)`` hears of each frame's
-    fate (the metrics)."""
+    """One client's stream to ``where`` (a resolved model version and its route). ``emit`` receives every answer (a
+    dict, docs/streams.md; a frame that says what it wants, :attr:`Frame.want`, has its v2 ``outputs`` as
+    :class:`~service.core.tasks.OutputTensor`, never JSON); ``on_outcome(outcome, age_s)`` hears each frame's fate."""
 
-    def __init__(
-        self,
-        where: Target,
-        emit: Emit,
-        *,
-        max_age_ms: float = DEFAULT_MAX_AGE_MS,
-        want: Want | None = None,
-        on_outcome: Callable[[str, float], None] | None = None,
-        protocol: str = "stream",
-    ) -> None:
-        self.where = where
-        self.slot = where.slot
-        self.emit = emit
-        self.max_age_ms = max_age_ms
-        self.want = want or Want()
-        self.on_outcome = on_outcome
-        self.protocol = protocol
+    where: Target
+    emit: Emit
+    _: KW_ONLY
+    max_age_ms: float = DEFAULT_MAX_AGE_MS
+    want: Want = field(default_factory=Want)
+    on_outcome: Callable[[str, float], None] | None = None
+    protocol: str = "stream"
+
+    def __post_init__(self) -> None:
+        self.slot = self.where.slot
         self.counts = FrameCounts()  # its frames by fate, and the answered ones' ages
         self._waiting: Frame | None = None
         self._wake = asyncio.Event()
@@ -97,11 +79,6 @@ class FrameStream:
     def pending(self) -> bool:
         """A frame waits or computes."""
         return self._waiting is not None or self._computing
-
-    @property
-    def closed(self) -> bool:
-        """The worker has stopped: every frame offered has been answered."""
-        return self._worker is None or self._worker.done()
 
     # ---- intake ---------------------------------------------------------------------------------------------
     def start(self) -> None:

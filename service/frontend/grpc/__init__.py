@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from service.frontend.grpc.server import GrpcHandle, start_grpc
-from service.frontend.grpc.servicer import InferenceServicer, code_of
+from service.frontend.grpc.servicer import InferenceServicer, code_of, start_grpc
 
-__all__ = ["GrpcHandle", "InferenceServicer", "code_of", "start_grpc"]
+__all__ = ["InferenceServicer", "code_of", "start_grpc"]

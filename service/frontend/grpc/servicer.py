@@ -1,16 +1,7 @@
-"""The Open Inference Protocol over gRPC (``inference.GRPCInferenceService``), as Triton serves it, so
-tritonclient.grpc, perf_analyzer and KServe's ``grpc-v2`` clients work unchanged.
-
-Every RPC reads the same :class:`ServerState` as HTTP and goes through :mod:`service.frontend.protocol`, so both
-protocols answer alike. Errors keep HTTP's messages, and each carries its gRPC code beside its HTTP status (the
-table in :mod:`service.core.errors`); an overload's ``retry-after`` goes in the trailers.
-
-Inference goes through the one request path (:mod:`service.frontend.request`), as every protocol's does.
-``ModelStreamInfer`` is a stream of frames with latest-frame semantics (docs/streams.md,
-:class:`~service.frontend.grpc.stream_call.StreamCall`): the same stream session as the WebSocket route.
-
-The RPCs a server of images cannot honour (shared memory, tracing, logging settings) are not registered, so grpc
-answers them UNIMPLEMENTED.
+"""The Open Inference Protocol over gRPC (``inference.GRPCInferenceService``), as Triton serves it (the README's
+"gRPC"). Every RPC reads the same :class:`ServerState` as HTTP through :mod:`service.frontend.protocol`, so both
+answer alike; an error keeps HTTP's message, with its gRPC code (:mod:`service.core.errors`). The RPCs a server of
+images cannot honour (shared memory, tracing, logging settings) are not registered: grpc answers them UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from service.core.errors import BadInputError, NotFoundError, OverloadedError, VisionServeError
+from service.core.errors import BadInputError, ConfigError, NotFoundError, OverloadedError, VisionServeError
 from service.core.parameters import load_config, request_options
 from service.core.protocol import SERVICE, config_pb, pb
 from service.core.tasks import Want
@@ -147,8 +138,7 @@ class InferenceServicer:
         return await path.answer(where, Timing(), parse, partial(_response, request.id), protocol="grpc")
 
     async def model_stream_infer(self, requests: AsyncIterator[pb.ModelInferRequest], context: Context) -> None:
-        """Frames in, one answer per frame out, newest frame first: docs/streams.md. Answers are written with
-        ``context.write``; the call ends once every frame read is answered."""
+        """Frames in, one answer per frame out, newest frame first: docs/streams.md."""
         if self.server.draining:
             raise OverloadedError("the server is shutting down")
         call = StreamCall(self.server, context)
@@ -175,12 +165,9 @@ class InferenceServicer:
     async def load(self, request: pb.RepositoryModelLoadRequest, context: Context) -> pb.RepositoryModelLoadResponse:
         # "config" is a JSON string here, as tritonclient sends it.
         param = load_config(request.parameters)
-        config = None
-        if param is not None:
-            if param.WhichOneof("parameter_choice") != "string_param":
-                raise BadInputError("the load parameter 'config' must be a string holding JSON")
-            config = param.string_param
-        await self.server.load_model(request.model_name, config)
+        if param is not None and param.WhichOneof("parameter_choice") != "string_param":
+            raise BadInputError("the load parameter 'config' must be a string holding JSON")
+        await self.server.load_model(request.model_name, None if param is None else param.string_param)
         return pb.RepositoryModelLoadResponse()
 
     async def unload(
@@ -197,7 +184,7 @@ def _guarded(name: str, method: Method, admin: ServerState | None = None) -> Met
     async def call(request: Any, context: Context) -> Any:
         try:
             if admin is not None:
-                protocol.require_admin(admin, wire.authorization(context))
+                protocol.require_admin(admin, wire.metadata(context).get("authorization", ""))
             return await method(request, context)
         except VisionServeError as exc:
             code = code_of(exc)
@@ -219,3 +206,31 @@ def _response(request_id: str, answer: path.Answer) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name=answer.slot.name, model_version=str(answer.version), id=request_id)
     wire.write_outputs(response, answer.tensors)
     return response
+
+
+async def start_grpc(server: ServerState) -> grpc.aio.Server | None:
+    """Serve ``inference.GRPCInferenceService`` on ``settings.host:settings.grpc_port`` (None with port 0: off).
+    Its ``stop(grace_s)`` refuses new calls at once and lets those in flight finish within ``grace_s``."""
+    settings = server.settings
+    if settings.grpc_port == 0:
+        return None
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    address = f"{host}:{settings.grpc_port}"
+    options = [
+        # Several front-end processes bind the same port and the kernel spreads connections among them.
+        ("grpc.so_reuseport", 1),
+        # The same limit as an HTTP body; grpc refuses a larger message with RESOURCE_EXHAUSTED.
+        ("grpc.max_receive_message_length", settings.max_body_bytes),
+        ("grpc.max_send_message_length", -1),
+    ]
+    grpc_server = grpc.aio.server(options=options)
+    grpc_server.add_generic_rpc_handlers((InferenceServicer(server).handler(),))
+    try:
+        port = grpc_server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"gRPC could not bind {address}: {exc}") from exc
+    if port == 0:
+        raise ConfigError(f"gRPC could not bind {address} (in use by a process without SO_REUSEPORT?)")
+    await grpc_server.start()
+    log.info("gRPC (Open Inference Protocol) on %s", address)
+    return grpc_server

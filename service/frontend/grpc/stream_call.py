@@ -1,6 +1,4 @@
-"""``ModelStreamInfer``: a stream of frames with latest-frame semantics (docs/streams.md), the same
-:class:`~service.frontend.stream.FrameStream` and :class:`~service.frontend.outbox.StreamSession` as the WebSocket
-route, one answer per frame."""
+"""``ModelStreamInfer`` (docs/streams.md, "gRPC"): the WebSocket route's stream session, one answer per frame."""
 
 from __future__ import annotations
 
@@ -23,14 +21,9 @@ from service.frontend.stream import Frame, FrameStream, stream_max_age
 
 
 class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
-    """One ``ModelStreamInfer`` call: a reader offers each request to a :class:`FrameStream`, which the first request
-    opens (its model, and the stream's ``max_age_ms`` and ``top_k``); each frame's request says which outputs its
-    answer holds, and its ``client_ts`` is echoed as the InferParameter it came as.
-
-    It ends with OK once the client has closed its side and every frame read is answered; with UNAVAILABLE when the
-    server drains, after answering every frame it holds; with RESOURCE_EXHAUSTED when the client stops reading. Those
-    two messages start with "N frames read", as the WebSocket's close reasons do. A first request that cannot open a
-    stream (an unknown model, a bad ``max_age_ms``) ends the call with its error's status."""
+    """One ``ModelStreamInfer`` call: the first request opens its :class:`FrameStream` (the model, ``max_age_ms`` and
+    the stream's options), and each frame's request says which outputs its answer holds; the statuses it ends with are
+    docs/streams.md's."""
 
     what = "ModelStreamInfer"
 

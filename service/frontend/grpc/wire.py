@@ -33,13 +33,6 @@ def metadata(context: Context) -> dict[str, str]:
     return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
-def authorization(context: Context) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return str(value)
-    return ""
-
-
 def tensors(request: pb.ModelInferRequest) -> list[Tensor]:
     """A request's inputs: each ``raw_input_contents`` entry, or its typed contents."""
     raw = request.raw_input_contents

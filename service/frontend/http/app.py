@@ -18,10 +18,10 @@ from service.core.metrics import CONTENT_TYPE
 from service.core.settings import ServerSettings
 from service.frontend.grpc import start_grpc
 from service.frontend.http.control import ROUTES as CONTROL_ROUTES
+from service.frontend.http.demo import docs, index, list_models
 from service.frontend.http.errors import handle_http, handle_ours, handle_unexpected
-from service.frontend.http.image_api import IMAGE_ROUTES
+from service.frontend.http.image_api import IMAGE_ROUTES, server_of
 from service.frontend.http.openapi_ui import swagger_asset, swagger_plugin
-from service.frontend.http.page import docs, index, list_models
 from service.frontend.http.sources_api import ROUTER as SOURCES_ROUTER
 from service.frontend.http.stream_ws import stream
 from service.frontend.http.timing import ServerTimingMiddleware
@@ -43,16 +43,14 @@ def operation_id(handler: Any, method: Any, components: list[Any]) -> str:
 
 @get("/metrics", summary="Prometheus metrics", include_in_schema=False, media_type=CONTENT_TYPE)
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
-    server: ServerState = request.app.state.server
     # The header given whole: litestar appends "; charset=utf-8" to any text/* media type, and CONTENT_TYPE (the
     # Prometheus exposition format's) already names its charset, so it went out twice.
-    return Response(await server.render_metrics(), headers={"Content-Type": CONTENT_TYPE})
+    return Response(await server_of(request).render_metrics(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def start_sources(server: ServerState) -> None:
-    """The sources' registry over its store, and the sources of ``--sources FILE`` and of the store started (a row
-    that cannot start is logged with the reason; the server serves on). A store that cannot be opened is logged:
-    the sources then run without being kept across restarts."""
+    """The sources' registry over its store (none, logged, where it cannot be opened), and the sources of
+    ``--sources FILE`` and of the store started; a row that cannot start is logged, and the server serves on."""
     settings, path = server.settings, store_path(server.settings)
     store: SourceStore | None = None
     # Created only for a server that can have sources (a repository served without them is left as it is).
@@ -101,7 +99,8 @@ def create_app(
             yield
         finally:
             log.info("shutting down: draining queued requests (up to %.1f s)", settings.drain_timeout_s)
-            await grpc_server.stop(settings.drain_timeout_s)
+            if grpc_server is not None:
+                await grpc_server.stop(settings.drain_timeout_s)
             if server.sources is not None:
                 await server.sources.close()
             await server.close()
@@ -120,11 +119,7 @@ def create_app(
             *([metrics] if settings.metrics else []),
         ],
         lifespan=[lifespan],
-        exception_handlers={
-            VisionServeError: handle_ours,
-            HTTPException: handle_http,
-            Exception: handle_unexpected,
-        },
+        exception_handlers={VisionServeError: handle_ours, HTTPException: handle_http, Exception: handle_unexpected},
         middleware=[
             DefineMiddleware(ServerTimingMiddleware, json_log=settings.log_format == "json")  # type: ignore[arg-type]
         ],

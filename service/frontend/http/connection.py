@@ -230,18 +230,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if answer and not self.pipeline:
             self.logger.warning("%s:%s - %d: %s", *(self.client or ("?", 0)), status, message)
             body = message.encode("ascii", "replace")
-            self.transport.write(
-                b"".join(
-                    [
-                        STATUS_LINE[status],
-                        *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers),
-                        b"content-type: text/plain; charset=utf-8\r\n",
-                        b"content-length: %d\r\n" % len(body),
-                        b"connection: close\r\n\r\n",
-                        body,
-                    ]
-                )
-            )
+            head = b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
+            plain = b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            self.transport.write(STATUS_LINE[status] + head + plain % len(body) + body)
         if cycle is not None and not cycle.response_complete:
             # The application, if it waits for the body, sees a disconnect; what it sends is dropped.
             cycle.disconnected = True

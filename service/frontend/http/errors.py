@@ -14,16 +14,12 @@ from service.frontend.http.validation import record_refused, validation_message
 log = logging.getLogger("visionserve.http")
 
 
-def error_body(message: str) -> dict[str, str]:
-    return {"error": message}
-
-
 def handle_ours(request: Request, exc: VisionServeError) -> Response:
     status = exc.http_status
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
     if status >= 500 and status != 503:
         log.error("%s %s failed: %s", request.method, request.url.path, exc, exc_info=exc)
-    return Response(error_body(str(exc)), status_code=status, headers=headers)
+    return Response({"error": str(exc)}, status_code=status, headers=headers)
 
 
 def handle_http(request: Request, exc: HTTPException) -> Response:
@@ -33,10 +29,9 @@ def handle_http(request: Request, exc: HTTPException) -> Response:
         record_refused(request)
     if exc.status_code == 413:
         detail = f"request body too large: {detail}"
-    headers = dict(exc.headers or {})
-    return Response(error_body(str(detail)), status_code=exc.status_code, headers=headers)
+    return Response({"error": str(detail)}, status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("%s %s failed unexpectedly", request.method, request.url.path, exc_info=exc)
-    return Response(error_body("internal server error"), status_code=500)
+    return Response({"error": "internal server error"}, status_code=500)

@@ -1,12 +1,7 @@
-"""The image API: ``POST /v1/models/{m}/{task}`` (``classify?top_k=5``, ``detect?score_threshold=0.5``, one route
-for each task of :mod:`service.core.tasks`) with a raw image body or multipart files; its queries are the task's
-options, read and described from their one declaration.
-
-One result per image, in order: the task's answer (a classifier's top-k ``{"label", "index", "score"}``, a
-detector's ``width``, ``height`` and ``detections`` in the image's own pixels) or its own ``error``. A request on
-the route of another task is refused (400) naming the route that fits.
-A raw body that is not a usable image fails the request (400, or 415 for a media type we do not take); in a
-multipart request each bad file fails alone.
+"""The image API (the README's "Image API"): ``POST /v1/models/{m}/{task}``, one route for each task of
+:mod:`service.core.tasks` (``classify?top_k=5``, ``detect?score_threshold=0.5``), its queries the task's options,
+read and described from their one declaration. A request on the route of another task is refused (400) naming the
+route that fits; a raw body's bad image fails the request, a bad file of a multipart request fails alone.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ from typing import Annotated, Any
 
 import msgspec
 from litestar import Request, post
+from litestar.connection import ASGIConnection
 from litestar.datastructures import MultiDict
 from litestar.enums import MediaType, ParamType
 from litestar.handlers import HTTPRouteHandler
@@ -67,8 +63,8 @@ ERROR_RESPONSES = {
 }
 
 
-def server_of(request: Request[Any, Any, Any]) -> ServerState:
-    server: ServerState = request.app.state.server
+def server_of(connection: ASGIConnection[Any, Any, Any, Any]) -> ServerState:
+    server: ServerState = connection.app.state.server
     return server
 
 
@@ -140,8 +136,6 @@ def image_route(task: type[Task]) -> HTTPRouteHandler:
         priority: PriorityQuery = 0,
         timeout_ms: TimeoutQuery = None,
     ) -> Any:
-        # priority and timeout_ms are refused by litestar before this runs (a 400 worded by validation.py); the
-        # task's options by the task, from the same query.
         server = server_of(request)
         values = query_values(request.query_params, task.Options)
         try:
@@ -239,10 +233,8 @@ def _pieces(response: type[msgspec.Struct], model: str, version: int, results: l
     head = msgspec.json.encode(response(model=model, version=version, results=[]))
     assert head.endswith(b"[]}"), head  # results is the last field
     pieces = [head[:-2]]
-    first = True
     while results:
-        pieces.append((b"" if first else b",") + msgspec.json.encode(results.pop(0)))
-        first = False
+        pieces.append((b"," if len(pieces) > 1 else b"") + msgspec.json.encode(results.pop(0)))
     pieces.append(head[-2:])
     return pieces
 

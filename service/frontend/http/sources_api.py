@@ -1,11 +1,6 @@
-"""``/v1/sources``: the sources the server pulls (docs/sources.md). Every route is admin, reading included: off
-unless the server has an admin token, then ``Authorization: Bearer <token>``, or ``?token=`` on the results routes
-(a browser's WebSocket and EventSource cannot send a header).
-
-``GET /v1/sources/{id}/results`` is a WebSocket of the source's answers (JSON text, one per frame, then one
-``ended``; closed 1001 when the source ends or the server drains, 1008 when the subscriber was cut off for not
-reading), and, as plain HTTP, the same messages as Server-Sent Events (``curl -N``). ``?frames=1``: each result
-also carries its frame as a base64 JPEG (``image``), for a page that draws the answer over it.
+"""``/v1/sources``: the sources the server pulls (docs/sources.md, "The routes"); every route is admin, reading
+included, with ``?token=`` also taken on the results routes (a browser's WebSocket and EventSource cannot send a
+header).
 """
 
 from __future__ import annotations
@@ -27,14 +22,12 @@ from litestar.response import ServerSentEvent
 from service.core.errors import BadInputError, OverloadedError
 from service.core.parameters import json_number_error
 from service.frontend import protocol
-from service.frontend.http.image_api import ERROR_RESPONSES
-from service.frontend.http.stream_ws import close_reason
+from service.frontend.http.image_api import ERROR_RESPONSES, server_of
+from service.frontend.http.stream_ws import GOING_AWAY, NOT_FOUND, NOT_READING, close_reason
 from service.frontend.sources.forward import Owner
 from service.frontend.sources.registry import Sources
 from service.frontend.sources.store import document, read_rows, store_path
-from service.frontend.state import ServerState
 
-GOING_AWAY, NOT_READING, UNKNOWN = 1001, 1008, 4404
 RESULTS = "/v1/sources/{id:str}/results"
 
 
@@ -44,12 +37,12 @@ def sources_admin(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseR
     given = connection.headers.get("authorization", "")
     if not given and handler.handler_name in ("source_events", "source_results"):
         given = f"Bearer {connection.query_params.get('token', '')}"
-    protocol.require_admin(connection.app.state.server, given, what="a sources route",
+    protocol.require_admin(server_of(connection), given, what="a sources route",
                            hint=" (or ?token= on the results routes)")  # fmt: skip
 
 
 def sources_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Sources:
-    server: ServerState = connection.app.state.server
+    server = server_of(connection)
     if server.sources is None:
         raise OverloadedError("the server is starting: its sources are not up yet")
     return server.sources
@@ -67,10 +60,10 @@ async def _body(request: Request[Any, Any, Any]) -> Any:
         raise BadInputError("the body must be a JSON object, nested less deeply than this one") from None
 
 
-def _owner(connection: ASGIConnection[Any, Any, Any, Any]) -> Owner | None:
-    """The front end that runs the sources, where it is not this one."""
-    server: ServerState = connection.app.state.server
-    return server.sources_owner
+def _owner(connection: ASGIConnection[Any, Any, Any, Any]) -> tuple[Owner | None, dict[str, str]]:
+    """The front end that runs the sources, where it is not this one, and the headers it is asked with."""
+    server = server_of(connection)
+    return server.sources_owner, {"authorization": f"Bearer {server.settings.admin_token}"}
 
 
 async def at_owner(request: Request[Any, Any, Any]) -> Any:
@@ -78,7 +71,7 @@ async def at_owner(request: Request[Any, Any, Any]) -> Any:
     answer, else None (the route runs here). Where it cannot be reached (``fe0`` restarting past the forward's
     timeouts), a read is answered from the sources as stored (docs/sources.md, "One owner"): a listing never loses
     a source while its owner is away."""
-    if (owner := _owner(request)) is None or request.route_handler.handler_name == "source_events":
+    if (owner := _owner(request)[0]) is None or request.route_handler.handler_name == "source_events":
         return None
     target = quote(request.url.path) + (f"?{request.url.query}" if request.url.query else "")
     try:
@@ -87,7 +80,7 @@ async def at_owner(request: Request[Any, Any, Any]) -> Any:
         if request.method != "GET":
             raise
         id = request.path_params.get("id")
-        rows = await asyncio.to_thread(read_rows, store_path(request.app.state.server.settings))
+        rows = await asyncio.to_thread(read_rows, store_path(server_of(request).settings))
         docs = [document(row_id, body) for row_id, body in rows if id is None or row_id == id]
         if id is None:
             return {"sources": docs}
@@ -126,8 +119,8 @@ async def delete_source(request: Request[Any, Any, Any], id: FromPath[str]) -> A
 @get(RESULTS, summary="A source's answers as Server-Sent Events (admin)", responses=ERROR_RESPONSES)
 async def source_events(request: Request[Any, Any, Any], id: FromPath[str]) -> ServerSentEvent | Response[Any]:
     """One ``data:`` event per answer, the last one ``ended``."""
-    if (owner := _owner(request)) is not None:  # a source that is not there is refused before the events start
-        auth = {"authorization": f"Bearer {request.app.state.server.settings.admin_token}"}  # (given as ?token=)
+    owner, auth = _owner(request)
+    if owner is not None:  # a source that is not there is refused before the events start
         found = await owner.request("GET", f"/v1/sources/{quote(id)}", auth)
         if found.status != 200:
             return Response(found.body, status_code=found.status)
@@ -140,11 +133,10 @@ async def _texts(connection: ASGIConnection[Any, Any, Any, Any], id: str) -> Asy
     """The source's answers as JSON texts, from the sources here or from their owner; with ``?frames=1``, each
     result carries its frame (``image``, a base64 JPEG), as the demo page shows it."""
     frames = connection.query_params.get("frames", "") in ("1", "true")
-    owner = _owner(connection)
+    owner, auth = _owner(connection)
     if owner is not None:
-        auth = f"Bearer {connection.app.state.server.settings.admin_token}"
         target = f"/v1/sources/{quote(id)}/results" + ("?frames=1" if frames else "")
-        async for text in owner.events(target, {"authorization": auth}):
+        async for text in owner.events(target, auth):
             yield text
         return
     source = sources_of(connection).get(id)
@@ -156,21 +148,21 @@ async def _texts(connection: ASGIConnection[Any, Any, Any, Any], id: str) -> Asy
             cut = {"source": source.id, "status": "cut_off", "reason": subscriber.cut_off}
             yield json.dumps(cut, separators=(",", ":"))
     finally:
-        source.unsubscribe(subscriber)
+        source.subscribers.discard(subscriber)
 
 
 @websocket(RESULTS)
 async def source_results(socket: WebSocket[Any, Any, Any], id: FromPath[str]) -> None:
     """The source's answers, a JSON text message each; the last is ``ended`` (1001 follows), or ``cut_off`` for a
     subscriber that stopped reading (1008)."""
-    server: ServerState = socket.app.state.server
+    server = server_of(socket)
     await socket.accept()
     if server.sources_owner is None:
         try:
             sources_of(socket).get(id)
         except Exception as exc:
             await socket.send_text(json.dumps({"status": "error", "error": str(exc)}))
-            await socket.close(code=UNKNOWN, reason=close_reason(str(exc)))
+            await socket.close(code=NOT_FOUND, reason=close_reason(str(exc)))
             return
     code, why = GOING_AWAY, "the source ended"
     texts = _texts(socket, id)

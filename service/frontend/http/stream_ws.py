@@ -1,15 +1,6 @@
-"""``/v1/models/{m}/stream``: a WebSocket of frames in, one JSON answer per frame out (docs/streams.md).
-
-The reader feeds :class:`~service.frontend.stream.FrameStream` (latest-frame semantics); answers go through the
-streams' one bounded outbox (:mod:`service.frontend.outbox`, gRPC's too), so a client that stops reading is cut off
-(1008) instead of holding answers, and frames, in server memory. A drain answers every frame the stream holds, then
-closes with 1001.
-
-The query says what each answer holds: the options of the model's task (:mod:`service.core.tasks`: a classifier's
-``top_k``, a detector's suppression and box format, ``classes`` repeated), read and checked as its image route
-reads them. Each query a model's task does not take is
-passed over, as the image routes pass over a query they do not declare: a page or a load test that sends ``top_k``
-to every model reaches a detector too.
+"""``/v1/models/{m}/stream``: a WebSocket of frames in, one JSON answer per frame out (docs/streams.md), through the
+stream session both stream transports share (:mod:`service.frontend.outbox`). The query holds the model's task's
+options, read and checked as its image route reads them; a query the task does not take is passed over.
 """
 
 from __future__ import annotations
@@ -23,20 +14,18 @@ import struct
 from typing import Annotated, Any
 
 from litestar import WebSocket, websocket
-from litestar.datastructures import MultiDict
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
-from service.core.tasks import Want
 from service.frontend import request as path
-from service.frontend.http.image_api import query_values
+from service.frontend.http.image_api import query_values, server_of
 from service.frontend.outbox import StreamSession
-from service.frontend.state import ModelSlot, ServerState
+from service.frontend.state import ServerState
 from service.frontend.stream import Frame, FrameStream, stream_max_age, stream_want
 
 FRAME_FORMAT = 'docs/streams.md: a binary message is a 4-byte header length, a JSON header {"id", "ts"}, then the image'
 CLOSE_TIMEOUT_S = 2.0
-NOT_READING, GOING_AWAY, POLICY, INTERNAL, UNKNOWN_MODEL = 1008, 1001, 1008, 1011, 4404
+NOT_READING, GOING_AWAY, POLICY, INTERNAL, NOT_FOUND = 1008, 1001, 1008, 1011, 4404
 MAX_REASON_BYTES = 123  # a close frame's payload is at most 125 bytes, 2 of them the code
 
 
@@ -121,15 +110,15 @@ async def stream(
     socket: WebSocket[Any, Any, Any], model: FromPath[str], version: Annotated[str | None, PathParameter()] = None
 ) -> None:
     """Frames in, an answer per frame out, newest frame first: docs/streams.md."""
-    server: ServerState = socket.app.state.server
+    server = server_of(socket)
     await socket.accept()
     params = socket.query_params
     try:
         max_age_ms = stream_max_age(params.get("max_age_ms"))
         where = path.target(server, model, version, dict(socket.headers), aliases=False)
-        want = query_want(where.slot, params)
+        want = stream_want(where.slot, query_values(params, where.slot.task.Options), text=True)
     except VisionServeError as exc:
-        code = UNKNOWN_MODEL if exc.http_status == 404 else POLICY if exc.http_status == 400 else INTERNAL
+        code = NOT_FOUND if exc.http_status == 404 else POLICY if exc.http_status == 400 else INTERNAL
         await socket.send_text(json.dumps({"id": None, "status": "error", "error": str(exc)}))
         await socket.close(code=code, reason=close_reason(str(exc)))
         return
@@ -141,9 +130,3 @@ async def stream(
             await session.serve()
     finally:
         session.done.set()
-
-
-def query_want(slot: ModelSlot, params: MultiDict[Any]) -> Want:
-    """What each frame's answer holds, from the query: the model's task's options, read from their text as the
-    image API reads them (``classes`` repeated)."""
-    return stream_want(slot, query_values(params, slot.task.Options), text=True)

@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from service.frontend.timing import Timing
@@ -17,10 +18,10 @@ access_log = logging.getLogger("visionserve.access")
 Scope = dict[str, Any]
 
 
+@dataclass
 class ServerTimingMiddleware:
-    def __init__(self, app: Any, json_log: bool = False) -> None:
-        self.app = app
-        self.json_log = json_log
+    app: Any
+    json_log: bool = False
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -53,20 +54,17 @@ class ServerTimingMiddleware:
             await self.app(scope, receive, send_with_timing)
         finally:
             if self.json_log:
-                access_log.info(
-                    json.dumps(
-                        {
-                            "ts": time.time(),
-                            "request_id": request_id,
-                            "method": scope.get("method"),
-                            "path": scope.get("path"),
-                            "status": status,
-                            "duration_ms": round((time.perf_counter() - started) * 1000, 3),
-                            "queue_ms": round(timing.queue_s * 1000, 3),
-                            "preprocess_ms": round(timing.preprocess_s * 1000, 3),
-                            "compute_ms": round(timing.compute_s * 1000, 3),
-                            "postprocess_ms": round(timing.postprocess_s * 1000, 3),
-                            "client": (scope.get("client") or [None])[0],
-                        }
-                    )
-                )
+                line = {
+                    "ts": time.time(),
+                    "request_id": request_id,
+                    "method": scope.get("method"),
+                    "path": scope.get("path"),
+                    "status": status,
+                    "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+                    "queue_ms": round(timing.queue_s * 1000, 3),
+                    "preprocess_ms": round(timing.preprocess_s * 1000, 3),
+                    "compute_ms": round(timing.compute_s * 1000, 3),
+                    "postprocess_ms": round(timing.postprocess_s * 1000, 3),
+                    "client": (scope.get("client") or [None])[0],
+                }
+                access_log.info(json.dumps(line))

@@ -1,15 +1,6 @@
-"""The Open Inference Protocol (KServe v2) as Triton speaks it, so tritonclient and KServe tooling work unchanged.
-
-Inputs: ``IMAGE`` (BYTES ``[N]``: encoded image files, decoded by the server) or ``INPUT`` (UINT8 or FP32
-``[N, C, H, W]`` pixel values, already preprocessed); ``m`` lists INPUT and ``m.image`` lists IMAGE, and the rules
-for BYTES in JSON and for ``max_batch_size`` are in :mod:`service.frontend.protocol`, which gRPC shares. Output
-``LOGITS`` (FP32 ``[N, classes]``), or with ``"classification": k`` the "score:index:label" strings of the k best.
-JSON data and the binary tensor extension (``Inference-Header-Content-Length``) both work, and so does Triton's raw
-binary request (that header 0: the body is the one input's data, no JSON; :func:`protocol.raw_tensor`); request
-parameters ``timeout`` (microseconds) and ``priority`` are honoured, every numeric parameter checked against its
-range (:mod:`service.core.parameters`); bodies may be gzip or deflate (``Content-Encoding``) and
-answers are compressed when ``Accept-Encoding`` asks. Health and readiness answer in the status alone, as the
-KServe spec says: 200 for true, 400 for false (404 for a model that does not exist), with an empty body.
+"""The Open Inference Protocol (KServe v2) over HTTP as Triton speaks it, so tritonclient and KServe tooling work
+unchanged: what it takes and answers is the README's "Open Inference Protocol"; what gRPC shares is in
+:mod:`service.frontend.protocol`.
 """
 
 from __future__ import annotations
@@ -68,9 +59,6 @@ class V2Response(msgspec.Struct, omit_defaults=True):
     id: str | None = None
 
 
-# ---- health and metadata -------------------------------------------------------------------------------------
-
-
 class Live(msgspec.Struct):
     live: bool
 
@@ -90,32 +78,34 @@ HEALTH_RESPONSES = {
     400: ResponseSpec(data_container=None, description='false ({"ready": false}), or a bad request ({"error": ...})'),
 }
 
+
 # The Open Inference Protocol: "a 200 status code indicates true and a 4xx status code indicates false", and the
 # body says it too. Triton's clients read only the status; KServe's own Python client (0.21) parses the body and
 # failed on an empty one.
-
-
 def _status(ok: bool) -> int:
     return 200 if ok else 400
 
 
-@get("/v2/health/live", summary="Liveness (200 true, 400 false)", tags=["v2"], responses=HEALTH_RESPONSES)
+# Every v2 route's tag and error answers, declared once.
+v2_get = partial(get, tags=["v2"], responses=ERROR_RESPONSES)
+health_get = partial(get, tags=["v2"], responses=HEALTH_RESPONSES)
+
+
+@health_get("/v2/health/live", summary="Liveness (200 true, 400 false)")
 async def live() -> Response[Live]:
     return Response(Live(live=True))
 
 
-@get(
+@health_get(
     "/v2/health/ready",
     summary="Readiness (200 true, 400 false: while loading, until every front end is up, and while draining)",
-    tags=["v2"],
-    responses=HEALTH_RESPONSES,
 )
 async def ready(request: Request[Any, Any, Any]) -> Response[Ready]:
     ok = protocol.server_ready(server_of(request))
     return Response(Ready(ready=ok), status_code=_status(ok))
 
 
-@get("/v2", summary="Server metadata", tags=["v2"], responses=ERROR_RESPONSES)
+@v2_get("/v2", summary="Server metadata")
 async def server_metadata() -> dict[str, Any]:
     return {"name": SERVER_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS}
 
@@ -129,47 +119,29 @@ Version = Annotated[str | None, PathParameter()]
 VERSION = "/v2/models/{model:str}/versions/{version:str}"
 
 
-@get(
-    [MODEL, VERSION],
-    summary="Model metadata, with its device and fallback state",
-    tags=["v2"],
-    responses=ERROR_RESPONSES,
-)
+@v2_get([MODEL, VERSION], summary="Model metadata, with its device and fallback state")
 async def model_metadata(request: Request[Any, Any, Any], model: Model, version: Version = None) -> dict[str, Any]:
     server = server_of(request)
     return protocol.metadata(server, protocol.resolve(server, model, version))
 
 
-@get(
-    [MODEL + "/ready", VERSION + "/ready"],
-    summary="Model readiness (200 true, 400 false, 404 unknown)",
-    tags=["v2"],
-    responses=HEALTH_RESPONSES,
-)
+@health_get([MODEL + "/ready", VERSION + "/ready"], summary="Model readiness (200 true, 400 false, 404 unknown)")
 async def model_ready(request: Request[Any, Any, Any], model: Model, version: Version = None) -> Response[ModelReady]:
     server = server_of(request)
     ok = protocol.is_ready(server, protocol.resolve(server, model, version).slot)
     return Response(ModelReady(name=model, ready=ok), status_code=_status(ok))
 
 
-@get([MODEL + "/config", VERSION + "/config"], summary="Model configuration", tags=["v2"], responses=ERROR_RESPONSES)
+@v2_get([MODEL + "/config", VERSION + "/config"], summary="Model configuration")
 async def model_config(request: Request[Any, Any, Any], model: Model, version: Version = None) -> dict[str, Any]:
     return protocol.model_config(protocol.resolve(server_of(request), model, version))
 
 
-@get(
-    ["/v2/models/stats", MODEL + "/stats", VERSION + "/stats"],
-    summary="Statistics",
-    tags=["v2"],
-    responses=ERROR_RESPONSES,
-)
+@v2_get(["/v2/models/stats", MODEL + "/stats", VERSION + "/stats"], summary="Statistics")
 async def model_stats(
     request: Request[Any, Any, Any], model: OptionalModel = None, version: Version = None
 ) -> dict[str, Any]:
     return {"model_stats": await protocol.model_statistics(server_of(request), model, version)}
-
-
-# ---- inference --------------------------------------------------------------------------------------------------
 
 
 def parse_infer(

@@ -30,7 +30,11 @@ _INTEGER = re.compile(r"-?[0-9]+")
 def validation_message(request: Request[Any, Any, Any], exc: ValidationException) -> str:
     """One sentence per refused parameter: its name, the value sent and what is allowed."""
     errors = exc.extra if isinstance(exc.extra, list) else []
-    fields = _fields(request)
+    handler = request.scope.get("route_handler")
+    try:
+        fields = dict(handler.parsed_fn_signature.parameters) if handler is not None else {}
+    except Exception:  # a handler without a parsed signature: the message falls back to litestar's words
+        fields = {}
     parts = []
     for error in errors:
         if not isinstance(error, dict) or not error.get("key"):
@@ -77,14 +81,6 @@ def record_refused(request: Request[Any, Any, Any]) -> None:
         return  # an unknown model or version: nothing to count it under
     started = request.scope.get("state", {}).get("started_s")
     slot.record_refused(time.perf_counter() - started if started is not None else 0.0)
-
-
-def _fields(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    handler = request.scope.get("route_handler")
-    try:
-        return dict(handler.parsed_fn_signature.parameters) if handler is not None else {}
-    except Exception:  # a handler without a parsed signature: the message falls back to litestar's words
-        return {}
 
 
 def _allowed(field: Any) -> str:

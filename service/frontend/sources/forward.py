@@ -1,10 +1,7 @@
-"""The sources of a server with several front ends live in one of them (the owner, ``fe0``): the front ends share
-one listening socket, so a request about a source lands on any of them, and each of the others hands it to the owner
-over a Unix socket the supervisor gives it (docs/sources.md, "One owner").
-
-Plain HTTP/1.1 over that socket, one connection a request (``Connection: close``): a request's answer is read
-whole; a results stream is read as the owner's Server-Sent Events, line by line, for as long as it lasts. Nothing
-here needs more than the standard library (the serving install has no HTTP client).
+"""The other front ends' way to the sources' owner, ``fe0`` (docs/sources.md, "One owner"): plain HTTP/1.1 over the
+Unix socket the supervisor gives it, one connection a request (``Connection: close``); an answer is read whole, a
+results stream as the owner's Server-Sent Events, line by line. Standard library only (the serving install has no
+HTTP client).
 """
 
 from __future__ import annotations
@@ -31,11 +28,11 @@ class Forwarded:
     body: Any
 
 
+@dataclass
 class Owner:
     """The front end that runs the sources, reached at ``path`` (a Unix socket)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    path: str
 
     async def _open(
         self, method: str, target: str, headers: Mapping[str, str], body: bytes
@@ -75,10 +72,8 @@ class Owner:
             try:
                 if "content-length" in answer_headers:
                     raw = await reader.readexactly(int(answer_headers["content-length"]))
-                elif answer_headers.get("transfer-encoding", "").lower() == "chunked":
-                    raw = await _chunked(reader)
                 else:
-                    raw = await reader.read()
+                    raw = b"".join([data async for data in _chunks(reader, answer_headers)])
             finally:
                 writer.close()
             try:
@@ -100,36 +95,24 @@ class Owner:
                 raw = await reader.read()
                 yield json.dumps({"status": "error", "code": status, "error": raw.decode("utf-8", "replace")[:500]})
                 return
-            chunked = answer_headers.get("transfer-encoding", "").lower() == "chunked"
-            async for line in _lines(reader, chunked):
-                if line.startswith("data:"):
-                    yield line[5:].strip()
+            pending = b""
+            async for data in _chunks(reader, answer_headers):
+                *lines, pending = (pending + data).split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data:"):
+                        yield line[5:].decode("utf-8", "replace").strip()
         finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
 
-async def _chunked(reader: asyncio.StreamReader) -> bytes:
-    parts: list[bytes] = []
-    while True:
-        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
-        if size == 0:
-            await reader.readline()
-            return b"".join(parts)
-        parts.append(await reader.readexactly(size))
-        await reader.readline()
-
-
-async def _lines(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[str]:
-    """The body's text lines as they come, chunked or not."""
-    pending = b""
+async def _chunks(reader: asyncio.StreamReader, headers: Mapping[str, str]) -> AsyncIterator[bytes]:
+    """The body's bytes as they come, chunked or not (per the answer's ``headers``), until its end."""
+    chunked = headers.get("transfer-encoding", "").lower() == "chunked"
     while True:
         if chunked:
-            size_line = await reader.readline()
-            if not size_line:
-                return
-            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
             if size == 0:
                 return
             data = await reader.readexactly(size)
@@ -138,7 +121,4 @@ async def _lines(reader: asyncio.StreamReader, chunked: bool) -> AsyncIterator[s
             data = await reader.read(65536)
             if not data:
                 return
-        pending += data
-        *done, pending = pending.split(b"\n")
-        for line in done:
-            yield line.decode("utf-8", "replace").rstrip("\r")
+        yield data

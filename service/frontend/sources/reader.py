@@ -1,16 +1,8 @@
 """A source's reader: one thread that opens its URL with PyAV (FFmpeg's libraries), decodes every frame, and hands
-the ones it keeps to the source (docs/sources.md).
-
-Every frame of a compressed stream is decoded (a P-frame needs the ones before it); what is handed on is capped by
-``max_fps`` (the rest counted ``skipped``), and the source keeps only the newest of what it is handed while its
-model is busy. A live source (RTSP, HTTP) that drops is opened again with backoff (0.1 s doubling, capped at
-``backoff_cap_s``), its state ``reconnecting`` meanwhile; one that cannot be opened the first time fails with the
-reason, and the thread ends. A file plays at its own rate (its presentation times), or as fast as the source
-answers (``pace="answered"``: the next frame is decoded once the last is answered, none skipped), then ends.
-
-Blocking reads are bounded: PyAV's ``timeout`` (open, read) interrupts FFmpeg, and the URL's own socket options
-(:mod:`service.frontend.sources.urls`) bound its sockets; :meth:`Reader.stop` is noticed between frames and within a
-read's timeout.
+the ones it keeps to the source (docs/sources.md: the pacing, the reconnects and their backoff). Blocking reads are
+bounded: PyAV's ``timeout`` (open, read) interrupts FFmpeg, the URL's own socket options
+(:mod:`service.frontend.sources.urls`) bound its sockets, and :meth:`Reader.stop` is noticed between frames and
+within a read's timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass
 from typing import Any
 
 from service.frontend.sources.urls import SourceUrl
@@ -51,35 +43,26 @@ class Pace:
     realtime: bool = True
 
 
+@dataclass(eq=False)
 class Reader:
     """The decode thread of one source. ``hand(picture)`` is called on the thread with each frame kept;
     ``on_state(state, reason)`` on each change (``connecting``, ``running``, ``reconnecting``, ``ended``,
     ``failed``); ``on_skip()`` for each frame ``max_fps`` leaves out. With ``answered`` pacing the reader waits,
     after handing a frame, for :meth:`answered` before it decodes the next."""
 
-    def __init__(
-        self,
-        url: SourceUrl,
-        *,
-        name: str,
-        hand: Callable[[Picture], None],
-        on_state: Callable[[str, str], None],
-        on_skip: Callable[[], None],
-        pace: Pace,
-        max_pixels: int,
-        connect_timeout_s: float,
-        read_timeout_s: float,
-        backoff_cap_s: float = 1.0,
-    ) -> None:
-        self.url = url
-        self.hand = hand
-        self.on_state = on_state
-        self.on_skip = on_skip
-        self.pace = pace
-        self.max_pixels = max_pixels
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.backoff_cap_s = backoff_cap_s
+    url: SourceUrl
+    _: KW_ONLY
+    name: InitVar[str]
+    hand: Callable[[Picture], object]
+    on_state: Callable[[str, str], object]
+    on_skip: Callable[[], object]
+    pace: Pace
+    max_pixels: int
+    connect_timeout_s: float
+    read_timeout_s: float
+    backoff_cap_s: float = 1.0
+
+    def __post_init__(self, name: str) -> None:
         self.decoded = 0
         self.reconnects = 0
         self.decode_s = 0.0  # the thread's time decoding, for the cost per frame

@@ -1,20 +1,7 @@
 """The server's sources (docs/sources.md): created, changed and deleted while the server runs, or started with it
-from ``--sources FILE``; at most ``--max-sources`` running at once.
-
-A request body (``POST /v1/sources``, a row of the sources file) holds ``url`` and ``model`` (with ``version``
-optional), ``max_fps`` (0: every frame), ``max_age_ms``, ``pace`` (a file's: ``realtime`` or ``answered``), an
-RTSP camera's ``rtsp_transport`` (``tcp``, the default, or ``udp``), an ``id`` of the caller's choosing (else one
-is made), and the task's options as the stream routes take them: a classifier's ``top_k``; a detector's
-``score_threshold``, ``iou_threshold``, ``max_detections``, ``classes``, ``class_agnostic``, ``box_format``,
-``normalized``. A key it does not know is refused, named.
-
-A running source is an open stream of its model, registered as streams are (``ServerState.stream_open``): counted in
-``visionserve_streams_open`` and told to end when the server drains. A finished one (ended, failed, stopped) stays
-listed with its reason and counts until it is deleted; the oldest finished are forgotten past :data:`FINISHED_KEPT`.
-
-Every source is kept in the store (:mod:`service.frontend.sources.store`) from its start until it is deleted: its
-row is committed before ``POST`` is answered, and when the server (or its front end ``fe0``) starts again it starts
-every row again, once (:meth:`Sources.start_stored`).
+from ``--sources FILE``; at most ``--max-sources`` running at once. A running source is an open stream of its model
+(``ServerState.stream_open``); a finished one stays listed until deleted, the oldest forgotten past
+:data:`FINISHED_KEPT`; each is kept in the store (:mod:`service.frontend.sources.store`) until it is deleted.
 """
 
 from __future__ import annotations
@@ -177,10 +164,7 @@ class Sources:
         """Stop the source (the frame computing is answered, its reader and decoder freed) and forget it, its row
         removed first. A row that is stored but did not start again (logged why) is removed alone."""
         source = self.sources.get(id)
-        removed = False
-        if self.store is not None:
-            store = self.store
-            removed = self._write(lambda _: store.remove(id))
+        removed = self._write(lambda store: store.remove(id))
         if source is None:
             if removed:
                 return {"id": id, "state": "stopped", "reason": "deleted", "reader_alive": False}

@@ -1,13 +1,6 @@
 """One source: a URL the server pulls and decodes (:class:`~service.frontend.sources.reader.Reader`), its frames fed
-to a stream (:class:`~service.frontend.stream.FrameStream`: latest frame wins, every frame one fate, a bounded age),
-its answers fanned out to subscribers (docs/sources.md).
-
-A frame's fate: ``skipped`` (``max_fps`` left it out, or a newer frame replaced it while the model was busy),
-``answered``, ``expired`` (older than ``max_age_ms`` before it was computed) or ``error``; ``decoded`` is their sum
-plus the frame computing. Its age runs from when it was decoded to when its answer is sent. Subscribers get every
-answer but the skips, each through the streams' bounded outbox (:class:`~service.frontend.outbox.Outbox`): one that
-leaves ``OUTBOX_LIMIT`` answers unread is cut off, and never slows the source. When the source ends (its file ended,
-it failed, it was deleted, the server drains), each subscriber's last message is ``{"status": "ended", ...}``.
+to a stream (:class:`~service.frontend.stream.FrameStream`), its answers fanned out to subscribers, each through
+the streams' bounded outbox. A frame's fates, its age and the last ``ended`` message: docs/sources.md.
 """
 
 from __future__ import annotations
@@ -108,8 +101,11 @@ class Source:
             where, self._emit, max_age_ms=options.max_age_ms, want=options.want, on_outcome=self._outcome,
             protocol="source",
         )  # fmt: skip
+        post = self._loop.call_soon_threadsafe  # the reader calls from its thread: each call runs on the loop
         self.reader = Reader(
-            url, name=id, hand=self._hand, on_state=self._state_from_thread, on_skip=self._skip_from_thread,
+            url, name=id, hand=lambda picture: post(self._offer, picture),
+            on_state=lambda state, reason: post(self._set_state, state, reason),
+            on_skip=lambda: post(self._skipped_by_rate),
             pace=Pace(options.max_fps, options.realtime), max_pixels=max_pixels,
             connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, backoff_cap_s=backoff_cap_s,
         )  # fmt: skip
@@ -132,18 +128,17 @@ class Source:
 
     async def stop(self, reason: str = "deleted", timeout_s: float = 10.0) -> None:
         """Stop pulling, answer the frame computing, tell subscribers, free the reader: the source is ``stopped``."""
-        if not self.finished:
-            self.state, self.reason = "stopped", reason
-        await asyncio.shield(self._finish_once(reason, timeout_s))
+        await asyncio.shield(self._finish_once(reason, timeout_s, stopped=True))
 
     def drain(self) -> None:
         """The server drains (``ServerState.drain``): stop as if deleted, the reason said."""
-        if not self.finished:
-            self.state, self.reason = "stopped", "the server is draining"
-        self._finish_once("the server is draining", 10.0)
+        self._finish_once("the server is draining", 10.0, stopped=True)
 
-    def _finish_once(self, reason: str, timeout_s: float) -> asyncio.Task[None]:
-        """The one task that finishes the source (a task of its own: a caller cancelled does not stop it halfway)."""
+    def _finish_once(self, reason: str, timeout_s: float, stopped: bool = False) -> asyncio.Task[None]:
+        """The one task that finishes the source (a task of its own: a caller cancelled does not stop it halfway);
+        ``stopped``: stopped from outside, unless finished already."""
+        if stopped and not self.finished:
+            self.state, self.reason = "stopped", reason
         if self._finishing is None:
             self._finishing = self._loop.create_task(self._finish(reason, timeout_s))
         return self._finishing
@@ -165,17 +160,7 @@ class Source:
         if self._on_final is not None:
             self._on_final(self)
 
-    # ---- from the reader's thread ------------------------------------------------------------------------------
-    def _hand(self, picture: Picture) -> None:
-        self._loop.call_soon_threadsafe(self._offer, picture)
-
-    def _state_from_thread(self, state: str, reason: str) -> None:
-        self._loop.call_soon_threadsafe(self._set_state, state, reason)
-
-    def _skip_from_thread(self) -> None:
-        self._loop.call_soon_threadsafe(self._skipped_by_rate)
-
-    # ---- on the loop --------------------------------------------------------------------------------------------
+    # ---- on the loop, from the reader's thread --------------------------------------------------------------------
     def _offer(self, picture: Picture) -> None:
         _note(self._decoded_at, picture.decoded)
         if self.finished:  # decoded while it stopped: never computed, still counted
@@ -235,9 +220,6 @@ class Source:
         else:
             self.subscribers.add(subscriber)
         return subscriber
-
-    def unsubscribe(self, subscriber: Subscriber) -> None:
-        self.subscribers.discard(subscriber)
 
     def _ended_message(self) -> dict[str, Any]:
         return {"source": self.id, "status": "ended", "state": self.state, "reason": self.reason}

@@ -1,12 +1,6 @@
 """The sources' store (docs/sources.md, "Kept across restarts"): one SQLite database, ``sources.db`` in the state
-directory (``--state-dir``, default ``<repository>/.visionserve-state``), a row per source the server runs: its id
-and the body it was started with (the full URL included: the reader needs it), changes by ``PATCH`` folded in.
-
-The owner of the readers (``fe0``) writes it: a row is committed before ``POST`` is answered, changed before
-``PATCH`` is, removed before ``DELETE`` is; on start the owner starts every row again. The other front ends only
-read it (:func:`read_rows`). WAL, so a reader never waits on the writer; ``synchronous=FULL``, so an answered
-``POST`` is on disk; ``PRAGMA user_version`` is the schema's version. The database and its WAL files are 0600 and
-the folder 0700: the URLs carry the cameras' passwords. Nothing here logs a row.
+directory, a row per source: its id and the body it was started with, changes by ``PATCH`` folded in. The owner of
+the readers (``fe0``) writes it; the other front ends only read it (:func:`read_rows`). Nothing here logs a row.
 """
 
 from __future__ import annotations
@@ -75,10 +69,6 @@ class SourceStore:
         """Every row: its id and its body."""
         return [(id, json.loads(body)) for id, body in self._db.execute(_ROWS)]
 
-    def body(self, id: str) -> dict[str, Any] | None:
-        row = self._db.execute("SELECT body FROM sources WHERE id = ?", (id,)).fetchone()
-        return json.loads(row[0]) if row else None
-
     def put(self, id: str, body: Mapping[str, Any]) -> None:
         """Store ``body`` as ``id``'s row (a new one, or in place of the old), committed on return."""
         now = time.time()
@@ -92,9 +82,9 @@ class SourceStore:
 
     def change(self, id: str, changes: Mapping[str, Any]) -> None:
         """``changes`` folded into ``id``'s row, committed on return (nothing where there is no such row)."""
-        body = self.body(id)
-        if body is not None:
-            self.put(id, {**body, **changes})
+        row = self._db.execute("SELECT body FROM sources WHERE id = ?", (id,)).fetchone()
+        if row is not None:
+            self.put(id, {**json.loads(row[0]), **changes})
 
     def remove(self, id: str) -> bool:
         """``id``'s row deleted, committed on return; whether there was one."""

@@ -1,18 +1,14 @@
 """Which URLs the server may pull video from, and the FFmpeg options that hold FFmpeg to that choice.
 
 A server that opens URLs on request must be neither an open proxy nor a file reader, so :func:`check_url` admits a
-URL only when:
-
-- its scheme is one of :data:`ALLOWED_SCHEMES` (``rtsp``, ``rtsps``, ``http``, ``https``, ``file``);
-- a network URL names a host (``rtsp://host[:port]/path``);
-- it is a string of at most 2048 characters with no whitespace or control character (percent-encode them);
-- a ``file`` URL is absolute, ``file:///path``, with no host, query or fragment, the server was started with
-  ``--source-root DIR``, and the path, percent-decoded and resolved (symlinks followed), is a regular file inside
-  that folder. Relative forms (``file:x.mp4``, ``file:./x.mp4``) are refused rather than read against the root: one
-  written form means one rule to check and nothing for the reader to guess. The check of the containment comes
-  before the check of existence, so a refusal does not tell whether a file outside the root exists. ``target`` is
-  the resolved path, so FFmpeg opens the very file that was checked (a symlink inside the root swapped after the
-  check by someone who can write there is the one race left; the root is the operator's folder).
+URL only with a scheme of :data:`ALLOWED_SCHEMES`, a host if it is a network URL, at most :data:`MAX_URL_CHARS`
+characters and no whitespace or control character (percent-encode them); a ``file`` URL only as ``file:///path``
+with no query or fragment, from a server started with ``--source-root DIR``, its path (percent-decoded, resolved,
+symlinks followed) a regular file inside that folder. Relative forms (``file:x.mp4``) are refused rather than read
+against the root: one written form means one rule to check and nothing for the reader to guess. The containment is
+checked before the existence, so a refusal does not tell whether a file outside the root exists. ``target`` is the
+resolved path, so FFmpeg opens the very file that was checked (a symlink inside the root swapped after the check by
+someone who can write there is the one race left; the root is the operator's folder).
 
 The scheme check alone would not be enough: FFmpeg opens further URLs on its own (an HLS playlist names segment
 and key URLs, a concat list names files), so every :class:`SourceUrl` carries ``protocol_whitelist``, which FFmpeg
@@ -83,8 +79,8 @@ _WHITELISTS = {
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _HEAD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:(//)?")
-_SECRET_NAME = re.compile(r"pass|pwd|token|key|auth|sig|secret|credential|session", re.IGNORECASE)
 _ALLOWED_TEXT = ", ".join(ALLOWED_SCHEMES)
+_CONTROL = ("Cc", "Cf", "Cs", "Co", "Cn")  # Unicode's control, format, surrogate, private and unassigned
 
 
 @dataclass(frozen=True)
@@ -265,13 +261,7 @@ def _refuse_odd_characters(text: str, what: str, *, spaces_allowed: bool = False
     """Refuse whitespace and control characters (they split or end arguments and log lines; FFmpeg stops at NUL);
     a decoded file path may hold plain spaces (``%20``)."""
     for position, char in enumerate(text):
-        if (char.isspace() and not (spaces_allowed and char == " ")) or unicodedata.category(char) in (
-            "Cc",
-            "Cf",
-            "Cs",
-            "Co",
-            "Cn",
-        ):
+        if (char.isspace() and not (spaces_allowed and char == " ")) or unicodedata.category(char) in _CONTROL:
             raise BadInputError(
                 f"{what} holds whitespace or a control character (U+{ord(char):04X}) at position {position}; "
                 "percent-encode it"
