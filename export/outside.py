@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from export.detect_parity import parity_rows
+from export.detect_parity import reference_of
 from export.exporter import (
     DEFAULT_FORMATS,
     Candidate,
@@ -314,7 +314,7 @@ def place_outside_model(
                 spec,
                 request,
                 [candidate],
-                lambda batches: [parity_rows(spec, original.outputs(b)) for b in batches],
+                lambda batches: [reference_of(spec, original.outputs(b)) for b in batches],
                 real_images=images,
                 real_source=real_source,
                 source_sha256=sha,

@@ -316,3 +316,28 @@ def test_an_image_whose_masks_are_nan_fails_alone(tmp_path: Path) -> None:
     assert good.ok and len(good.instances or []) == 1
     assert not spoilt.ok and "NaN" in (spoilt.error or "")
     assert alone.status_code == 500 and "NaN" in alone.json()["error"]  # one image sent: the request is that image
+
+
+def test_an_outside_yolo_seg_onnx_is_exported_behind_the_mask_gate_and_served(tmp_path: Path) -> None:
+    """`export --onnx F --task segment --output-layout yolo-seg`: ultralytics' layout from a file of the user's,
+    proved on its boxes and its masks, then served by the segment route."""
+    import contextlib
+
+    from service.cli import main
+
+    build_segmenter(tmp_path / "seg.onnx")
+    (tmp_path / "labels.txt").write_text("\n".join(LABELS) + "\n")
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        code = main(["export", "--onnx", str(tmp_path / "seg.onnx"), "--task", "segment", "--output-layout",
+                     "yolo-seg", "--name", "mine", "--repository", str(tmp_path / "repo"), "--labels",
+                     str(tmp_path / "labels.txt"), "--input-size", str(IN), "--no-progress"])  # fmt: skip
+    assert code == 0, said.getvalue()
+    spec = json.loads((tmp_path / "repo" / "mine" / "1" / "spec.json").read_text())
+    gate = spec["exports"][0]["detection_parity"]
+    assert spec["task"] == "segment" and gate["masks"] > 0 and gate["masks_unmatched"] == 0
+    settings = ServerSettings(repository=str(tmp_path / "repo"), port=0, grpc_port=0)
+    with InProcessServer(settings) as server, server.client() as client:
+        r = client.post("/v1/models/mine/segment", content=picture(64, 64, (8, 12, 40, 36)),
+                        headers={"content-type": "image/png"})  # fmt: skip
+    [instance] = r.json()["results"][0]["instances"]
+    assert_rounded_corners(decoded(instance["mask"]).astype(np.uint8), 64, 64, (8, 12, 40, 36))
