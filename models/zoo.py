@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import torch
 import torchvision.models as tvm
 from torch import nn
 
 from models.detector import DigitDet
-from models.registry import register
+from models.registry import get_architecture, register
 from models.segmenter import DigitSeg
 from service.core.spec import InputSpec, ModelSpec
 
@@ -92,19 +93,12 @@ def digitdet(*, num_classes: int = 10) -> nn.Module:
 
 @register(
     "digitseg",
-    spec=ModelSpec(
+    spec=msgspec.structs.replace(  # digitdet's input and preprocessing; ultralytics' segmentation layout out
+        get_architecture("digitdet").spec,
         name="digitseg",
         architecture="digitseg",
-        input=InputSpec(channels=3, height=96, width=96),
-        resize_size=96,
-        mean=(0.5, 0.5, 0.5),
-        std=(0.5, 0.5, 0.5),
-        labels=DIGIT_LABELS,
         task="segment",
-        resize="letterbox",
-        pad_value=0,  # as digitdet's: the canvases' ground is dark
         output_layout="yolo-seg",
-        max_detections=100,
     ),
     description="digitdet with YOLACT-style masks: ultralytics' segmentation layout (the embedded segmenter)",
     task="segment",

@@ -33,18 +33,20 @@ from service.core.tasks.detect import DETECTIONS, NUM_DETECTIONS, Detect, Detect
 
 MASKS = "MASKS"
 ENCODINGS = {"rle": rle, "polygon": polygons, "png": png}
+# How each mask is written: one declaration for every task that answers masks (a segmenter's, a semantic model's).
+MaskFormat = Annotated[
+    Literal["rle", "polygon", "png"],
+    msgspec.Meta(
+        description="rle (COCO's compressed RLE), polygon (outer rings, holes apart) or png (base64)",
+        extra={"v2": False},
+    ),
+]
 
 
 class SegmentOptions(DetectOptions, frozen=True, kw_only=True):
     """A segmenter's options: detection's, and how each mask is written."""
 
-    mask_format: Annotated[
-        Literal["rle", "polygon", "png"],
-        msgspec.Meta(
-            description="rle (COCO's compressed RLE), polygon (outer rings, holes apart) or png (base64)",
-            extra={"v2": False},
-        ),
-    ] = "rle"
+    mask_format: MaskFormat = "rle"
 
 
 class Instance(msgspec.Struct, frozen=True):

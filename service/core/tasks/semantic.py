@@ -12,7 +12,7 @@ pixels for a v2 tensor input. A rollout compares the two versions' class maps (:
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -26,7 +26,7 @@ from service.core.parameters import flag
 from service.core.status import InferResult
 from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted
 from service.core.tasks.options import Options
-from service.core.tasks.segment import ENCODINGS, MASKS, rle
+from service.core.tasks.segment import ENCODINGS, MASKS, MaskFormat, rle
 
 
 class SemanticOptions(Options, frozen=True, kw_only=True):
@@ -34,13 +34,7 @@ class SemanticOptions(Options, frozen=True, kw_only=True):
 
     classes: Annotated[tuple[int, ...] | None, msgspec.Meta(
         description="only these classes' masks (labels or indices)", extra={"kind": "classes"})] = None  # fmt: skip
-    mask_format: Annotated[
-        Literal["rle", "polygon", "png"],
-        msgspec.Meta(
-            description="rle (COCO's compressed RLE), polygon (outer rings, holes apart) or png (base64)",
-            extra={"v2": False},
-        ),
-    ] = "rle"
+    mask_format: MaskFormat = "rle"
 
 
 class ClassMask(msgspec.Struct, frozen=True):
