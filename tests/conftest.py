@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+
+# Ctrl-C as at a terminal for the commands the tests interrupt (watch, tune). A suite started where SIGINT is ignored
+# (a background job of a non-interactive shell) would pass that on through exec, and the command would never hear
+# the interrupt it is tested on. Mended here, not in each child's preexec_fn: a fork that runs Python before exec,
+# in a process with gRPC loaded, restarts gRPC's poller in the child, which then writes an epoll error on the
+# child's stderr as its descriptors are closed (a fresh-clone run, 2026-11-28).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _cuda_available() -> bool:

@@ -107,11 +107,9 @@ def watch(url: str, *flags: str, token: str | None = None) -> subprocess.Complet
 def start_watching(url: str, id: str, *flags: str, token: str | None = None) -> subprocess.Popen[str]:
     """``visionserve watch`` on a running source, returned once the server counts it as a subscriber; the source
     must still be running then (a realtime file long enough for the command to start)."""
-    # Ctrl-C as at a terminal: a suite started where SIGINT is ignored (a background job of a non-interactive shell)
-    # passes that on, and watch never heard the interrupt it is tested on (a fresh-clone run, 2026-11-28).
+    # Ctrl-C reaches it as at a terminal: tests/conftest.py un-ignores SIGINT for the whole suite.
     process = subprocess.Popen(command(url, "--source", id, *flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=environment(token), cwd=ROOT,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                               text=True, env=environment(token), cwd=ROOT)  # fmt: skip
     try:
         doc = wait_until(url, id, lambda d: d["subscribers"] >= 1 or d["state"] in FINAL or process.poll() is not None,
                          "watch did not subscribe")  # fmt: skip

@@ -46,13 +46,6 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def _default_sigint() -> None:
-    """In the child before tune starts: Ctrl-C as at a terminal. A suite started where SIGINT is ignored (a
-    background job of a non-interactive shell) passes that on, and tune would never see the interrupt it is tested
-    on."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class TuneProcess:
     """``python -m service.cli tune ARGS`` running; a context manager that always leaves nothing running."""
 
@@ -68,7 +61,6 @@ class TuneProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "service.cli", "tune", "--no-progress", *args],
                 stdout=out, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-                preexec_fn=_default_sigint,
             )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
