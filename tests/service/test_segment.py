@@ -28,8 +28,8 @@ from PIL import Image
 from pycocotools import mask as coco_mask
 
 from service.client import Client
-from service.core.boxes import Transform
-from service.core.masks import Mask, decoded, instance_mask, polygons, rle
+from service.core.boxes import Transform, identity
+from service.core.masks import Mask, decoded, instance_masks, polygons, rle, rles
 from service.core.settings import ServerSettings
 from service.inprocess import InProcessServer
 
@@ -244,24 +244,54 @@ def test_a_websocket_stream_answers_each_frame_s_instances(served: InProcessServ
 def test_a_mask_never_leaves_its_box_nor_the_image() -> None:
     logits = np.full((GRID, GRID), 10.0, dtype=np.float32)  # "everywhere"
     where = Transform(100, 50, 0.64, 0.64, 0.0, 16.0)  # 100 x 50 letterboxed into 64
-    mask = instance_mask(logits, np.array([-20.0, 10.0, 30.0, 80.0]), where, (IN, IN))
+    mask, nan = instance_masks(
+        np.stack([logits, np.full((GRID, GRID), np.nan, np.float32)]),
+        np.array([[-20.0, 10.0, 30.0, 80.0], [0.0, 0.0, 10.0, 10.0]]), [where, where], (IN, IN),
+    )  # fmt: skip
     full = coco_mask.decode({"size": [50, 100], "counts": str(rle(mask)["counts"]).encode()})
     assert full.sum() == 30 * 40 and full[10:50, 0:30].all()  # the box, clipped to the image
-    nan = instance_mask(np.full((GRID, GRID), np.nan, np.float32), np.array([0.0, 0.0, 10.0, 10.0]), where, (IN, IN))
     assert nan.area == 0
 
 
 def test_rle_matches_pycocotools_encoder_on_random_masks() -> None:
     rng = np.random.default_rng(7)
-    for _ in range(500):
+    masks, fulls = [], []
+    for _ in range(500):  # images of many sizes, written all at once
         h, w = (int(v) for v in rng.integers(1, 30, 2))
         x1, y1 = int(rng.integers(0, w)), int(rng.integers(0, h))
         x2, y2 = int(rng.integers(x1 + 1, w + 1)), int(rng.integers(y1 + 1, h + 1))
         region = rng.random((y2 - y1, x2 - x1)) < rng.random()
-        full = np.zeros((h, w), dtype=np.uint8)
-        full[y1:y2, x1:x2] = region
-        assert rle(Mask(region, x1, y1, w, h))["counts"] == coco_mask.encode(np.asfortranarray(full))["counts"].decode()
-        assert (decoded(rle(Mask(region, x1, y1, w, h))) == full.astype(bool)).all()  # and read back as it was
+        fulls.append(np.zeros((h, w), dtype=np.uint8))
+        fulls[-1][y1:y2, x1:x2] = region
+        masks.append(Mask(region, x1, y1, w, h))
+    for mask, written, full in zip(masks, rles(masks), fulls, strict=True):
+        assert written == rle(mask)
+        assert written["counts"] == coco_mask.encode(np.asfortranarray(full))["counts"].decode()
+        assert (decoded(written) == full.astype(bool)).all()  # and read back as it was
+
+
+def test_the_masks_of_many_instances_of_several_images_are_each_sampled_from_its_own_logits() -> None:
+    from scipy.ndimage import map_coordinates
+
+    rng = np.random.default_rng(3)
+    images = [Transform(100, 50, 0.64, 0.64, 0.0, 16.0), Transform(40, 90, 0.7, 0.7, 18.0, 0.0), identity(IN, IN)]
+    where = [images[i] for i in rng.integers(0, 3, 24)]
+    logits = rng.normal(0.3, 2.0, (24, GRID, GRID)).astype(np.float32)
+    corners = rng.uniform(-10, 100, (24, 2, 2))
+    boxes = np.concatenate([corners.min(axis=1), corners.max(axis=1)], axis=1)
+    for m, logit, box, t in zip(instance_masks(logits, boxes, where, (IN, IN)), logits, boxes, where, strict=True):
+        x1, y1 = int(np.floor(max(box[0], 0))), int(np.floor(max(box[1], 0)))
+        x2, y2 = int(np.ceil(min(box[2], t.width))), int(np.ceil(min(box[3], t.height)))
+        assert (m.x1, m.y1, m.width, m.height) == (x1, y1, t.width, t.height)
+        if x2 <= x1 or y2 <= y1:
+            assert m.area == 0
+            continue
+        assert m.region.shape == (y2 - y1, x2 - x1) and m.area == m.region.sum()
+        # Each pixel's centre in the grid's cells, sampled bilinearly (the edge cell beyond the edges).
+        ys, xs = np.meshgrid(np.arange(y1, y2) + 0.5, np.arange(x1, x2) + 0.5, indexing="ij")
+        cy, cx = (ys * t.scale_y + t.pad_y) * GRID / IN - 0.5, (xs * t.scale_x + t.pad_x) * GRID / IN - 0.5
+        expected = map_coordinates(logit.astype(np.float64), [cy, cx], order=1, mode="nearest") >= 0
+        assert (m.region != expected).mean() < 1e-3  # float32 against float64 at the threshold alone
 
 
 def test_the_python_client_segments(served: InProcessServer) -> None:

@@ -2,7 +2,7 @@
 segmentation export: a YOLO head with 32 mask coefficients an anchor, and the prototypes) is read as a detector is,
 suppressed with the request's options (detection's, and ``mask_format``), and each instance kept gets its mask:
 its coefficients times the prototypes, resampled to the image's own pixels and cropped to its box
-(:func:`service.core.masks.instance_mask`: bilinear, thresholded at 0.5).
+(:func:`service.core.masks.instance_masks`: bilinear, thresholded at 0.5).
 
 Answers: the image API, streams and sources each image's ``{"width", "height", "instances": [{"box", "label",
 "index", "score", "area", "mask"}]}``, the mask COCO's compressed RLE of the full image (``{"size": [h, w],
@@ -25,14 +25,13 @@ from service.core.boxes import Transform, listed, to_original
 from service.core.comparison import Comparison
 from service.core.config import RolloutConfig
 from service.core.layouts import anchor_rows, keep, seg_outputs
-from service.core.masks import instance_mask, mask_ious, png, polygons, rle
+from service.core.masks import encoded, instance_masks, mask_ious, rles
 from service.core.status import InferResult
 from service.core.tasks.base import OutputSpec, OutputTensor, Post, Transforms, Want
 from service.core.tasks.box_comparison import BoxComparison, box_f1
 from service.core.tasks.detect import DETECTIONS, NUM_DETECTIONS, Detect, DetectOptions
 
 MASKS = "MASKS"
-ENCODINGS = {"rle": rle, "polygon": polygons, "png": png}
 # How each mask is written: one declaration for every task that answers masks (a segmenter's, a semantic model's).
 MaskFormat = Annotated[
     Literal["rle", "polygon", "png"],
@@ -108,7 +107,7 @@ class Segment(Detect):
         heads, protos = result.outputs[head_name], result.outputs[protos_name]
         classes, count = len(self.labels), protos.shape[1]
         each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(heads)
-        kept_rows, masks, failed = [], [], {}
+        kept_rows, logits, failed = [], [], {}
         for row, (head, proto, where) in enumerate(zip(heads, protos, each, strict=True)):
             values = np.asarray(head, dtype=np.float32)
             rows, anchors = anchor_rows(values[: 4 + classes], classes, options.score_threshold)
@@ -120,10 +119,13 @@ class Segment(Detect):
             if len(kept) and not (np.isfinite(coefficients).all() and np.isfinite(proto).all()):
                 failed[row] = "the model answered masks that are not numbers (NaN or infinite)"
                 kept = kept[:0]
-            logits = (coefficients[: len(kept)] @ proto.reshape(count, -1)).reshape(len(kept), *proto.shape[1:])
-            shown = to_original(kept, where)
-            kept_rows.append(shown)
-            masks.append([instance_mask(m, box, where, self.size) for m, box in zip(logits, shown[:, :4], strict=True)])
+            logits.append((coefficients[: len(kept)] @ proto.reshape(count, -1)).reshape(len(kept), *proto.shape[1:]))
+            kept_rows.append(to_original(kept, where))
+        # Every instance of the batch at once, each with its image's transform.
+        images = [w for k, w in zip(kept_rows, each, strict=True) for _ in range(len(k))]
+        found = instance_masks(np.concatenate(logits), np.concatenate([k[:, :4] for k in kept_rows]), images, self.size)
+        ends = np.cumsum([len(k) for k in kept_rows]).tolist()
+        masks = [found[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
         return kept_rows, masks, failed
 
     def postprocess(self, result: InferResult, want: Want, transforms: Transforms = None) -> Post:
@@ -133,11 +135,12 @@ class Segment(Detect):
         tensors = [self._seg_tensor(out.name, kept, masks, options.max_detections) for out in want.outputs]
         answers = []
         if not want.outputs:
-            encode = ENCODINGS[options.mask_format]
+            flat = encoded([m for found in masks for m in found], options.mask_format)
             for rows, found, where in zip(kept, masks, each, strict=True):
+                written, flat = flat[: len(found)], flat[len(found) :]
                 answers.append([
-                    {**d, "area": m.area, "mask": encode(m)}
-                    for d, m in zip(listed(rows, where, options, self.labels), found, strict=True)
+                    {**d, "area": m.area, "mask": e}
+                    for d, m, e in zip(listed(rows, where, options, self.labels), found, written, strict=True)
                 ])  # fmt: skip
         return Post(tensors, answers, [len(k) for k in kept], failed)
 
@@ -146,7 +149,7 @@ class Segment(Detect):
             return self._tensor(name, kept, most)
         strings: list[str] = []
         for found in masks:
-            row = [json.dumps(rle(m)) for m in found[:most]]
+            row = [json.dumps(r) for r in rles(found[:most])]
             strings += row + [""] * (most - len(row))
         return OutputTensor(MASKS, "BYTES", [len(kept), most], strings=strings)
 

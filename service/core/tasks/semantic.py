@@ -21,12 +21,12 @@ from service.core.boxes import Transform, identity
 from service.core.comparison import Comparison
 from service.core.config import RolloutConfig
 from service.core.errors import BadInputError
-from service.core.masks import class_masks
+from service.core.masks import class_masks, encoded, rles
 from service.core.parameters import flag
 from service.core.status import InferResult
 from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted
 from service.core.tasks.options import Options
-from service.core.tasks.segment import ENCODINGS, MASKS, MaskFormat, rle
+from service.core.tasks.segment import MASKS, MaskFormat
 
 
 class SemanticOptions(Options, frozen=True, kw_only=True):
@@ -105,16 +105,18 @@ class Semantic(Task):
             strings = []
             for pairs in found:
                 row = [""] * len(self.labels)
-                for c, mask in pairs:
+                for (c, _), text in zip(pairs, rles([m for _, m in pairs]), strict=True):
                     if c < len(row):
-                        row[c] = json.dumps(rle(mask))
+                        row[c] = json.dumps(text)
                 strings += row
             return Post(
                 [OutputTensor(MASKS, "BYTES", [len(found), len(self.labels)], strings=strings)], [], None, failed
             )
-        encode = ENCODINGS[options.mask_format]
         answers = [
-            [{"label": self._label(c), "index": c, "area": m.area, "mask": encode(m)} for c, m in pairs]
+            [
+                {"label": self._label(c), "index": c, "area": m.area, "mask": e}
+                for (c, m), e in zip(pairs, encoded([m for _, m in pairs], options.mask_format), strict=True)
+            ]
             for pairs in found
         ]
         return Post([], answers, None, failed)
