@@ -123,6 +123,12 @@ RUN_LINES = [
         "    the server's whole answer (the task's postprocess: suppression, mapping, a segmenter's masks as RLE; the "
         "rows): {answer_ms_per_image:.3f} ms = {answer_share:.1%} of the forward",
     ),
+    (
+        "yolo_seg",
+        "  a YOLO-seg head (640 input, 80 classes, 32 prototypes of 160 x 160, {yolo_seg[instances_per_image]:.0f} "
+        "instances): the answer {yolo_seg[answer_ms_per_image]:.2f} ms/image (target <= 8 ms), "
+        "{yolo_seg[answer_kb_per_image]:.1f} KB as JSON (target < 20 KB)",
+    ),
     ("at_skipped", "  at 1,000 candidates: skipped ({at_skipped})"),
     (
         "at",

@@ -40,7 +40,7 @@ from service.core.decoding import Preprocessor
 from service.core.errors import VisionServeError
 from service.core.layouts import image_rows, keep
 from service.core.repository import ModelVersion
-from service.core.spec import ModelSpec
+from service.core.spec import InputSpec, ModelSpec
 from service.core.status import InferResult
 from service.core.tasks import Detect, DetectOptions, Want, task_for
 from service.runtime import RuntimeLike, choose_backend, make_runtime, warm_up
@@ -274,6 +274,49 @@ def time_yolo(seconds: float, heads: int = 4) -> dict[str, float]:
         outputs, lambda o: suppress(image_rows("yolo", o, 80, options.score_threshold)[0], options), seconds, 4 * heads
     )
     return {"decode_suppress_ms_per_image": 1000 * each_s, "above_threshold": above}
+
+
+def yolo_seg_head(seed: int = 0, objects: int = 30, anchors: int = 8400, classes: int = 80) -> dict[str, np.ndarray]:
+    """A YOLOv8-seg-like answer for a 640 input: ``output0`` ``[1, 4 + classes + 32, anchors]`` and the prototypes
+    ``output1`` ``[1, 32, 160, 160]``; ``objects`` apart on a grid, each seen by some anchors (jittered boxes,
+    scores 0.3-0.95), the rest background under 0.2; each mask an ellipse in its box (prototype k is object k's,
+    its anchors' coefficients pick it)."""
+    rng = np.random.default_rng(seed)
+    cells = np.array([(c, r) for r in range(6) for c in range(6)][:objects], dtype=np.float32)
+    centre = 53 + 106 * cells + rng.normal(0, 4, (objects, 2))
+    size = rng.uniform(50, 95, (objects, 2))
+    out = np.zeros((4 + classes + 32, anchors), dtype=np.float32)
+    owner, seen = rng.integers(0, objects, anchors), rng.random(anchors) < 0.2
+    out[:2] = np.where(seen, (centre[owner] + rng.normal(0, 1.5, (anchors, 2))).T, rng.uniform(20, 620, (2, anchors)))
+    out[2:4] = np.where(
+        seen, (size[owner] * rng.uniform(0.95, 1.05, (anchors, 2))).T, rng.uniform(8, 120, (2, anchors))
+    )
+    out[4 : 4 + classes] = rng.uniform(0, 0.2, (classes, anchors))
+    out[4 + rng.integers(0, classes, objects)[owner[seen]], np.flatnonzero(seen)] = rng.uniform(0.3, 0.95, seen.sum())
+    out[4 + classes + owner[seen], np.flatnonzero(seen)] = 1.0
+    grid = (np.arange(160) + 0.5) * 4  # the prototypes' cell centres, in input pixels
+    dx = (grid[None, None, :] - centre[:, 0, None, None]) / (size[:, 0, None, None] / 2)
+    dy = (grid[None, :, None] - centre[:, 1, None, None]) / (size[:, 1, None, None] / 2)
+    protos = np.full((32, 160, 160), -4.0, dtype=np.float32)
+    protos[:objects] = 4 * (1 - dx**2 - dy**2)
+    return {"output0": out[None], "output1": protos[None]}
+
+
+def time_yolo_seg(seconds: float, heads: int = 4) -> dict[str, float]:
+    """The server's answer to :func:`yolo_seg_head` outputs for 640 x 640 images (suppression, each instance's mask
+    in the image's pixels as RLE, the rows), per image, in turns over ``heads`` seeds; and the answer's JSON size."""
+    spec = ModelSpec(name="yolo-seg", architecture="yolo-seg", input=InputSpec(channels=3, height=640, width=640),
+                     resize_size=640, mean=(0.0,) * 3, std=(1.0,) * 3, labels=tuple(map(str, range(80))),
+                     task="segment", output_layout="yolo-seg", resize="letterbox")  # fmt: skip
+    task, where = task_for(spec), [Transform(640, 640)]
+    outputs = [InferResult(yolo_seg_head(seed), [None]) for seed in range(heads)]
+    answers = [task.postprocess(o, Want(), where).predictions[0] for o in outputs]
+    each_s = seconds_each(outputs, lambda o: task.postprocess(o, Want(), where), seconds, 4 * heads)
+    return {
+        "answer_ms_per_image": 1000 * each_s,
+        "instances_per_image": float(np.mean([len(a) for a in answers])),
+        "answer_kb_per_image": float(np.mean([len(msgspec.json.encode(a)) for a in answers])) / 1000,
+    }
 
 
 def thousand(

@@ -172,6 +172,9 @@ def _figures(
     if isinstance(task_for(spec), Detect) and ("pipeline" in figures or "batcher" in figures):
         say(f"pipeline: decode + resize + run + suppression (where the server does it) and mapping, batch {largest}")
         result.update(detect.pipeline_figures(jpegs, largest, runtime, pool, options.seconds))
+        if spec.output_layout == "yolo-seg":
+            say("a YOLO-seg head at 640 with 30 instances: the server's answer, masks as RLE")
+            result["yolo_seg"] = detect.time_yolo_seg(options.seconds)
         if "candidates" in figures:
             say(f"the same graph emitting {detect.THOUSAND} candidates an image, and dense candidates")
             result["at_1000"] = detect.thousand(version, config, device, jpegs, largest, pool, options.seconds)

@@ -66,18 +66,23 @@ _CHUNK_PIXELS = 1 << 22  # instances resampled together, each padded to the larg
 
 
 def instance_masks(
-    logits: np.ndarray, boxes: np.ndarray, where: list[Transform], input_size: tuple[int, int]
-) -> list[Mask]:
-    """Each instance's mask, its ``logits`` ``[M, h, w]`` covering the model's input, cropped to its box (``boxes``
-    ``[M, 4]``, in the image's own pixels: ``where``, a transform an instance), in the image's own pixels. All at
-    once, whatever their images: each instance's weights for its box's rows and columns and the grid cells they
-    touch, boxes of like sizes padded to the largest, then two batched
-    products (a dozen calls an instance took more than the forward of digits-segment, 2026-11-28)."""
-    logits = np.asarray(logits, dtype=np.float32)
+    coefficients: np.ndarray, protos: np.ndarray, boxes: np.ndarray, where: list[Transform],
+    input_size: tuple[int, int], image: np.ndarray | None = None,
+) -> list[Mask]:  # fmt: skip
+    """Each instance's mask, its logits ``coefficients`` ``[M, P]`` times the ``protos`` ``[N, P, h, w]`` of its
+    ``image`` (``[M]``, all 0 by default) covering the model's input, cropped to its box (``boxes`` ``[M, 4]``, in
+    the image's own pixels: ``where``, a transform an instance), in the image's own pixels. All at once, whatever
+    their images: each instance's logits on the grid cells its box's rows and columns touch alone, its weights for
+    them, boxes of like sizes padded to the largest, then batched products (a dozen calls an instance took more
+    than the forward of digits-segment, and the logits of the whole grid 15 ms for 30 instances at 640,
+    2026-11-28)."""
+    coefficients = np.asarray(coefficients, dtype=np.float32)
+    protos = np.asarray(protos, dtype=np.float32)
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    image = np.zeros(len(boxes), dtype=np.int64) if image is None else np.asarray(image)
     if not len(boxes):
         return []
-    grid_h, grid_w = logits.shape[1:]
+    count, grid_h, grid_w = protos.shape[1:]
     in_w, in_h = input_size
     image_w, image_h = (np.array([getattr(t, k) for t in where], dtype=np.int64) for k in ("width", "height"))
     scale = np.array([(t.scale_x, t.scale_y) for t in where], dtype=np.float64).reshape(-1, 2)
@@ -94,7 +99,9 @@ def instance_masks(
         xs = ((x1[part, None] + np.arange(pw) + 0.5) * scale[part, :1] + pad[part, :1]) * (grid_w / in_w)
         ys = ((y1[part, None] + np.arange(ph) + 0.5) * scale[part, 1:] + pad[part, 1:]) * (grid_h / in_h)
         cx, cy = _touched(xs, w[part], grid_w), _touched(ys, h[part], grid_h)
-        window = logits[part[:, None, None], cy[:, :, None], cx[:, None, :]]  # [m, ch, cw]
+        m, p = len(part), np.arange(count)[None, :, None, None]
+        window = protos[image[part, None, None, None], p, cy[:, None, :, None], cx[:, None, None, :]]  # [m, P, ch, cw]
+        window = (coefficients[part, None, :] @ window.reshape(m, count, -1)).reshape(m, cy.shape[1], cx.shape[1])
         sampled = _weights(ys, grid_h, cy) @ window @ _weights(xs, grid_w, cx).transpose(0, 2, 1)
         inside = sampled >= 0  # sigmoid >= 0.5; NaN is never >= 0
         inside &= (np.arange(ph) < h[part, None])[:, :, None] & (np.arange(pw) < w[part, None])[:, None, :]

@@ -244,10 +244,9 @@ def test_a_websocket_stream_answers_each_frame_s_instances(served: InProcessServ
 def test_a_mask_never_leaves_its_box_nor_the_image() -> None:
     logits = np.full((GRID, GRID), 10.0, dtype=np.float32)  # "everywhere"
     where = Transform(100, 50, 0.64, 0.64, 0.0, 16.0)  # 100 x 50 letterboxed into 64
-    mask, nan = instance_masks(
-        np.stack([logits, np.full((GRID, GRID), np.nan, np.float32)]),
-        np.array([[-20.0, 10.0, 30.0, 80.0], [0.0, 0.0, 10.0, 10.0]]), [where, where], (IN, IN),
-    )  # fmt: skip
+    (mask,) = instance_masks(np.ones((1, 1)), logits[None, None], np.array([[-20.0, 10, 30, 80]]), [where], (IN, IN))
+    nan_logits = np.full((1, 1, GRID, GRID), np.nan, np.float32)
+    (nan,) = instance_masks(np.ones((1, 1)), nan_logits, np.array([[0.0, 0, 10, 10]]), [where], (IN, IN))
     full = coco_mask.decode({"size": [50, 100], "counts": str(rle(mask)["counts"]).encode()})
     assert full.sum() == 30 * 40 and full[10:50, 0:30].all()  # the box, clipped to the image
     assert nan.area == 0
@@ -275,11 +274,15 @@ def test_the_masks_of_many_instances_of_several_images_are_each_sampled_from_its
 
     rng = np.random.default_rng(3)
     images = [Transform(100, 50, 0.64, 0.64, 0.0, 16.0), Transform(40, 90, 0.7, 0.7, 18.0, 0.0), identity(IN, IN)]
-    where = [images[i] for i in rng.integers(0, 3, 24)]
-    logits = rng.normal(0.3, 2.0, (24, GRID, GRID)).astype(np.float32)
+    image = rng.integers(0, 3, 24)
+    where = [images[i] for i in image]
+    protos = rng.normal(0.3, 2.0, (3, 8, GRID, GRID)).astype(np.float32)  # each image's prototypes
+    coefficients = rng.normal(0, 1, (24, 8)).astype(np.float32)
+    logits = np.einsum("mp,mpyx->myx", coefficients, protos[image])
     corners = rng.uniform(-10, 100, (24, 2, 2))
     boxes = np.concatenate([corners.min(axis=1), corners.max(axis=1)], axis=1)
-    for m, logit, box, t in zip(instance_masks(logits, boxes, where, (IN, IN)), logits, boxes, where, strict=True):
+    found = instance_masks(coefficients, protos, boxes, where, (IN, IN), image)
+    for m, logit, box, t in zip(found, logits, boxes, where, strict=True):
         x1, y1 = int(np.floor(max(box[0], 0))), int(np.floor(max(box[1], 0)))
         x2, y2 = int(np.ceil(min(box[2], t.width))), int(np.ceil(min(box[3], t.height)))
         assert (m.x1, m.y1, m.width, m.height) == (x1, y1, t.width, t.height)
@@ -371,3 +374,12 @@ def test_an_outside_yolo_seg_onnx_is_exported_behind_the_mask_gate_and_served(tm
                         headers={"content-type": "image/png"})  # fmt: skip
     [instance] = r.json()["results"][0]["instances"]
     assert_rounded_corners(decoded(instance["mask"]).astype(np.uint8), 64, 64, (8, 12, 40, 36))
+
+
+def test_the_yolo_seg_benchmark_head_answers_30_ellipses_in_under_20_kb() -> None:
+    from service.bench.detect import time_yolo_seg, yolo_seg_head
+
+    figures = time_yolo_seg(0.0, heads=1)
+    assert figures["instances_per_image"] == 30 and figures["answer_kb_per_image"] < 20
+    outputs = yolo_seg_head(0)
+    assert outputs["output0"].shape == (1, 4 + 80 + 32, 8400) and outputs["output1"].shape == (1, 32, 160, 160)

@@ -107,23 +107,21 @@ class Segment(Detect):
         heads, protos = result.outputs[head_name], result.outputs[protos_name]
         classes, count = len(self.labels), protos.shape[1]
         each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(heads)
-        kept_rows, logits, failed = [], [], {}
+        kept_rows, chosen, failed = [], [], {}
         for row, (head, proto, where) in enumerate(zip(heads, protos, each, strict=True)):
             values = np.asarray(head, dtype=np.float32)
             rows, anchors = anchor_rows(values[: 4 + classes], classes, options.score_threshold)
             kept = keep(self.layout, rows, options)
-            # Which anchor each kept row came from (suppression keeps rows, not their places).
-            matches = (rows[None, :, :] == kept[:, None, :]).all(axis=2).argmax(axis=1) if len(rows) else anchors[:0]
-            coefficients = values[4 + classes : 4 + classes + count][:, anchors[matches]].T  # [M, P]
-            proto = np.asarray(proto, dtype=np.float32)
+            coefficients = values[4 + classes : 4 + classes + count][:, _anchors_of(kept, rows, anchors)].T  # [M, P]
             if len(kept) and not (np.isfinite(coefficients).all() and np.isfinite(proto).all()):
                 failed[row] = "the model answered masks that are not numbers (NaN or infinite)"
-                kept = kept[:0]
-            logits.append((coefficients[: len(kept)] @ proto.reshape(count, -1)).reshape(len(kept), *proto.shape[1:]))
+                kept, coefficients = kept[:0], coefficients[:0]
+            chosen.append(coefficients)
             kept_rows.append(to_original(kept, where))
-        # Every instance of the batch at once, each with its image's transform.
-        images = [w for k, w in zip(kept_rows, each, strict=True) for _ in range(len(k))]
-        found = instance_masks(np.concatenate(logits), np.concatenate([k[:, :4] for k in kept_rows]), images, self.size)
+        # Every instance of the batch at once, each with its image's prototypes and transform.
+        image = np.repeat(np.arange(len(kept_rows)), [len(k) for k in kept_rows])
+        boxes = np.concatenate([k[:, :4] for k in kept_rows])
+        found = instance_masks(np.concatenate(chosen), protos, boxes, [each[i] for i in image], self.size, image)
         ends = np.cumsum([len(k) for k in kept_rows]).tolist()
         masks = [found[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
         return kept_rows, masks, failed
@@ -159,6 +157,17 @@ class Segment(Detect):
 
     def comparison(self, config: RolloutConfig) -> Comparison:
         return MaskComparison(self, confidence=config.confidence, min_f1=config.min_box_f1)
+
+
+def _anchors_of(kept: np.ndarray, rows: np.ndarray, anchors: np.ndarray) -> np.ndarray:
+    """The anchor each of the ``kept`` rows came from (suppression keeps rows, not their places): the row of its
+    score, or, where two rows share a score, the row equal to it whole."""
+    if not len(kept):
+        return anchors[:0]
+    first = (rows[None, :, 4] == kept[:, None, 4]).argmax(axis=1)
+    if not (rows[first] == kept).all():
+        first = (rows[None, :, :] == kept[:, None, :]).all(axis=2).argmax(axis=1)
+    return anchors[first]
 
 
 class MaskComparison(BoxComparison):
