@@ -100,7 +100,8 @@ class AnswerCheck:
 
 
 def check(answers: Iterable[tuple[Sequence[str], bytes]], reference: Reference) -> AnswerCheck:
-    """Check each answer body (``/detect``'s JSON) of a request whose images had these names, in order."""
+    """Check each answer body (``/detect``'s or ``/segment``'s JSON) of a request whose images had these names, in
+    order."""
     out = AnswerCheck()
     for names, body in answers:
         try:
@@ -116,10 +117,10 @@ def check(answers: Iterable[tuple[Sequence[str], bytes]], reference: Reference) 
                 out.not_in_reference += 1
                 continue
             out.images += 1
-            if "error" in result or "detections" not in result:
+            detections = result.get("detections", result.get("instances"))  # a segmenter's instances are boxes too
+            if "error" in result or detections is None:
                 out.image_errors += 1
                 continue
-            detections = result["detections"]
             hits = found(detections, known)
             out.known += len(known)
             out.found += hits

@@ -77,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
     if not isinstance(task_for(entry.latest.spec), Detect):
         print(f"{args.model} is not a detector (task {entry.latest.spec.task!r})", file=sys.stderr)
         return 2
+    task = entry.latest.spec.task  # a segmenter's answers are checked on their boxes
     scratch = Path(tempfile.mkdtemp(prefix="vs-detect-bench-"))
     corpus = canvas_corpus(args.canvases, args.scale)
     (scratch / "images").mkdir()
@@ -101,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"round {r + 1}: in-process pipeline {pipeline:.1f} images/s (batch {PIPELINE_BATCH}{post})")
         with launcher.start(repo, workers=args.workers, log=scratch / f"server-{r}.log") as server:
             for per in args.images_per_request:
-                bodies = payloads(args.model, corpus.images, per_request=per, task="detect", names=corpus.names)
+                bodies = payloads(args.model, corpus.images, per_request=per, task=task, names=corpus.names)
                 step = row["served"][str(per)] = served_step(args, server.url, bodies, references)
                 step["of_pipeline"] = step["images_per_s"] / pipeline
                 a, known = step["answers"]["served"], step["answers"]["known"]
