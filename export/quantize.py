@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from export.int8_gate import MIN_BOX_MAP, Int8Verdict, Judge, Truth, describe_speed, judge_for, passed
+from export.int8_gate import MIN_BOX_MAP, MIN_MASK_MAP, Int8Verdict, Judge, Truth, describe_speed, judge_for, passed
 from service.core.cpu import describe_cpu
 from service.core.errors import ConfigError
 from service.core.spec import Int8Record, Int8Speed, ModelSpec
@@ -65,7 +65,8 @@ class Int8Data:
     calibration_source: str
     held_out: np.ndarray
     held_out_source: str
-    held_out_labels: np.ndarray | Truth | None = None  # class indices, or a detector's boxes, where known
+    # Where known: class indices, a detector's boxes, or a segmenter's masks (a COCO annotations document)
+    held_out_labels: np.ndarray | Truth | dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Int8Options:
     exclude: tuple[str, ...] = ()  # node names kept in float, besides the input's front
     min_top1_agreement: float = MIN_TOP1_AGREEMENT
     min_box_map: float = MIN_BOX_MAP  # a detector's: mAP@0.5 of int8's boxes against fp32's
+    min_mask_map: float = MIN_MASK_MAP  # a segmenter's: mask mAP@0.5 of int8's instances against fp32's
     max_accuracy_drop: float = MAX_ACCURACY_DROP
     min_speedup: float = MIN_SPEEDUP  # int8 may take at most 1 - this of fp32's time; < 0 accepts any speed
     allow_slower: bool = False  # write it even when it is not faster, marked in spec.json
@@ -138,16 +140,20 @@ def _session(path: Path, providers: list[Any] | None = None) -> Any:
     return ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
 
 
-def _run(session: Any, images: np.ndarray, batch: int = 32) -> np.ndarray:
+def _run(session: Any, images: np.ndarray, batch: int = 32) -> dict[str, np.ndarray]:
+    """Each of the graph's outputs over ``images``, by name (most have one; a segmenter, its head and prototypes)."""
     name = session.get_inputs()[0].name
-    outs = [session.run(None, {name: images[i : i + batch]})[0] for i in range(0, len(images), batch)]
-    return np.concatenate(outs).astype(np.float32)
+    runs = [session.run(None, {name: images[i : i + batch]}) for i in range(0, len(images), batch)]
+    outputs = enumerate(o.name for o in session.get_outputs())
+    return {n: np.concatenate([r[k] for r in runs]).astype(np.float32) for k, n in outputs}
 
 
-def _rel_error(got: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    got, expected = got.reshape(len(got), -1), expected.reshape(len(expected), -1)  # a detector's rows too
-    scale = np.maximum(np.abs(expected).max(axis=1), 1e-12)
-    return np.asarray(np.abs(got - expected).max(axis=1) / scale)
+def _rel_error(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> np.ndarray:
+    errors = []  # each image's, of each output (a segmenter's head and prototypes apart): the worst
+    for name, want in expected.items():
+        have, want = got[name].reshape(len(want), -1), want.reshape(len(want), -1)  # a detector's rows too
+        errors.append(np.abs(have - want).max(axis=1) / np.maximum(np.abs(want).max(axis=1), 1e-12))
+    return np.asarray(np.max(errors, axis=0))
 
 
 def _quantize(
@@ -194,7 +200,7 @@ def quantize_model(
     say = progress or (lambda _m: None)
     _check(data, options)
     judge = judge_for(spec, min_top1=options.min_top1_agreement, max_drop=options.max_accuracy_drop,
-                      min_box_map=options.min_box_map)  # fmt: skip
+                      min_box_map=options.min_box_map, min_mask_map=options.min_mask_map)  # fmt: skip
     calibration = data.calibration[:MAX_CALIBRATION]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="int8-") as tmp:

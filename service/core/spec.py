@@ -69,6 +69,12 @@ class Int8Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     min_box_map50: float | None = None
     fp32_map50: float | None = None
     int8_map50: float | None = None
+    # A segmenter's: the same of its instances' masks (pycocotools' COCOeval, iouType "segm"), int8's against fp32's
+    # and, where the held-out images' masks are known, each one's.
+    mask_map50_vs_fp32: float | None = None
+    min_mask_map50: float | None = None
+    fp32_mask_map50: float | None = None
+    int8_mask_map50: float | None = None
     max_accuracy_drop: float  # a fraction: 0.01 is one point (of accuracy, or of a detector's labelled mAP)
     held_out_images: int
     held_out_source: str

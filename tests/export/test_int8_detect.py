@@ -29,12 +29,12 @@ def test_the_box_judge_scores_its_own_answers_one_and_shifted_boxes_lower() -> N
     rows = np.zeros((2, 100, 6), dtype=np.float32)
     rows[:, :2] = [[10, 10, 30, 40, 0.9, 3], [50, 20, 80, 60, 0.8, 7]]
     judge = BoxJudge(SPEC, 0.95, 0.01)
-    assert judge.agreement(rows, rows) == 1.0
+    assert judge.agreement({"output": rows}, {"output": rows}) == 1.0  # the graph's outputs by name
     shifted = rows.copy()
     shifted[:, 0, :4] += [10, 12, 10, 12]  # each image's class-3 box moved off its place: IoU < 0.5
-    assert judge.agreement(shifted, rows) == pytest.approx(0.5)  # class 3 lost its one box; class 7 kept
+    assert judge.agreement({"output": shifted}, {"output": rows}) == pytest.approx(0.5)  # class 3 lost its box
     truth = [(rows[i, :2, :4], np.array([3, 7])) for i in range(2)]
-    assert judge.accuracy(rows, truth) == 1.0
+    assert judge.accuracy({"output": rows}, truth) == 1.0
 
 
 def test_the_shipped_detector_keeps_its_boxes_in_int8_and_a_blank_calibration_is_refused(tmp_path: Path) -> None:
