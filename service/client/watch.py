@@ -54,6 +54,7 @@ def add_watch_arguments(p: argparse.ArgumentParser) -> None:
         help="save the answers to this file (JSON Lines unless --format text); default: print them",
     )
     p.add_argument("--append", action="store_true", help="add to an existing --out (without it one is refused)")
+    p.add_argument("--events", action="store_true", help="also each line crossing, zone entry and exit (tracking)")
     p.add_argument(
         "--format",
         choices=("text", "jsonl"),
@@ -155,6 +156,11 @@ def _watch(args: argparse.Namespace, token: str, out: IO[str], *, text: bool) ->
                 for data in event_data(response.iter_lines()):
                     message = _decode(data)
                     status = message.get("status")
+                    if message.get("type") == "event":  # a track crossed a line, or entered or left a zone
+                        if args.events:
+                            out.write((event_line(message) if text else data) + "\n")
+                            out.flush()
+                        continue
                     if status in FRAME_STATUSES:
                         if not text and "\n" in data:  # an event of several data lines: one line of JSON all the same
                             data = msgspec.json.encode(message).decode()
@@ -237,6 +243,14 @@ def answer_line(message: dict[str, Any]) -> str:
     if "outputs" in message:
         return f"{head}  outputs: {', '.join(message['outputs'] or {}) or 'none'}"
     return head
+
+
+def event_line(message: dict[str, Any]) -> str:
+    """One event as a line: ``event cross gate in  track 4 (7)  t 3.200``."""
+    where = message.get("line") or message.get("zone")
+    direction = f" {message['direction']}" if "direction" in message else ""
+    return (f"event {message.get('event')} {where}{direction}  track {message.get('track_id')} "
+            f"({message.get('label')})  t {message.get('time', 0):.3f}")  # fmt: skip
 
 
 def end_line(message: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -41,6 +42,7 @@ class SourceState(msgspec.Struct, array_like=True, frozen=True):
     fps_in: float = 0.0
     fps_answered: float = 0.0
     frontend: str = ""
+    counts: dict[str, Any] = {}  # its tracks through its lines and zones (docs/tracking.md), where it tracks
 
 
 def merge_source_states(states: Iterable[SourceState]) -> dict[str, SourceState]:
@@ -79,8 +81,25 @@ class SourceCollector(ScrapeCollector):
                                          "reconnected", labels=labels)  # fmt: skip
         by_state = GaugeMetricFamily("visionserve_sources", "Sources in each state (finished ones stay until "
                                      "deleted)", labels=("state",))  # fmt: skip
+        crossings = CounterMetricFamily(
+            "visionserve_source_line_crossings",
+            "Tracks that crossed a source's line, by direction and label",
+            labels=(*labels, "line", "direction", "label"),
+        )
+        zoned = {kind: (CounterMetricFamily if kind != "occupancy" else GaugeMetricFamily)(
+            f"visionserve_source_zone_{kind}", f"A source's zone: {what}, by label", labels=(*labels, "zone", "label"))
+            for kind, what in (("entered", "tracks that entered it"), ("exited", "tracks that left it"),
+                               ("occupancy", "tracks inside it now"))}  # fmt: skip
         counted = dict.fromkeys(SOURCE_STATES, 0)
         for id, state in sorted(merge_source_states(self.states()).items()):
+            for line, directions in state.counts.get("lines", {}).items():
+                for direction, by_label in directions.items():
+                    for label, n in by_label.items():
+                        crossings.add_metric([id, state.model, line, direction, label], n)
+            for zone, figures in state.counts.get("zones", {}).items():
+                for kind, family in zoned.items():
+                    for label, n in figures.get(kind, {}).items():
+                        family.add_metric([id, state.model, zone, label], n)
             counted[state.state] = counted.get(state.state, 0) + 1  # a state of a newer build still counts
             for outcome in SOURCE_OUTCOMES:
                 frames.add_metric([id, state.model, outcome], state.frames.get(outcome, 0))
@@ -93,4 +112,4 @@ class SourceCollector(ScrapeCollector):
             reconnects.add_metric([id, state.model], state.reconnects)
         for name, count in counted.items():
             by_state.add_metric([name], count)
-        yield from (frames, ages, fps, reconnects, by_state)
+        yield from (frames, ages, fps, reconnects, by_state, crossings, *zoned.values())

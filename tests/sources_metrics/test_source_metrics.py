@@ -22,7 +22,9 @@ from service.transport.messages import ENCODER, TO_ENGINE, Snapshot
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_METRICS = {
     "visionserve_source_frames_total", "visionserve_source_age_seconds", "visionserve_source_fps",
-    "visionserve_source_reconnects_total", "visionserve_sources",
+    "visionserve_source_reconnects_total", "visionserve_sources", "visionserve_source_line_crossings_total",
+    "visionserve_source_zone_entered_total", "visionserve_source_zone_exited_total",
+    "visionserve_source_zone_occupancy",
 }  # fmt: skip
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -160,3 +162,15 @@ def test_the_dashboard_sources_row_queries_every_source_metric_and_only_exported
     assert len(ids) == len(set(ids))
     bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels[: rows[-1]])
     assert panels[rows[-1]]["gridPos"]["y"] >= bottom
+
+
+def test_a_tracking_source_shows_its_line_crossings_and_zones_by_label() -> None:
+    desk = {"occupancy": {"3": 2}, "entered": {"3": 5}, "exited": {"3": 3}, "dwell_s": {}}
+    counts = {"lines": {"gate": {"in": {"3": 4}, "out": {"7": 1}}}, "zones": {"desk": desk}}
+    found = samples(render([source(counts=counts)]))
+    at = {"source": "cam1", "model": "digits"}
+    assert value(found, "visionserve_source_line_crossings_total", **at, line="gate", direction="in", label="3") == 4
+    assert value(found, "visionserve_source_line_crossings_total", **at, line="gate", direction="out", label="7") == 1
+    assert value(found, "visionserve_source_zone_occupancy", **at, zone="desk", label="3") == 2
+    assert value(found, "visionserve_source_zone_entered_total", **at, zone="desk", label="3") == 5
+    assert value(found, "visionserve_source_zone_exited_total", **at, zone="desk", label="3") == 3

@@ -114,6 +114,7 @@ class Task:
     # (``top1``: logits and top-1 classes; ``boxes``: matched boxes), and an outside model's preprocessing unless
     # told (``unit_input``: x / 255, mean 0 and std 1, rather than ImageNet's normalisation).
     layouts: ClassVar[tuple[str, ...]] = ()
+    boxes_field: ClassVar[str | None] = None  # the answer's list of boxed objects, which streams may track
     output_name: ClassVar[str]
     output_names: ClassVar[tuple[str, ...]]  # the v2 outputs it answers (how a client tells the task of a model)
     gate: ClassVar[str]

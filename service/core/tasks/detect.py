@@ -63,6 +63,7 @@ class Detect(Task):
     layouts: ClassVar[tuple[str, ...]] = ("candidates", "yolo", "yolov5", "end2end", "efficientnms")
     output_name = "candidates"
     output_names: ClassVar[tuple[str, ...]] = (DETECTIONS, NUM_DETECTIONS)
+    boxes_field: ClassVar[str | None] = "detections"
     gate = "boxes"
     resize = "letterbox"  # as YOLO exports are
     unit_input = True

@@ -85,6 +85,7 @@ class Segment(Detect):
     response_type = SegmentResponse
     layouts = ("yolo-seg",)
     output_names = (DETECTIONS, NUM_DETECTIONS, MASKS)
+    boxes_field = "instances"
     gate = "masks"  # export's parity gate judges its boxes as a detector's, and its masks (export/detect_parity.py)
 
     @classmethod

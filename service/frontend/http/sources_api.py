@@ -116,6 +116,21 @@ async def delete_source(request: Request[Any, Any, Any], id: FromPath[str]) -> A
     return await sources_of(request).delete(id)
 
 
+@get("/v1/sources/{id:str}/counts", summary="A source's line and zone counts (admin)", responses=ERROR_RESPONSES)
+async def source_counts(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
+    """Its tracks counted through its lines and zones: docs/tracking.md."""
+    return sources_of(request).get(id).counts()
+
+
+@post("/v1/sources/{id:str}/counts/reset", summary="Zero a source's counts (admin)", status_code=200,
+      responses=ERROR_RESPONSES)  # fmt: skip
+async def reset_counts(request: Request[Any, Any, Any], id: FromPath[str]) -> Any:
+    source = sources_of(request).get(id)
+    if source.tracking is not None:
+        source.tracking.counter.reset()
+    return source.counts()
+
+
 @get(RESULTS, summary="A source's answers as Server-Sent Events (admin)", responses=ERROR_RESPONSES)
 async def source_events(request: Request[Any, Any, Any], id: FromPath[str]) -> ServerSentEvent | Response[Any]:
     """One ``data:`` event per answer, the last one ``ended``."""
@@ -208,6 +223,8 @@ ROUTER = Router(
         show_source,
         change_source,
         delete_source,
+        source_counts,
+        reset_counts,
         source_events,
         source_results,
     ],

@@ -23,6 +23,7 @@ from service.core.errors import BadInputError, ConfigError, NotFoundError, Overl
 from service.core.parameters import MAX_INT
 from service.core.source_metrics import SourceState
 from service.core.tasks import TASKS, fields
+from service.core.tracking import read_track
 from service.frontend import request as path
 from service.frontend.sources.source import Source, SourceOptions
 from service.frontend.sources.store import SourceStore
@@ -35,7 +36,8 @@ log = logging.getLogger("visionserve.sources")
 FINISHED_KEPT = 64
 MAX_FPS_LIMIT = 240.0
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-COMMON_KEYS = ("url", "model", "version", "id", "max_fps", "max_age_ms", "pace", "rtsp_transport")
+TRACK_KEYS = ("track", "lines", "zones", "normalized")  # docs/tracking.md
+COMMON_KEYS = ("url", "model", "version", "id", "max_fps", "max_age_ms", "pace", "rtsp_transport", *TRACK_KEYS)
 
 
 def task_keys() -> tuple[str, ...]:
@@ -45,7 +47,7 @@ def task_keys() -> tuple[str, ...]:
 
 def changeable() -> tuple[str, ...]:
     """What a PATCH may change."""
-    return ("max_fps", "max_age_ms", "pace", *task_keys())
+    return ("max_fps", "max_age_ms", "pace", *TRACK_KEYS, *task_keys())
 
 
 class Sources:
@@ -273,7 +275,8 @@ def source_options(slot: ModelSlot, body: Mapping[str, Any], before: SourceOptio
         raise BadInputError(f"{', '.join(wrong)}: not an option of {slot.name}'s task ({slot.task.name})")
     task_options = {**(before.task_options if before else {}), **{k: body[k] for k in keys if k in body}}
     want = stream_want(slot, task_options)
-    return SourceOptions(float(max_fps), max_age_ms, pace == "realtime", want, task_options)
+    track = read_track(body, before.track if before else None, slot.spec.labels, slot.task.boxes_field is not None)
+    return SourceOptions(float(max_fps), max_age_ms, pace == "realtime", want, task_options, track)
 
 
 def file_row_id(row: Mapping[str, Any]) -> str:

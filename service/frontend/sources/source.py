@@ -22,6 +22,7 @@ from service.core.boxes import Transform
 from service.core.source_metrics import SourceState
 from service.core.spec import ModelSpec
 from service.core.tasks import Want
+from service.core.tracking import TrackAsk, Tracking
 from service.frontend.outbox import Outbox
 from service.frontend.request import Target
 from service.frontend.sources.frames import frame_input
@@ -55,6 +56,7 @@ class SourceOptions:
     realtime: bool
     want: Want
     task_options: dict[str, Any] = field(default_factory=dict)
+    track: TrackAsk | None = None  # its tracks, lines and zones (docs/tracking.md)
 
 
 class Source:
@@ -97,6 +99,7 @@ class Source:
         self._finishing: asyncio.Task[None] | None = None
         self._final: tuple[str, str] | None = None  # the reader's last word (ended, failed), said once finished
         self._images: dict[int, bytes] = {}  # frame index -> its JPEG, while it computes (for frames=1 subscribers)
+        self.tracking = Tracking(options.track) if options.track is not None else None
         self.stream = FrameStream(
             where, self._emit, max_age_ms=options.max_age_ms, want=options.want, on_outcome=self._outcome,
             protocol="source",
@@ -125,6 +128,10 @@ class Source:
         self.stream.max_age_ms = options.max_age_ms
         self.stream.want = options.want
         self.reader.set_pace(Pace(options.max_fps, options.realtime))
+        if options.track is None or self.tracking is None:
+            self.tracking = Tracking(options.track) if options.track is not None else None
+        else:
+            self.tracking.change(options.track)
 
     async def stop(self, reason: str = "deleted", timeout_s: float = 10.0) -> None:
         """Stop pulling, answer the frame computing, tell subscribers, free the reader: the source is ``stopped``."""
@@ -205,12 +212,28 @@ class Source:
         if answer.get("status") == "superseded":
             return
         message = {"source": self.id, "frame": answer.pop("id"), "pts": answer.pop("ts"), **answer}
+        events = self._track(message) if self.tracking is not None and message["status"] == "result" else []
         image = self._images.pop(message["frame"], None)
         while len(self._images) > IMAGES_KEPT:  # frames that expired after their JPEG was made
             self._images.pop(next(iter(self._images)))
         shown = {**message, "image": base64.b64encode(image).decode()} if image is not None else message
         for subscriber in list(self.subscribers):
             subscriber.put(shown if subscriber.frames else message)
+            for event in events:
+                subscriber.put({"source": self.id, **event})
+
+    def _track(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """The frame's boxes given their tracks (at its pts, else when it was decoded), and its events."""
+        assert self.tracking is not None
+        rows = message.get(self.where.slot.task.boxes_field or "", [])
+        pts = message["pts"]
+        t = pts if isinstance(pts, int | float) else time.perf_counter() - self._started_perf
+        how = self.options.want.options or self.where.slot.task.default
+        return self.tracking.step(rows, how, (message["width"], message["height"]), float(t))
+
+    def counts(self) -> dict[str, Any]:
+        """Its lines' and zones' counts (docs/tracking.md); a source that does not track has none."""
+        return self.tracking.counts() if self.tracking is not None else {"lines": {}, "zones": {}}
 
     # ---- subscribers ------------------------------------------------------------------------------------------
     def subscribe(self, frames: bool = False) -> Subscriber:
@@ -245,8 +268,9 @@ class Source:
     def record(self, frontend: str) -> SourceState:
         """What the metrics show of it (reported to the engine with the front end's other counts)."""
         fps_in, fps_answered = self.rates()
+        counts = self.tracking.counter.counts() if self.tracking is not None else {}
         return SourceState(self.id, self.model, self.state, self.frames(), list(self.stream.counts.ages),
-                           self.reader.reconnects, fps_in, fps_answered, frontend)  # fmt: skip
+                           self.reader.reconnects, fps_in, fps_answered, frontend, counts)  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         fps_in, fps_answered = self.rates()
@@ -264,6 +288,7 @@ class Source:
             "pace": "realtime" if self.options.realtime else "answered",
             "rtsp_transport": self.url.options.get("rtsp_transport"),  # None: not an RTSP source
             "options": self.options.task_options,
+            "track": self.options.track.shown() if self.options.track is not None else None,
             "frames": self.frames(),
             "fps": {"in": round(fps_in, 3), "answered": round(fps_answered, 3)},
             "age_ms": {"p50": p50, "p99": p99},
