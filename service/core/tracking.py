@@ -392,5 +392,9 @@ class Tracking:
         labels = [str(r["label"]) for r in rows]
         return self.counter.update(ids.tolist(), boxes, labels, t, size, self.tracker.dropped)
 
+    def answered(self, answer: dict[str, Any], field: str | None, how: Any, t: float) -> list[dict[str, Any]]:
+        """:meth:`step` on an answer's boxes (its ``field``), in its image's width and height."""
+        return self.step(answer.get(field or "") or [], how, (answer["width"], answer["height"]), t)
+
     def counts(self) -> dict[str, Any]:
         return self.counter.counts(self.last_t)

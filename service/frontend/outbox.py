@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Generic, TypeVar
 
+from service.core.tracking import Tracking
 from service.frontend.state import ServerState
 from service.frontend.stream import FrameStream
 
@@ -81,6 +83,7 @@ class StreamSession(Outbox[M]):
         self.done = asyncio.Event()
         self.draining = False
         self.send_timeout_s = server.settings.stream_send_timeout_s
+        self.tracking: Tracking | None = None  # the stream asked to track its objects (docs/tracking.md)
 
     def encode(self, answer: dict[str, Any]) -> M:
         raise NotImplementedError
@@ -99,8 +102,14 @@ class StreamSession(Outbox[M]):
     # ---- answers out ----------------------------------------------------------------------------------------
     def emit(self, answer: dict[str, Any]) -> None:
         """The stream's ``emit``: one answer into the outbox, or the client cut off when it is full."""
-        if self.cut_off is None:
-            self.put(self.encode(answer))
+        events = []
+        if self.tracking is not None and self.stream is not None and answer.get("status") == "result":
+            t = answer["ts"] if isinstance(answer["ts"], int | float) else time.perf_counter()
+            how = self.stream.want.options or self.stream.slot.task.default
+            events = self.tracking.answered(answer, self.stream.slot.task.boxes_field, how, float(t))
+        for message in (answer, *events):
+            if self.cut_off is None:
+                self.put(self.encode(message))
 
     def cut(self, why: str) -> None:
         if self.cut_off is None:

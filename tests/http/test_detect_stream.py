@@ -199,3 +199,14 @@ def test_a_grpc_stream_answers_detections_per_frame_with_each_frames_thresholds(
     assert boxes[0, 0, 5] == 1 and off_by(boxes[0, 0, :4].tolist(), TURNED_BOX) <= tolerance(120, 90)
     assert bad is not None and "frame bad: parameters.score_threshold must be a number from 0 to 1" in bad.message()
     assert count.as_numpy("DETECTIONS") is None and count.as_numpy("NUM_DETECTIONS").tolist() == [2]
+
+
+def test_a_websocket_stream_that_asks_to_track_gives_each_box_its_track_across_frames(served: RunningServer) -> None:
+    async def run() -> list[dict[str, Any]]:
+        async with websockets.connect(ws_url(served, "track=1")) as ws:
+            return [await one_answer(ws, i) for i in range(3)]
+
+    answers = asyncio.run(run())
+    ids = [[d["track_id"] for d in a["detections"]] for a in answers]
+    assert all(isinstance(i, int) for i in ids[0]) and len(set(ids[0])) == len(ids[0]), ids
+    assert ids[1] == ids[2] == ids[0], ids  # the same boxes, the same tracks
