@@ -45,7 +45,8 @@ function paintBoxes(svg) {
   const boxes = keptBoxes(found.detections).map((d) => {
     const [x1, y1, x2, y2] = d.box;
     const text = svgEl('text', {'font-size': font, 'dominant-baseline': 'text-before-edge'});
-    text.textContent = `${d.label} ${percentText(d.score)}`;  // text, never markup
+    const track = Number.isInteger(d.track_id) ? `#${d.track_id} ` : '';  // a tracked box's track (docs/tracking.md)
+    text.textContent = `${track}${d.label} ${percentText(d.score)}`;  // text, never markup
     const background = svgEl('rect', {class: 'tag-bg', height: tagHeight});
     const group = svgEl('g', {class: 'box'});
     if (typeof d.mask === 'string') {  // a segmenter's mask, a PNG of the image's size: its inside filled, see-through
@@ -59,7 +60,7 @@ function paintBoxes(svg) {
     group.lastChild.append(background, text);
     return {group, text, background, x1, y1};
   });
-  svg.replaceChildren(...boxes.map(b => b.group));
+  svg.replaceChildren(...tracked(found, unit), ...boxes.map(b => b.group));
   // Placed once in the document, where text can be measured: above its box, or inside it where the image's top
   // edge leaves no room; kept within the image on the right.
   for (const {text, background, x1, y1} of boxes) {
@@ -73,6 +74,37 @@ function paintBoxes(svg) {
     text.setAttribute('x', x + pad);
     text.setAttribute('y', y + pad);
   }
+}
+
+// A tracking source's zones, lines (each with its counts) and its tracks' trails (found.geometry: the source's
+// track, its coordinates in pixels or shares of the frame; found.trails: track id -> its last centres).
+function tracked(found, unit) {
+  const g = found.geometry, out = [], scale = g && g.normalized ? [found.width, found.height] : [1, 1];
+  const at = (p) => `${p[0] * scale[0]},${p[1] * scale[1]}`;
+  const label = (p, words, cls) => {
+    const text = svgEl('text', {class: cls, x: p[0] * scale[0] + 4 * unit, y: p[1] * scale[1] + 14 * unit,
+      'font-size': BOX_FONT_PX * unit});
+    text.textContent = words;
+    return text;
+  };
+  for (const z of (g && g.zones) || []) {
+    out.push(svgEl('polygon', {class: 'zone', points: z.polygon.map(at).join(' ')}));
+    const c = (found.tally && found.tally.zones[z.id]) || {};
+    const inside = Object.values(c.occupancy || {}).reduce((a, b) => a + b, 0);
+    out.push(label(z.polygon[0], `${z.id}: ${inside} inside`, 'zone-tag'));
+  }
+  for (const l of (g && g.lines) || []) {
+    const [p, q] = l.points;
+    out.push(svgEl('line', {class: 'count-line', x1: p[0] * scale[0], y1: p[1] * scale[1], x2: q[0] * scale[0],
+      y2: q[1] * scale[1]}));
+    const c = (found.tally && found.tally.lines[l.id]) || {};
+    const sum = (side) => Object.values(c[side] || {}).reduce((a, b) => a + b, 0);
+    out.push(label(p, `${l.id}: in ${sum('in')}, out ${sum('out')}`, 'line-tag'));
+  }
+  for (const points of (found.trails || new Map()).values()) {
+    if (points.length > 1) out.push(svgEl('polyline', {class: 'trail', points: points.map(at).join(' ')}));
+  }
+  return out;
 }
 
 // A card's detector answer (item.found) shown: its boxes above the threshold listed and drawn; none for a classifier.

@@ -2,7 +2,8 @@
 const SOURCES_TOKEN_KEY = 'visionserve-admin-token';  // sessionStorage: this tab only
 const SOURCES_FINAL = ['ended', 'failed', 'stopped'];
 const watch = {socket: null, id: '', found: null, last: null, ended: null, shown: 0,
-  counts: {result: 0, expired: 0, error: 0}};
+  counts: {result: 0, expired: 0, error: 0}, geometry: null, trails: new Map(), tally: null, events: 0};
+const TRAIL_POINTS = 20;  // a track's trail: its last centres
 
 const sourcesToken = () => $('sources-token').value.trim();
 const sourcesMs = (v) => typeof v === 'number' ? `${v.toFixed(1)} ms` : '-';
@@ -67,7 +68,16 @@ function sourcesResult(a) {
     if (shown !== watch.shown) return;
     $('sources-picture').hidden = false;
     watch.last = a;
-    watch.found = Array.isArray(a.detections) ? {width: a.width, height: a.height, detections: a.detections} : null;
+    const boxes = a.detections || a.instances;
+    for (const d of Array.isArray(boxes) ? boxes : []) {  // each tracked box's centre, onto its track's trail
+      if (!Number.isInteger(d.track_id)) continue;
+      const trail = watch.trails.get(d.track_id) || [];
+      trail.push([(d.box[0] + d.box[2]) / 2, (d.box[1] + d.box[3]) / 2]);
+      watch.trails.set(d.track_id, trail.slice(-TRAIL_POINTS));
+    }
+    for (const id of [...watch.trails.keys()].slice(0, -64)) watch.trails.delete(id);  // the oldest tracks go
+    watch.found = Array.isArray(boxes) ? {width: a.width, height: a.height, detections: boxes,
+      geometry: watch.geometry, trails: watch.trails, tally: watch.tally} : null;
     const top = !watch.found && Array.isArray(a.predictions) && a.predictions.length ? a.predictions[0] : null;
     $('sources-top').hidden = !top;
     $('sources-top').textContent = top ? `${top.label} ${percentText(top.score)}` : '';
@@ -82,6 +92,12 @@ function sourcesResult(a) {
 function sourcesMessage(text) {
   let a;
   try { a = JSON.parse(text); } catch { a = {status: 'error', error: `not an answer: ${String(text).slice(0, 200)}`}; }
+  if (a.type === 'event') {  // a track crossed a line, entered or left a zone: the counts are asked again
+    watch.events++;
+    $('sources-view').dataset.events = String(watch.events);
+    sourcesTally();
+    return;
+  }
   const status = String(a.status);
   if (status === 'result') { watch.counts.result++; sourcesResult(a); return; }
   if (status === 'ended') { watch.ended = a; return; }
@@ -93,11 +109,35 @@ function sourcesMessage(text) {
   sourcesCounts();
 }
 
+// The watched source's counts (GET /v1/sources/{id}/counts), drawn on its lines and zones and said in words.
+async function sourcesTally() {
+  const id = watch.id;
+  if (!watch.geometry) return;
+  try {
+    const r = await fetch(`/v1/sources/${encodeURIComponent(id)}/counts`,
+      {headers: {Authorization: `Bearer ${sourcesToken()}`}});
+    if (!r.ok || id !== watch.id) return;
+    watch.tally = await r.json();
+    const words = Object.entries(watch.tally.lines).map(([l, c]) => `${l}: in ${JSON.stringify(c.in)}, out ` +
+      `${JSON.stringify(c.out)}`).concat(Object.entries(watch.tally.zones).map(([z, c]) =>
+      `${z}: inside ${JSON.stringify(c.occupancy)}, entered ${JSON.stringify(c.entered)}`));
+    $('sources-tally').textContent = words.join('; ');
+    if (watch.found) { watch.found.tally = watch.tally; sourcesPaint(); }
+  } catch { /* the next event asks again */ }
+}
+
 function sourcesWatch(id) {
   const token = sourcesToken();
   if (watch.socket) watch.socket.close(1000, 'the page watches another source');
   Object.assign(watch, {socket: null, id, found: null, last: null, ended: null, counts: {result: 0, expired: 0,
-    error: 0}});
+    error: 0}, geometry: null, trails: new Map(), tally: null, events: 0});
+  $('sources-tally').textContent = '';
+  fetch(`/v1/sources/${encodeURIComponent(id)}`, {headers: {Authorization: `Bearer ${token}`}})
+    .then(r => r.ok ? r.json() : null).then(doc => {
+      if (id !== watch.id || !doc || !doc.track) return;
+      watch.geometry = doc.track;
+      sourcesTally();
+    }).catch(() => {});
   watch.shown++;  // a frame of the source watched before, still decoding, is dropped
   for (const row of $('sources').querySelectorAll('tr.source')) {
     row.setAttribute('aria-current', String(row.dataset.id === id));
