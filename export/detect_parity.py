@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from export.parity import FP16, FP32, ParityResult, compare
+from export.parity import FP16, FP32, ParityResult, Tolerance, compare
 from service.core.errors import ConfigError
 from service.core.layouts import image_rows, top_rows
 from service.core.spec import DetectionParity, ModelSpec
@@ -251,7 +251,30 @@ def check_parity(
         return compare_masks(spec, reference, run, batches, tolerance)
     if gate == "boxes":
         return compare_detections(reference, rows, batches, tolerance)
+    if gate == "pixels":
+        return compare_pixels(reference, rows, batches, FP32 if precision == "fp32" else FP16)
     return compare(reference, rows, batches, FP32 if precision == "fp32" else FP16)
+
+
+def compare_pixels(
+    reference: Sequence[np.ndarray], run: Callable[[np.ndarray], np.ndarray], batches: Sequence[np.ndarray],
+    tolerance: Tolerance,
+) -> ParityResult:  # fmt: skip
+    """A semantic model's gate: each pixel's logits ``[N, C, h, w]`` held as a classifier's are, and its class
+    (``top1_agreement``: of the pixels whose two best logits are further apart than an error in bounds could close)."""
+    worst, agree, pixels, images = 0.0, 0, 0, 0
+    for batch, expected in zip(batches, reference, strict=True):
+        got = np.asarray(run(batch), dtype=np.float32)
+        images += len(batch)
+        if got.shape != expected.shape:
+            return ParityResult(images, math.inf, 0.0, tolerance, note=f"shape {got.shape} != {expected.shape}")
+        scale = np.maximum(np.abs(expected).max(axis=1), 1e-12)
+        worst = max(worst, float((np.abs(got - expected).max(axis=1) / scale).max()))
+        top = np.sort(expected, axis=1)
+        sure = top[:, -1] - top[:, -2] > 2 * tolerance.max_rel_error * scale
+        agree += int((sure & (got.argmax(axis=1) == expected.argmax(axis=1))).sum())
+        pixels += int(sure.sum())
+    return ParityResult(images, worst, agree / max(pixels, 1), tolerance)
 
 
 def compare_masks(

@@ -41,7 +41,7 @@ RECALIBRATION_SIZE = 160  # noise images for the batch-norm statistics: small, t
 class DetectionRows(nn.Module):
     """The scriptable core: float images ``[N, 3, H, W]`` in 0..1 -> ``[N, K, 6]`` rows in input pixels."""
 
-    def __init__(self, detector: nn.Module, k: int) -> None:
+    def __init__(self, detector: Any, k: int) -> None:  # Any: its parts are read by name
         super().__init__()
         self.detector = detector
         self.k = k
@@ -70,9 +70,9 @@ class TorchvisionDetector(nn.Module):
         "aoti": ONNX_REFUSED.replace("; export torchscript", ""),
     }
 
-    def __init__(self, detector: nn.Module, k: int) -> None:
+    def __init__(self, detector: nn.Module, k: int, rows: type[DetectionRows] = DetectionRows) -> None:
         super().__init__()
-        self.rows = DetectionRows(detector, k)
+        self.rows = rows(detector, k)
         self.scripted: nn.Module | None = None
 
     def script(self) -> None:
@@ -92,7 +92,7 @@ class TorchvisionDetector(nn.Module):
         transform.min_size = (min(height, width),)
         transform.max_size = max(height, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Any:  # rows, or a segmenter's (head, prototypes)
         if torch.jit.is_tracing():
             if self.scripted is None:
                 raise RuntimeError("call script() before tracing a TorchvisionDetector")
@@ -108,30 +108,30 @@ class Uint8Detector(Uint8Classifier):
         return dict(getattr(self.network, "refused_formats", {}))
 
 
-def _noise(seed: int) -> list[torch.Tensor]:
-    """Two seeded noise images of :data:`RECALIBRATION_SIZE`, as a detector takes them."""
-    generator = torch.Generator().manual_seed(seed)
-    return list(torch.rand(2, 3, RECALIBRATION_SIZE, RECALIBRATION_SIZE, generator=generator).unbind(0))
+def _feed(model: nn.Module, seed: int, front: bool) -> None:
+    """Two seeded noise images through ``model``: a list of 0..1 (a detector's), or a batch of 0..255 (``front``)."""
+    noise = torch.rand(2, 3, RECALIBRATION_SIZE, RECALIBRATION_SIZE, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(noise * 255 if front else list(noise.unbind(0)))
 
 
-def _recalibrate(detector: nn.Module) -> None:
-    """Batch-norm statistics from seeded noise (cumulative over two passes), the detector in eval mode around."""
-    norms = [m for m in detector.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+def recalibrate(model: nn.Module, *, front: bool = False) -> None:
+    """Batch-norm statistics from seeded noise (cumulative over two passes), the model in eval mode around."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for norm in norms:
         norm.reset_running_stats()
         norm.momentum = None
         norm.train()
-    with torch.no_grad():
-        for seed in (0, 1):
-            detector(_noise(seed))
+    for seed in (0, 1):
+        _feed(model, seed, front)
     for norm in norms:
         norm.eval()
 
 
-def _spread(detector: nn.Module, name: str, logit_std: float) -> None:
+def spread(model: nn.Module, name: str, logit_std: float) -> None:
     """Draw layer ``name`` again for logits of std ``logit_std`` on noise: weights of std
     ``logit_std / (sqrt(fan in) * rms of its input)``, no bias."""
-    layer = detector.get_submodule(name)
+    layer = model.get_submodule(name)
     seen: list[float] = []
 
     def hook(_module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
@@ -139,8 +139,7 @@ def _spread(detector: nn.Module, name: str, logit_std: float) -> None:
 
     handle = layer.register_forward_pre_hook(hook)
     try:
-        with torch.no_grad():
-            detector(_noise(2))
+        _feed(model, 2, front=False)
     finally:
         handle.remove()
     rms = max(sum(seen) / max(len(seen), 1), 1e-12)
@@ -159,23 +158,26 @@ def build(
     size: int,
     score_layer: tuple[str, float] | None,
     box_bias: tuple[str, float] | None = None,
+    rows: type[DetectionRows] = DetectionRows,
     **kwargs: Any,
 ) -> TorchvisionDetector:
     """A torchvision detector from ``factory`` with no weights, answering its ``k`` best rows of a ``size`` square
-    input (see the module)."""
-    detector = factory(weights=None, weights_backbone=None, detections_per_img=k, **kwargs).eval()
-    wrapper = TorchvisionDetector(detector, k)
+    input (see the module), or what ``rows`` makes of them."""
+    # The R-CNNs read box_detections_per_img, the others detections_per_img (and their transforms ignore the other).
+    detector = factory(weights=None, weights_backbone=None, detections_per_img=k, box_detections_per_img=k, **kwargs)
+    detector.eval()
+    wrapper = TorchvisionDetector(detector, k, rows)
     if next(detector.parameters()).is_meta:  # built only to be counted (``visionserve models``): nothing to run
         return wrapper
     wrapper.fit_input(RECALIBRATION_SIZE, RECALIBRATION_SIZE)
-    _recalibrate(detector)
+    recalibrate(detector)
     if box_bias is not None:
         bias = detector.get_submodule(box_bias[0]).bias
         assert isinstance(bias, torch.Tensor)
         with torch.no_grad():
             bias.fill_(box_bias[1])
     if score_layer is not None:
-        _spread(detector, *score_layer)
+        spread(detector, *score_layer)
     wrapper.fit_input(size, size)
     return wrapper.eval()
 
@@ -215,11 +217,17 @@ def _register(name: str) -> None:
     factory, k, score_layer, threshold, size, description = TV_DETECTORS[name]
 
     def builder(*, num_classes: int = 91) -> nn.Module:
+        unthresholded: dict[str, Any] = {threshold: 0.0}
         return build(factory, k=k, size=size, score_layer=score_layer, box_bias=BOX_BIAS.get(name),
-                     num_classes=num_classes, **{threshold: 0.0})  # fmt: skip
+                     num_classes=num_classes, **unthresholded)  # fmt: skip
 
     builder.__name__ = name
-    spec = ModelSpec(
+    register(name, spec=detector_spec(name, size, k), description=description, task="detect")(builder)
+
+
+def detector_spec(name: str, size: int, k: int) -> ModelSpec:
+    """The spec of torchvision's COCO detector ``name`` at a ``size`` square input, answering ``k`` rows."""
+    return ModelSpec(
         name=name,
         architecture=name,
         input=InputSpec(channels=3, height=size, width=size),
@@ -232,7 +240,6 @@ def _register(name: str) -> None:
         output_layout="end2end",
         max_detections=k,
     )
-    register(name, spec=spec, description=description, task="detect")(builder)
 
 
 for _name in TV_DETECTORS:

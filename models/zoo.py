@@ -13,6 +13,7 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
+from models import tv_segmenters as _tv_segmenters  # noqa: F401  (registers torchvision's segmenters)
 from models.detector import DigitDet
 from models.registry import get_architecture, register
 from models.segmenter import DigitSeg

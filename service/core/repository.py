@@ -190,13 +190,15 @@ def _check_torch(path: Path, spec: ModelSpec, deep: bool, *, aoti: bool) -> None
         x = torch.zeros((1, spec.input.channels, spec.input.height, spec.input.width), dtype=torch.uint8)
         with torch.inference_mode():
             out = module(x)
-        shape = tuple((out[0] if aoti and isinstance(out, list | tuple) else out).shape)
+        outs = list(out) if isinstance(out, list | tuple) else [out]  # several: named output_0, output_1, ...
+        shapes = {f"output_{i}" if len(outs) > 1 else "output": tuple(o.shape) for i, o in enumerate(outs)}
+        shape = next(iter(shapes.values()))
     except Exception as exc:
         does = "does not load or run" if aoti else "does not run"
         raise ConfigError(f"{path} {does} on a uint8 batch of the spec's shape: {exc}") from exc
-    if spec.output_layout is not None and not aoti:  # a detector: its output held to its layout
-        check_outputs(spec.output_layout, {"output": shape}, spec.num_classes)
-    elif shape[-1] != spec.num_classes:
+    if spec.output_layout is not None and not aoti:  # a detector: its outputs held to its layout
+        check_outputs(spec.output_layout, shapes, spec.num_classes)
+    elif shape[1 if len(shape) > 1 else -1] != spec.num_classes:  # [N, C] or a class map's [N, C, h, w]
         raise ConfigError(f"labels in spec.json count {spec.num_classes} classes but {path} outputs {shape[-1]} logits")
 
 
