@@ -29,6 +29,7 @@ SCENARIOS: dict[str, tuple[str, str]] = {
     "detect": ("service.bench.detect_served", "a detector served at c=8 against its in-process pipeline, checked"),
     "sources": ("service.bench.sources", "RTSP cameras the server pulls into a detector: answered fps, fairness, age"),
     "transport": ("service.bench.transport", "the transport alone: shared-memory round trips between processes"),
+    "track": ("service.bench.track", "tracking and line counts on ten clips of digits against their truth"),
     "train": ("service.bench.train", "training from image folders: throughput, loader, memory, fine-tuning"),
     "gpu-check": ("service.bench.gpu_check", "every GPU path, in steps, one report (make gpu-check)"),
     "gpu-speed": ("service.bench.gpu_speed", "resnet50 served on a GPU beside its limit and LitServe (make gpu-speed)"),
