@@ -94,7 +94,8 @@ def score(truth: Any, rows: list[np.ndarray], labels: tuple[str, ...], frames: l
         r, t, seen = rows[f], f / truth.fps, truth.frames[f]
         names = [labels[int(c)] for c in r[:, 5]]
         ids = tracker.update(r[:, :4], r[:, 4], r[:, 5].astype(np.int64), t)
-        counter.update(ids.tolist(), r[:, :4], names, t, (truth.width, truth.height), tracker.dropped)
+        counted = [labels[k] for k in tracker.labels_of(ids, r[:, 5])]  # as a source counts: the track's label
+        counter.update(ids.tolist(), r[:, :4], counted, t, (truth.width, truth.height), tracker.dropped)
         iou = iou_matrix(np.array([s.box for s in seen]).reshape(-1, 4), r[:, :4])
         right = iou * (np.array([str(s.label) for s in seen])[:, None] == np.array(names)) >= 0.5
         tally += [(iou >= 0.5).any(1).sum(), right.any(1).sum(), right.any(0).sum(), len(r)]

@@ -30,6 +30,7 @@ MAX_LINES = MAX_ZONES = 16
 MAX_POINTS = 64  # a zone's polygon
 BAND_PX = 2.0  # an anchor this close to a line or a zone's edge keeps the side it had
 ALPHA, BETA = 0.7, 0.3  # the motion filter's gains on position and velocity (per update)
+SAME = 0.5  # a box overlapping one tracked this frame by more is the same object, read again
 Unit = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
@@ -52,11 +53,13 @@ class ByteTrack:
     def __init__(self, settings: TrackSettings | None = None) -> None:
         self.settings = settings or TrackSettings()
         self.boxes = np.zeros((0, 4))  # each track's box (x1, y1, x2, y2) as last estimated,
+        self.observed = np.zeros((0, 4))  # as last seen,
         self.velocity = np.zeros((0, 4))  # its corners' pixels per second,
         self.seen = np.zeros(0)  # when last matched (the frames' time, seconds),
         self.streak = np.zeros(0, dtype=np.int64)  # frames matched in a row,
         self.ids = np.zeros(0, dtype=np.int64)  # and its id (-1 until confirmed)
         self.labels = np.zeros(0, dtype=np.int64)
+        self.votes: list[dict[int, float]] = []  # each track's labels, weighted by score: its label is the most
         self.last_t: float | None = None
         self.next_id = 1
         self.dropped: list[int] = []  # the ids of the tracks the last update dropped
@@ -72,15 +75,25 @@ class ByteTrack:
         self.dropped = [int(i) for i in self.ids[gone] if i > 0]
         keep = ~gone
         predicted = predicted[keep]
-        for name in ("boxes", "velocity", "seen", "streak", "ids", "labels"):
+        for name in ("boxes", "observed", "velocity", "seen", "streak", "ids", "labels"):
             setattr(self, name, getattr(self, name)[keep])
+        self.votes = [v for v, k in zip(self.votes, keep.tolist(), strict=True) if k]
         out = np.full(len(boxes), -1, dtype=np.int64)
         free = np.ones(len(predicted), dtype=bool)
         high = np.flatnonzero(scores >= s.high_threshold)
         low = np.flatnonzero((scores < s.high_threshold) & (scores >= min(0.1, s.high_threshold)))
-        matched = []
-        for group, least in ((high, s.matching_iou), (low, max(s.matching_iou, 0.5))):
-            for track, box in _greedy(iou_matrix(predicted[free], boxes[group]), least):
+        matched: list[tuple[int, int]] = []
+        # The confident boxes to the tracks' predicted boxes, the weak ones to those left, then whatever box is left
+        # to a left track's last seen box, read as its label (an object that turned while its track coasted on:
+        # OC-SORT's recovery).
+        stages = ((high, s.matching_iou, predicted), (low, max(s.matching_iou, 0.5), predicted),
+                  (np.concatenate([high, low]), s.matching_iou, self.observed))  # fmt: skip
+        for group, least, at in stages:
+            group = np.array([i for i in group.tolist() if i not in {b for _, b in matched}], dtype=np.int64)
+            iou = iou_matrix(at[free], boxes[group])
+            if at is self.observed:
+                iou *= self.labels[free][:, None] == np.asarray(labels)[group]
+            for track, box in _greedy(iou, least):
                 matched.append((np.flatnonzero(free)[track], group[box]))
             for track, _ in matched:
                 free[track] = False
@@ -89,27 +102,43 @@ class ByteTrack:
             self.boxes[track] = predicted[track] + ALPHA * residual
             if dt > 0:
                 self.velocity[track] += BETA * residual / dt
-            self.seen[track], self.labels[track] = t, labels[box]
+            self.seen[track], self.observed[track] = t, boxes[box]
+            votes = self.votes[track]
+            votes[int(labels[box])] = votes.get(int(labels[box]), 0.0) + float(scores[box])
+            self.labels[track] = max(votes, key=votes.__getitem__)
             self.streak[track] += 1
             if self.ids[track] < 0 and self.streak[track] >= s.minimum_consecutive_frames:
                 self.ids[track], self.next_id = self.next_id, self.next_id + 1
             out[box] = self.ids[track]
         self.boxes[free] = predicted[free]
         self.streak[free] = 0
-        taken = {int(b) for _, b in matched}
-        new = [i for i in high if i not in taken and scores[i] >= s.activation_threshold]
+        # A new track from a confident box of none, unless it is another reading of a box kept this frame (a
+        # detector that suppresses class by class answers one object under two labels).
+        taken = [int(b) for _, b in matched]
+        new: list[int] = []
+        for i in sorted(set(high.tolist()) - set(taken), key=lambda i: -scores[i]):
+            if scores[i] >= s.activation_threshold and not (iou_matrix(boxes[[i]], boxes[taken + new]) > SAME).any():
+                new.append(i)
         if new:
             first = s.minimum_consecutive_frames <= 1
             ids = np.arange(self.next_id, self.next_id + len(new)) if first else np.full(len(new), -1)
             self.next_id += len(new) if first else 0
             out[new] = ids
             self.boxes = np.concatenate([self.boxes, boxes[new]])
+            self.observed = np.concatenate([self.observed, boxes[new]])
             self.velocity = np.concatenate([self.velocity, np.zeros((len(new), 4))])
             self.seen = np.concatenate([self.seen, np.full(len(new), t)])
             self.streak = np.concatenate([self.streak, np.ones(len(new), dtype=np.int64)])
             self.ids = np.concatenate([self.ids, ids])
             self.labels = np.concatenate([self.labels, np.asarray(labels)[new]])
+            self.votes += [{int(labels[i]): float(scores[i])} for i in new]
         return out
+
+    def labels_of(self, ids: np.ndarray, labels: np.ndarray) -> list[int]:
+        """Each tracked box's track's label (the one its boxes were read as most, by score), an untracked one's own:
+        what a line or zone counts it as (a digit misread on the frame it crosses still counts as itself)."""
+        voted = dict(zip(self.ids.tolist(), self.labels.tolist(), strict=True))
+        return [voted.get(i, int(k)) if i > 0 else int(k) for i, k in zip(ids.tolist(), labels, strict=True)]
 
 
 def _greedy(iou: np.ndarray, least: float) -> list[tuple[int, int]]:
@@ -372,6 +401,7 @@ class Tracking:
         self.tracker = ByteTrack(ask.settings)
         self.counter = Counter(ask.lines, ask.zones, ask.normalized)
         self.last_t = 0.0
+        self.names: dict[int, str] = {}  # label index -> its name, as the answers say
 
     def change(self, ask: TrackAsk) -> None:
         """New settings keep the tracks; new lines or zones count afresh."""
@@ -389,7 +419,8 @@ class Tracking:
         for row, track in zip(rows, ids.tolist(), strict=True):
             row["track_id"] = track if track > 0 else None
         self.last_t = t
-        labels = [str(r["label"]) for r in rows]
+        self.names.update((int(r["index"]), str(r["label"])) for r in rows)
+        labels = [self.names.get(k, str(k)) for k in self.tracker.labels_of(ids, np.array([r["index"] for r in rows]))]
         return self.counter.update(ids.tolist(), boxes, labels, t, size, self.tracker.dropped)
 
     def answered(self, answer: dict[str, Any], field: str | None, how: Any, t: float) -> list[dict[str, Any]]:

@@ -130,3 +130,31 @@ def test_a_change_keeps_what_it_leaves_out() -> None:
     assert changed is not None and changed.settings.lost_track_buffer_s == 3
     assert [line.id for line in changed.lines] == ["g"] and [z.id for z in changed.zones] == ["z"]
     assert read_track({"track": False}, changed, LABELS, boxes=True) is None
+
+
+def test_a_crossing_counts_as_the_track_s_label_not_a_misreading_on_the_crossing_frame() -> None:
+    from service.core.tracking import TrackAsk, Tracking
+
+    tracking = Tracking(TrackAsk(TrackSettings(), [Line("l", [[50, 0], [50, 100]])], []))
+    events = []
+    for k, (x, index) in enumerate([(30, 0), (36, 0), (42, 0), (48, 0), (54, 2), (60, 0), (66, 0)]):
+        rows = [{"box": [x - 20, 30, x + 20, 70], "label": str(index), "index": index, "score": 0.9}]
+        events += tracking.step(rows, Pixels(), (100, 100), k / 15)
+    assert [(e["label"], e["direction"]) for e in events] == [("0", "out")]  # the 2 was read once, at the line
+
+
+class Pixels:  # options as a detection answer writes its boxes
+    box_format, normalized = "xyxy", False
+
+
+def test_one_object_read_under_two_labels_starts_one_track() -> None:
+    tracker = ByteTrack()
+    for f in range(3):
+        ids = tracker.update(np.array([box(10, 10), box(10, 10)]), np.array([0.7, 0.6]), np.array([7, 8]), f / 15)
+        assert ids.tolist() == [1, -1], ids  # the second reading of the same box gets no track of its own
+
+
+def test_an_object_that_turns_while_unseen_is_found_again_at_its_last_seen_box() -> None:
+    xs = [10, 20, 30, 40, 50, 60, 58, 55, 50, 45]  # 10 px a frame, then back: frame 6 unseen, its track coasts on
+    frames = [(f / 15, [box(x, 10)] if f != 6 else []) for f, x in enumerate(xs)]
+    assert {i for row in run(frames) for i in row} == {1}
