@@ -18,6 +18,7 @@ band (:data:`BAND_PX`) so that a box jittering on a line counts once.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -47,19 +48,27 @@ class TrackSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     minimum_consecutive_frames: Annotated[int, msgspec.Meta(ge=1, le=100)] = 1
 
 
+@dataclass
+class _Track:
+    box: np.ndarray  # x1, y1, x2, y2 as estimated
+    observed: np.ndarray  # as last seen
+    seen: float  # when (the frames' time, seconds)
+    id: int  # -1 until confirmed
+    votes: dict[int, float]  # its labels, weighted by score: its label is the most
+    velocity: np.ndarray = field(default_factory=lambda: np.zeros(4))  # its corners' pixels per second
+    streak: int = 1  # frames matched in a row
+
+    @property
+    def label(self) -> int:
+        return max(self.votes, key=self.votes.__getitem__)
+
+
 class ByteTrack:
     """One stream's tracks: :meth:`update` with each frame's boxes gives each box its track id (-1: none yet)."""
 
     def __init__(self, settings: TrackSettings | None = None) -> None:
         self.settings = settings or TrackSettings()
-        self.boxes = np.zeros((0, 4))  # each track's box (x1, y1, x2, y2) as last estimated,
-        self.observed = np.zeros((0, 4))  # as last seen,
-        self.velocity = np.zeros((0, 4))  # its corners' pixels per second,
-        self.seen = np.zeros(0)  # when last matched (the frames' time, seconds),
-        self.streak = np.zeros(0, dtype=np.int64)  # frames matched in a row,
-        self.ids = np.zeros(0, dtype=np.int64)  # and its id (-1 until confirmed)
-        self.labels = np.zeros(0, dtype=np.int64)
-        self.votes: list[dict[int, float]] = []  # each track's labels, weighted by score: its label is the most
+        self.tracks: list[_Track] = []
         self.last_t: float | None = None
         self.next_id = 1
         self.dropped: list[int] = []  # the ids of the tracks the last update dropped
@@ -68,76 +77,60 @@ class ByteTrack:
         """Each of ``boxes`` ``[N, 4]`` (its ``scores`` and ``labels``), seen at ``t`` seconds: its track's id."""
         s = self.settings
         boxes, scores = np.asarray(boxes, dtype=np.float64).reshape(-1, 4), np.asarray(scores, dtype=np.float64)
-        dt = 0.0 if self.last_t is None else max(t - self.last_t, 0.0)
-        self.last_t = t
-        predicted = self.boxes + self.velocity * dt
-        gone = t - self.seen > s.lost_track_buffer_s
-        self.dropped = [int(i) for i in self.ids[gone] if i > 0]
-        keep = ~gone
-        predicted = predicted[keep]
-        for name in ("boxes", "observed", "velocity", "seen", "streak", "ids", "labels"):
-            setattr(self, name, getattr(self, name)[keep])
-        self.votes = [v for v, k in zip(self.votes, keep.tolist(), strict=True) if k]
+        labels = np.asarray(labels, dtype=np.int64)
+        dt, self.last_t = (0.0 if self.last_t is None else max(t - self.last_t, 0.0)), t
+        self.dropped = [k.id for k in self.tracks if t - k.seen > s.lost_track_buffer_s and k.id > 0]
+        self.tracks = [k for k in self.tracks if t - k.seen <= s.lost_track_buffer_s]
+        for k in self.tracks:
+            k.box = k.box + k.velocity * dt  # predicted
         out = np.full(len(boxes), -1, dtype=np.int64)
-        free = np.ones(len(predicted), dtype=bool)
+        free = np.ones(len(self.tracks), dtype=bool)
         high = np.flatnonzero(scores >= s.high_threshold)
         low = np.flatnonzero((scores < s.high_threshold) & (scores >= min(0.1, s.high_threshold)))
         matched: list[tuple[int, int]] = []
         # The confident boxes to the tracks' predicted boxes, the weak ones to those left, then whatever box is left
         # to a left track's last seen box, read as its label (an object that turned while its track coasted on:
         # OC-SORT's recovery).
-        stages = ((high, s.matching_iou, predicted), (low, max(s.matching_iou, 0.5), predicted),
-                  (np.concatenate([high, low]), s.matching_iou, self.observed))  # fmt: skip
+        stages = ((high, s.matching_iou, "box"), (low, max(s.matching_iou, 0.5), "box"),
+                  (np.concatenate([high, low]), s.matching_iou, "observed"))  # fmt: skip
         for group, least, at in stages:
             group = np.array([i for i in group.tolist() if i not in {b for _, b in matched}], dtype=np.int64)
-            iou = iou_matrix(at[free], boxes[group])
-            if at is self.observed:
-                iou *= self.labels[free][:, None] == np.asarray(labels)[group]
+            left = [k for k, f in zip(self.tracks, free.tolist(), strict=True) if f]
+            iou = iou_matrix(np.array([getattr(k, at) for k in left]).reshape(-1, 4), boxes[group])
+            if at == "observed":
+                iou *= np.array([k.label for k in left])[:, None] == labels[group]
             for track, box in _greedy(iou, least):
-                matched.append((np.flatnonzero(free)[track], group[box]))
+                matched.append((int(np.flatnonzero(free)[track]), int(group[box])))
             for track, _ in matched:
                 free[track] = False
         for track, box in matched:
-            residual = boxes[box] - predicted[track]
-            self.boxes[track] = predicted[track] + ALPHA * residual
-            if dt > 0:
-                self.velocity[track] += BETA * residual / dt
-            self.seen[track], self.observed[track] = t, boxes[box]
-            votes = self.votes[track]
-            votes[int(labels[box])] = votes.get(int(labels[box]), 0.0) + float(scores[box])
-            self.labels[track] = max(votes, key=votes.__getitem__)
-            self.streak[track] += 1
-            if self.ids[track] < 0 and self.streak[track] >= s.minimum_consecutive_frames:
-                self.ids[track], self.next_id = self.next_id, self.next_id + 1
-            out[box] = self.ids[track]
-        self.boxes[free] = predicted[free]
-        self.streak[free] = 0
+            k = self.tracks[track]
+            residual = boxes[box] - k.box
+            k.box = k.box + ALPHA * residual
+            k.velocity = k.velocity + BETA * residual / dt if dt > 0 else k.velocity
+            k.observed, k.seen, k.streak = boxes[box], t, k.streak + 1
+            k.votes[int(labels[box])] = k.votes.get(int(labels[box]), 0.0) + float(scores[box])
+            if k.id < 0 and k.streak >= s.minimum_consecutive_frames:
+                k.id, self.next_id = self.next_id, self.next_id + 1
+            out[box] = k.id
+        for track in np.flatnonzero(free).tolist():
+            self.tracks[track].streak = 0
         # A new track from a confident box of none, unless it is another reading of a box kept this frame (a
         # detector that suppresses class by class answers one object under two labels).
-        taken = [int(b) for _, b in matched]
-        new: list[int] = []
+        taken = [b for _, b in matched]
         for i in sorted(set(high.tolist()) - set(taken), key=lambda i: -scores[i]):
-            if scores[i] >= s.activation_threshold and not (iou_matrix(boxes[[i]], boxes[taken + new]) > SAME).any():
-                new.append(i)
-        if new:
-            first = s.minimum_consecutive_frames <= 1
-            ids = np.arange(self.next_id, self.next_id + len(new)) if first else np.full(len(new), -1)
-            self.next_id += len(new) if first else 0
-            out[new] = ids
-            self.boxes = np.concatenate([self.boxes, boxes[new]])
-            self.observed = np.concatenate([self.observed, boxes[new]])
-            self.velocity = np.concatenate([self.velocity, np.zeros((len(new), 4))])
-            self.seen = np.concatenate([self.seen, np.full(len(new), t)])
-            self.streak = np.concatenate([self.streak, np.ones(len(new), dtype=np.int64)])
-            self.ids = np.concatenate([self.ids, ids])
-            self.labels = np.concatenate([self.labels, np.asarray(labels)[new]])
-            self.votes += [{int(labels[i]): float(scores[i])} for i in new]
+            if scores[i] >= s.activation_threshold and not (iou_matrix(boxes[[i]], boxes[taken]) > SAME).any():
+                taken.append(i)
+                confirmed = s.minimum_consecutive_frames <= 1
+                self.tracks.append(_Track(boxes[i], boxes[i], t, self.next_id if confirmed else -1,
+                                          {int(labels[i]): float(scores[i])}))  # fmt: skip
+                out[i], self.next_id = self.tracks[-1].id, self.next_id + confirmed
         return out
 
     def labels_of(self, ids: np.ndarray, labels: np.ndarray) -> list[int]:
         """Each tracked box's track's label (the one its boxes were read as most, by score), an untracked one's own:
         what a line or zone counts it as (a digit misread on the frame it crosses still counts as itself)."""
-        voted = dict(zip(self.ids.tolist(), self.labels.tolist(), strict=True))
+        voted = {k.id: k.label for k in self.tracks}
         return [voted.get(i, int(k)) if i > 0 else int(k) for i, k in zip(ids.tolist(), labels, strict=True)]
 
 
