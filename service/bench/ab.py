@@ -254,8 +254,8 @@ def main(args: argparse.Namespace) -> int:
             bodies = payloads(args.model, images, protocol=side.protocol, per_request=args.images_per_request)
             pools[side.name] = stack.enter_context(WorkerPool(args.processes, bodies))
             command = shlex.join(side.server.command) if side.server else "(running)"
-            print(f"{side.name}: {side.describe()}\n   {command}", flush=True)
-        print(f"server logs: {logs}", flush=True)
+            print(f"{side.name}: {side.describe()}\n   {command}")
+        print(f"server logs: {logs}")
 
         def one(side: Side) -> dict[str, Any]:
             pid = side.server.process.pid if side.server else None
@@ -277,7 +277,6 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"round {k + 1:>2}: A {_cells(done['A'])} | B {_cells(done['B'])} | B/A "
                 + (f"{ratio:.4f}" if ratio is not None else "-"),
-                flush=True,
             )
     summary = summarise(sides)
     report(sides, summary)

@@ -70,7 +70,6 @@ class Check(StepRunner):
         super().__init__(args)
         self.gpus, self.ort_cuda, self.gpu_tests_failed = 0, False, False
 
-    # ---- the commands (one builder per command, for both runs) ----------------------------------------------
     def gpu_test_args(self, junit: Path) -> list[str]:
         return ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                 *gpu_test_files(), *self.args.pytest_args]  # fmt: skip
@@ -88,11 +87,6 @@ class Check(StepRunner):
     def decode_args(self) -> list[str]:
         return self.bench_command("decode", [self.args.decode_batch], "--backend", "torchscript")
 
-    def serve_config(self) -> str:
-        precision = "fp16" if self.device == "cuda" else "fp32"
-        return (f'device = "{self.device}"\nprecision = "{precision}"\nmax_batch_size = {self.args.serve_batch}\n'
-                f"max_queue_delay_ms = 2.0\ninstances = {self.args.serve_instances}\n")  # fmt: skip
-
     def loadtest_args(self, url: str, mode: str) -> list[str]:
         common = ["loadtest", "--url", url, "--model", self.model,
                   *self.load_flags(self.args.loadtest_warmup_s, self.args.loadtest_processes)]  # fmt: skip
@@ -107,11 +101,9 @@ class Check(StepRunner):
                 "--epochs", str(self.args.train_epochs), "--input-size", str(self.args.train_input_size),
                 "--out", str(self.out / out)]  # fmt: skip
 
-    # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
         env = self.versions(120)
-        env["machine"] = platform.machine()
-        env["driver"] = None
+        env.update(machine=platform.machine(), driver=None)
         if shutil.which("nvidia-smi"):
             query = ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
             smi = subprocess.run(query, capture_output=True, text=True, timeout=30)
@@ -124,8 +116,7 @@ class Check(StepRunner):
         junit = self.out / "gpu-tests.xml"
         proc = self.run([sys.executable, *self.gpu_test_args(junit)], self.args.pytest_timeout_s, "gpu-tests")
         counts = junit_counts(junit)
-        tail = proc.stdout.strip().splitlines()[-1:] or [""]
-        result = {**counts, "files": gpu_test_files(), "exit_code": proc.returncode, "summary": tail[0]}
+        result = {**counts, "files": gpu_test_files(), "exit_code": proc.returncode, "summary": last_line(proc.stdout)}
         self.gpu_tests_failed = proc.returncode not in (0, 5) or bool(counts["failed"] or counts["errors"])
         if self.gpu_tests_failed:
             result["failed_tests"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
@@ -204,10 +195,9 @@ class Check(StepRunner):
                 "slo_p99_ms": self.args.slo_p99_ms, "slo": slo_result.get("slo")}  # fmt: skip
 
     def train(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
         proc = self.cli(self.train_args("digits.pt"), timeout_s=300, log="train")
-        out["single"] = {"device": self.device, "amp_and_channels_last": self.device == "cuda",
-                         "result": last_line(proc.stdout)}  # fmt: skip
+        out: dict[str, Any] = {"single": {"device": self.device, "amp_and_channels_last": self.device == "cuda",
+                                          "result": last_line(proc.stdout)}}  # fmt: skip
         if self.gpus >= 2:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.gpus}",
                    "-m", "service.cli", *self.train_args("digits-ddp.pt"), "--no-progress"]  # fmt: skip
@@ -221,7 +211,6 @@ class Check(StepRunner):
             out["ddp"] = {"skipped": reason}
         return out
 
-    # ---- the report ------------------------------------------------------------------------------------------
     def main(self) -> int:
         return super().main() or int(self.gpu_tests_failed)
 

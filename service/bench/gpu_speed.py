@@ -52,7 +52,7 @@ FLAGS: list[Flag] = [
 class Speed(StepRunner):
     """The steps, the commands they issue (one builder per command, for both runs) and their figures."""
 
-    prefix, kind = "gpu-speed", "GPU speed"
+    prefix, kind, config_head = "gpu-speed", "GPU speed", 'backend = "torchscript"\n'
     # Each step's share of the 480 s budget on one H100 (scaled to another --budget-s). The first import of torch
     # on a cold machine takes seconds to tens of seconds (the environment step pays it); the served steps start
     # servers that load resnet50 and capture its graphs, then sweep; LitServe starts once per worker count.
@@ -67,10 +67,8 @@ class Speed(StepRunner):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        self.precision = "fp32" if self.dry else "fp16"
         self.client_cpus, self.server_cpus = split_cores(sorted(os.sched_getaffinity(0)), args.client_cores)
 
-    # ---- the commands ---------------------------------------------------------------------------------------
     def export_args(self) -> list[str]:
         return self.export_command("torchscript")
 
@@ -78,11 +76,6 @@ class Speed(StepRunner):
         sizes = self.args.batch_sizes if figures == "engine" else [self.args.serve_batch]
         return self.bench_command(figures, sizes, "--backend", "torchscript", "--precision", self.precision,
                                   "--cuda-graphs", "on")  # fmt: skip
-
-    def serve_config(self) -> str:
-        return (f'backend = "torchscript"\ndevice = "{self.device}"\nprecision = "{self.precision}"\n'
-                f"max_batch_size = {self.args.serve_batch}\nmax_queue_delay_ms = 2.0\n"
-                f"instances = {self.args.serve_instances}\n")  # fmt: skip
 
     def serve_flags(self) -> list[str]:
         return ["--workers", str(self.args.serve_workers), "--max-images", "1"]
@@ -109,7 +102,6 @@ class Speed(StepRunner):
     def drive_args(self, url: str, *, concurrency: str = "", rate: float = 0.0) -> list[str]:
         return [sys.executable, "-m", "service.bench.drive", "--path", "/predict", *self.load(url, concurrency, rate)]
 
-    # ---- steps ----------------------------------------------------------------------------------------------
     def environment(self) -> dict[str, Any]:
         env = self.versions(60)
         env.update(client_cpus=self.client_cpus, server_cpus=self.server_cpus)
@@ -202,7 +194,6 @@ class Speed(StepRunner):
 
     def detector_refused(self) -> str | None:
         """Why ``visionserve loadtest`` cannot drive the detector's route here (None: it can)."""
-        import contextlib
         import io
 
         from service.cli import build_parser
@@ -223,8 +214,7 @@ class Speed(StepRunner):
         best = max(closed, key=lambda s: s["images_per_s"])
         if best["images_per_s"] <= 0:
             raise StepError(f"no answers at {url}: {best.get('errors')}")
-        rate = 0.7 * best["images_per_s"]
-        open_70 = self._load(url, pid, f"{log}-open70", rate=rate, litserve=litserve)
+        open_70 = self._load(url, pid, f"{log}-open70", rate=0.7 * best["images_per_s"], litserve=litserve)
         return {"closed": closed, "best_images_per_s": best["images_per_s"], "best_concurrency": best["concurrency"],
                 "open_at_70": open_70}  # fmt: skip
 
@@ -278,7 +268,6 @@ class Speed(StepRunner):
         finally:
             launcher.stop_process(proc, timeout_s=10.0, term_group=True)
 
-    # ---- all of it ------------------------------------------------------------------------------------------
     def why_not(self, name: str, allowance: float) -> str | None:
         refused = self.detector_refused() if name == "detector" and name not in self.skip else None
         return refused or super().why_not(name, allowance)

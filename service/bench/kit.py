@@ -166,7 +166,7 @@ def rate_search(model: str, bodies: list[Payload], p99_ms: float, where: StepBou
 
         def step(rate: float) -> StepResult:
             result = run_step(pool, StepSpec("open", rate=rate, arrival="constant"), where, model)
-            print(f"  {rate:8.1f} req/s: served {result.requests_per_s:8.1f}/s, {step_line(result)}", flush=True)
+            print(f"  {rate:8.1f} req/s: served {result.requests_per_s:8.1f}/s, {step_line(result)}")
             return result
 
         return search(step, p99_ms, **options)

@@ -53,22 +53,8 @@ import httpx
 
 from loadtest.mix import ModelDraw, cold_start_ms, draw_seed, make_mix
 from service import launcher
+from service.bench import kit
 from service.bench.coldstart import cold_in_process, cold_served, triton_load
-from service.bench.kit import (
-    COUNT,
-    POSITIVE,
-    CpuClock,
-    Flag,
-    Sampler,
-    conclude,
-    config_toml,
-    header,
-    ms,
-    repository,
-    settle,
-    sized,
-    workspace,
-)
 from service.bench.many_models_report import Answer, judge, report
 
 SOURCES = ("models", "metrics")
@@ -87,17 +73,17 @@ SIZES = {
     "cold_arch": ("resnet18", "smallcnn", "the model whose cold start is taken apart"),
     "cold_input_size": (224, 32, "its square input"),
 }
-FLAGS: list[Flag] = [
+FLAGS: list[kit.Flag] = [
     ("--quick", False, "small sizes for a smoke run of under a minute"),
-    *sized(SIZES),
+    *kit.sized(SIZES),
     ("--max-batch-size", 4, "every model's max_batch_size"),
     ("--cold-max-batch-size", 8, "the cold-start model's max_batch_size; warm-up runs each bucket up to it"),
-    ("--cold-repeats", 3, "in-process cold starts, the first apart", COUNT),
+    ("--cold-repeats", 3, "in-process cold starts, the first apart", kit.COUNT),
     ("--popularity", "zipf:1.1", "uniform or zipf:S, ranked m00 first"),
     ("--seed", 0, "seeds the draw, the arrivals and the weights"),
-    ("--clients", 32, "threads sending requests", COUNT),
+    ("--clients", 32, "threads sending requests", kit.COUNT),
     ("--timeout-s", 60.0, "per-request timeout"),
-    ("--scrape-s", 0.5, "seconds between reads of the charged bytes and the engine's RSS", POSITIVE),
+    ("--scrape-s", 0.5, "seconds between reads of the charged bytes and the engine's RSS", kit.POSITIVE),
     (
         "--scrape-from",
         "models",
@@ -142,7 +128,7 @@ def export_once(arch: str, input_size: int, max_batch_size: int, folder: Path) -
 
 def on_demand_config(max_batch_size: int, pinned: bool = False) -> str:
     residency = "pinned" if pinned else "on_demand"
-    return config_toml({"residency": residency, "max_batch_size": max_batch_size, "max_queue_delay_ms": 2.0})
+    return kit.config_toml({"residency": residency, "max_batch_size": max_batch_size, "max_queue_delay_ms": 2.0})
 
 
 def build_models(args: argparse.Namespace, work: Path) -> tuple[list[str], Path]:
@@ -184,7 +170,6 @@ def build_models(args: argparse.Namespace, work: Path) -> tuple[list[str], Path]
     print(
         f"built {len(names)} {args.arch} models ({args.input_size}x{args.input_size}) in {repo} in "
         f"{time.perf_counter() - started:.1f} s",
-        flush=True,
     )
     return names, repo
 
@@ -291,9 +276,9 @@ def run_server(
             raise RuntimeError(f"expected one engine process under {server.process.pid}, found {engines}")
         pid = engines[0]
         rss_empty, seen = rss_bytes(pid), {pid}
-        scraper = Sampler(lambda: scrape(server, pid, args.scrape_from, seen), args.scrape_s, READ_ERRORS, False)
+        scraper = kit.Sampler(lambda: scrape(server, pid, args.scrape_from, seen), args.scrape_s, READ_ERRORS, False)
         scraper.start()
-        cpu = CpuClock(server.process.pid)
+        cpu = kit.CpuClock(server.process.pid)
         answers = drive(server.url, sequence, body, args)
         cpu_share = cpu.cores()
         samples = [sample for _, sample in scraper.finish(last=False)]
@@ -329,21 +314,14 @@ def probe(
     loads first, and its charge includes starting onnxruntime in the engine; a second copy, loaded by a request
     after it, is charged what each of the on-demand models is: that size makes the budget. Returns the first
     copy's charge, that size and the served cold start."""
-    copy = {1: repo / names[0] / "1"}
-    folder = repository(
-        work / "probe",
-        {
-            "first": (copy, on_demand_config(args.max_batch_size, pinned=True)),
-            "size": (copy, on_demand_config(args.max_batch_size)),
-            "cold": ({1: cold_version}, on_demand_config(args.cold_max_batch_size)),
-        },
-    )
-    with start(folder, work / "logs" / "probe.log") as server:
+    copy, batch = {1: repo / names[0] / "1"}, args.max_batch_size
+    models = {"first": (copy, on_demand_config(batch, pinned=True)), "size": (copy, on_demand_config(batch))}
+    models["cold"] = ({1: cold_version}, on_demand_config(args.cold_max_batch_size))
+    with start(kit.repository(work / "probe", models), work / "logs" / "probe.log") as server:
         cold_served(server, "size", body)
         charged = residency(server.url)["models"]
         first, size = int(charged["first"]), int(charged["size"])
-        served = cold_served(server, "cold", body)
-    return first, size, served
+        return first, size, cold_served(server, "cold", body)
 
 
 def run_rounds(args: argparse.Namespace, sides: dict[str, Any], body: bytes, logs: Path) -> list[dict[str, Any]]:
@@ -358,9 +336,8 @@ def run_rounds(args: argparse.Namespace, sides: dict[str, Any], body: bytes, log
             done[side.lower()] = figures = run_server(repo, sequence, body, args, logs / f"{name}-{k}.log", *flags)
             ok = [a.latency_s for a in figures["answers"] if a.outcome == "200"]
             print(
-                f"round {k + 1} {name}: {len(ok)}/{len(figures['answers'])} ok, p50 {ms(ok, 0.5):.1f} ms, p99 "
-                f"{ms(ok, 0.99):.1f} ms, server CPU {figures['server_cores']:.2f} cores",
-                flush=True,
+                f"round {k + 1} {name}: {len(ok)}/{len(figures['answers'])} ok, p50 {kit.ms(ok, 0.5):.1f} ms, p99 "
+                f"{kit.ms(ok, 0.99):.1f} ms, server CPU {figures['server_cores']:.2f} cores",
             )
         rounds.append(done)
     return rounds
@@ -375,7 +352,7 @@ def cold_start(args: argparse.Namespace, cold_version: Path, served: dict[str, A
 
 
 def main(args: argparse.Namespace) -> int:
-    work = workspace(args, usage_error(settle(args, SIZES)))
+    work = kit.workspace(args, usage_error(kit.settle(args, SIZES)))
     if work is None:
         return 2
     from service.core.samples import photo_like_jpegs
@@ -391,7 +368,6 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"one model charged {size / 1e6:.1f} MB (the first load, with onnxruntime's start: {first / 1e6:.1f} MB): "
         f"budget {budget / 1e6:.1f} MB",
-        flush=True,
     )
     cold = cold_start(args, cold_version, served, work)
 
@@ -400,12 +376,11 @@ def main(args: argparse.Namespace) -> int:
     sequence_file.write_text("".join(m + "\n" for _, m in sequence))
     top = names[: args.capacity]
     pinned_config = on_demand_config(args.max_batch_size, pinned=True)
-    pinned = repository(work / "pinned", {n: ({1: repo / n / "1"}, pinned_config) for n in top})
+    pinned = kit.repository(work / "pinned", {n: ({1: repo / n / "1"}, pinned_config) for n in top})
     top_sequence = [(t, m) for t, m in sequence if m in top]
     print(
         f"{len(sequence)} requests over {len(names)} models ({len(top_sequence)} to the top {len(top)}); "
         f"sequence in {sequence_file}",
-        flush=True,
     )
     flags = ["--memory-budget", f"cpu={budget}", "--min-residency-s", str(args.min_residency_s)]
     flags += ["--max-parallel-loads", str(args.max_parallel_loads)]
@@ -413,7 +388,7 @@ def main(args: argparse.Namespace) -> int:
     rounds = run_rounds(args, sides, body, logs)
 
     sizes = {k: getattr(args, k) for k in ("models", "capacity", "rate", "duration_s", "scrape_s", "rounds")}
-    results = header(**sizes, arch=f"{args.arch} {args.input_size}x{args.input_size}", popularity=args.popularity)
+    results = kit.header(**sizes, arch=f"{args.arch} {args.input_size}x{args.input_size}", popularity=args.popularity)
     results |= {"requests": len(sequence), "model_bytes": size, "first_model_bytes": first, "budget_bytes": budget}
     results["sequence_file"] = str(sequence_file)
     results["limits"] = {k: getattr(args, k) for k in ("hit_rate_points", "p99_ratio", "rss_tolerance")}
@@ -421,4 +396,4 @@ def main(args: argparse.Namespace) -> int:
     verdicts = [results[k]["passed"] for k in ("correct", "hit_rate", "p99_hits")]
     results["passed"] = all((*verdicts, results["memory"]["charged_passed"], results["memory"]["rss_passed"]))
     report(results)
-    return conclude(results, began, args.out)
+    return kit.conclude(results, began, args.out)

@@ -111,8 +111,7 @@ def judge(args: argparse.Namespace, size: int, budget: int, sequence: Arrivals, 
     hits["passed"] = abs(hits["points"]) <= args.hit_rate_points
 
     latency = _latency(args, rounds, answers)
-    memory = _memory(args, size, budget, rounds)
-    return {"correct": correct, "hit_rate": hits, "p99_hits": latency, "memory": memory}
+    return {"correct": correct, "hit_rate": hits, "p99_hits": latency, "memory": _memory(args, size, budget, rounds)}
 
 
 def hit_seconds(answers: Sequence[Answer], models: set[str] | None = None) -> list[float]:

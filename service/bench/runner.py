@@ -151,6 +151,7 @@ class StepRunner:
 
     prefix = "gpu"  # what every progress line starts with
     kind = "GPU run"  # what the report calls the real run
+    config_head = ""  # the served config.toml's first lines
     steps: ClassVar[dict[str, float]] = {}
     after: ClassVar[dict[str, str]] = {}
     needs: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -171,6 +172,7 @@ class StepRunner:
         if self.dry:  # one thread a process on a busy CPU (train 41 s -> 12 s with one on 2 cores)
             self.env.setdefault("OMP_NUM_THREADS", "1")
         self.device = "cpu" if self.dry else "cuda"  # with the sizes, the only difference between the two runs
+        self.precision = "fp32" if self.dry else "fp16"
         self.model = "smallcnn" if self.dry else "resnet50"
         self.repo = self.out / "repo"  # where the export step writes the model
         self.started = time.monotonic()
@@ -250,6 +252,12 @@ class StepRunner:
                 "--figures", figures, "--batch-sizes", ",".join(map(str, sizes)), "--seconds", str(self.args.seconds),
                 "--json"]  # fmt: skip
 
+    def serve_config(self) -> str:
+        """The served model's config.toml: ``config_head``, then the device, precision, batching and instances."""
+        return (f'{self.config_head}device = "{self.device}"\nprecision = "{self.precision}"\n'
+                f"max_batch_size = {self.args.serve_batch}\nmax_queue_delay_ms = 2.0\n"
+                f"instances = {self.args.serve_instances}\n")  # fmt: skip
+
     def load_flags(self, warmup_s: float, processes: int) -> list[str]:
         """A load generator's measuring flags: JSON, ``--loadtest-s`` measured after ``warmup_s``, ``processes``."""
         return ["--json", "--duration", str(self.args.loadtest_s), "--warmup", str(warmup_s),
@@ -269,8 +277,11 @@ class StepRunner:
         try:
             for name in self.steps:
                 self.step(name)
-        finally:
-            self.finish()
+        finally:  # the last report, its headline and where it is
+            self.write()
+            for line in self.headline():
+                self.say(line)
+            self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")
         return 1 if self.report["errors"] else 0
 
     def step(self, name: str) -> None:
@@ -279,7 +290,9 @@ class StepRunner:
         later = sum(self.steps[s] for s in order[order.index(name) + 1 :] if s not in self.skip)
         allowance = self.left_s() - later * self.budget_s / sum(self.steps.values())
         if (reason := self.why_not(name, allowance)) is not None:
-            self.skipped(name, reason)
+            self.report["skipped"][name] = reason
+            self.say(f"{name}: skipped ({reason})")
+            self.write()
             return
         self.say(f"{name} ({allowance:.0f} s, {self.left_s():.0f} s left in all)")
         self.deadline = time.monotonic() + allowance
@@ -293,11 +306,6 @@ class StepRunner:
             self.report["errors"][name] = said
             self.say(f"  error: {said}")
         self.report["seconds"][name] = round(time.monotonic() - started, 1)
-        self.write()
-
-    def skipped(self, name: str, reason: str) -> None:
-        self.report["skipped"][name] = reason
-        self.say(f"{name}: skipped ({reason})")
         self.write()
 
     def why_not(self, name: str, allowance: float) -> str | None:
@@ -413,10 +421,3 @@ class StepRunner:
         except Exception as exc:  # a bug of the rendering must not cost the report: the numbers are in the JSON
             text = f"# visionserve {self.report['kind']}\n\nThe report could not be drawn ({exc!r}): see report.json.\n"
         (self.out / "report.md").write_text(text)
-
-    def finish(self) -> None:
-        """The last report, its headline and where it is."""
-        self.write()
-        for line in self.headline():
-            self.say(line)
-        self.say(f"report: {self.out / 'report.md'} and report.json ({self.report['seconds_total']:.0f} s)")

@@ -40,43 +40,25 @@ from typing import Any
 from loadtest.inputs import Payload
 from loadtest.openloop import Record, Request
 from service import launcher
-from service.bench.kit import (
-    COUNT,
-    EXAMPLES,
-    POSITIVE,
-    VERDICT,
-    Flag,
-    Sampler,
-    bounds,
-    header,
-    latency,
-    ms,
-    ok_seconds,
-    open_loop,
-    quantiles,
-    rate_search,
-    refused,
-    take_turns,
-    write_json,
-)
+from service.bench import kit
 
-FLAGS: list[Flag] = [
+FLAGS: list[kit.Flag] = [
     ("--repository", "model_repository", "repository both servers load"),
     ("--model", "digits", "model to send images to"),
     ("--workers", None, "front ends per server (default: the server's choice)", int),
     ("--duration-s", 600.0, "open-loop seconds"),
     ("--warmup-s", 60.0, "first seconds not judged"),
-    ("--load", 0.8, "soak rate as a share of capacity", POSITIVE),
-    ("--rate", None, "requests/s, skips measuring capacity (default: none)", POSITIVE),
-    ("--capacity-s", 5.0, "counted seconds per capacity step", POSITIVE),
-    ("--capacity-start-rate", 100.0, "the capacity search's first rate", POSITIVE),
+    ("--load", 0.8, "soak rate as a share of capacity", kit.POSITIVE),
+    ("--rate", None, "requests/s, skips measuring capacity (default: none)", kit.POSITIVE),
+    ("--capacity-s", 5.0, "counted seconds per capacity step", kit.POSITIVE),
+    ("--capacity-start-rate", 100.0, "the capacity search's first rate", kit.POSITIVE),
     ("--capacity-p99-ms", 100.0, "a capacity step with a higher p99 fails; raise it for a slow model"),
-    ("--capacity-max-steps", 12, "most capacity steps", COUNT),
+    ("--capacity-max-steps", 12, "most capacity steps", kit.COUNT),
     ("--bad-fraction", 0.1, "share of bad inputs, in [0, 1)"),
     ("--timeout-s", 30.0, "per-request timeout"),
-    ("--judge-load", 0.6, "judgement rate as a share of capacity", POSITIVE),
-    ("--judge-rounds", 2, "rounds of one aged and one fresh window", COUNT),
-    ("--judge-window-s", 30.0, "seconds per window", POSITIVE),
+    ("--judge-load", 0.6, "judgement rate as a share of capacity", kit.POSITIVE),
+    ("--judge-rounds", 2, "rounds of one aged and one fresh window", kit.COUNT),
+    ("--judge-window-s", 30.0, "seconds per window", kit.POSITIVE),
     ("--judge-warmup-s", 10.0, "seconds on the fresh server before the windows, not counted: a cold start"),
     ("--max-rss-growth-mb", 50.0, "memory criterion"),
     ("--max-p99-ratio", 1.2, "latency criterion: aged p99 / fresh p99 at most this"),
@@ -88,7 +70,7 @@ def build_mix(model: str, bad_fraction: float, size: int = 1000) -> list[Request
     """``size`` requests with the bad ones spread evenly and each kind taken in turn, so any stretch holds the mix."""
     from PIL import Image
 
-    digit3, digit6 = (EXAMPLES / "digit-3.png").read_bytes(), (EXAMPLES / "digit-6.png").read_bytes()
+    digit3, digit6 = (kit.EXAMPLES / "digit-3.png").read_bytes(), (kit.EXAMPLES / "digit-6.png").read_bytes()
     buf = io.BytesIO()
     with Image.open(io.BytesIO(digit3)) as im:
         im.convert("RGB").resize((64, 64)).save(buf, format="JPEG", quality=90)
@@ -118,35 +100,35 @@ def build_mix(model: str, bad_fraction: float, size: int = 1000) -> list[Request
 
 
 def soak(
-    url: str, requests: list[Request], rate: float, args: argparse.Namespace, memory: Sampler[float]
+    url: str, requests: list[Request], rate: float, args: argparse.Namespace, memory: kit.Sampler[float]
 ) -> list[Record]:
     counts: Counter[str] = Counter()
 
     def on_tick(elapsed_s: float) -> None:
         if round(elapsed_s) % 10 == 0:
-            print(f"  {elapsed_s:5.0f} s: {dict(counts)}, RSS {memory.latest(math.nan):7.1f} MiB", flush=True)
+            print(f"  {elapsed_s:5.0f} s: {dict(counts)}, RSS {memory.latest(math.nan):7.1f} MiB")
 
     more = {"timeout_s": args.timeout_s, "on_tick": on_tick, "on_record": lambda r: counts.update([r.outcome])}
-    return open_loop(url, requests, rate, args.duration_s, **more)
+    return kit.open_loop(url, requests, rate, args.duration_s, **more)
 
 
 def judge(urls: dict[str, str], good: list[Request], rate: float, args: argparse.Namespace) -> dict[str, Any]:
     """Open-loop windows of good requests at ``rate``, the aged and the fresh server in turn; p99 pooled per server."""
 
     def window(url: str, seconds: float) -> list[Record]:
-        return open_loop(url, good, rate, seconds, timeout_s=args.timeout_s)
+        return kit.open_loop(url, good, rate, seconds, timeout_s=args.timeout_s)
 
     def measure(server: str, round_: int) -> tuple[dict[str, Any], list[float]]:
         records = window(urls[server], args.judge_window_s)
-        w = latency(records)
+        w = kit.latency(records)
         print(f"  round {round_}, {server:<5}: {w['count']} requests, {w['ok']} x 200, p50 {w['p50_ms']:7.2f} ms, p99 "
-              f"{w['p99_ms']:7.2f} ms", flush=True)  # fmt: skip
-        return w, ok_seconds(records)
+              f"{w['p99_ms']:7.2f} ms")  # fmt: skip
+        return w, kit.ok_seconds(records)
 
     if args.judge_warmup_s > 0:
         window(urls["fresh"], args.judge_warmup_s)
-    windows, ok_s = take_turns(("aged", "fresh"), args.judge_rounds, measure, key="server")
-    p99 = {s: ms(v, 0.99) for s, v in ok_s.items()}
+    windows, ok_s = kit.take_turns(("aged", "fresh"), args.judge_rounds, measure, key="server")
+    p99 = {s: kit.ms(v, 0.99) for s, v in ok_s.items()}
     by_round = {(w["round"], w["server"]): w["p99_ms"] for w in windows}
     per_round = [by_round[k, "aged"] / by_round[k, "fresh"] for k in range(1, args.judge_rounds + 1)]
     figures = {"rate": rate, "windows": windows, "aged_p99_ms": p99["aged"], "fresh_p99_ms": p99["fresh"]}
@@ -172,7 +154,7 @@ def summarise(
     per_10s = []
     for start in range(0, math.ceil(args.duration_s), 10):
         values = [r.latency_s for r in good if start <= r.due_s < start + 10]
-        per_10s.append({"start_s": start, "count": len(values), **quantiles(values)})
+        per_10s.append({"start_s": start, "count": len(values), **kit.quantiles(values)})
     at_warmup = ([mb for t, mb in rss if t <= args.warmup_s] or [rss[0][1]])[-1]
     growth = max([mb for t, mb in rss if t >= args.warmup_s], default=at_warmup) - at_warmup
     ratio, rss_limit, p99_limit = judgement["p99_ratio"], args.max_rss_growth_mb, args.max_p99_ratio
@@ -199,11 +181,11 @@ def report(results: dict[str, Any]) -> None:
         lines.append(f"  {tag:<24} " + ", ".join(f"{o}: {n}" for o, n in sorted(outcomes.items())))
     rounds = ", ".join(f"{r:.3f}" for r in j["p99_ratio_per_round"])
     lines += [
-        f"{VERDICT[c['rss_growth']['passed']]} RSS growth after warm-up {c['rss_growth']['value_mb']:+.1f} MiB "
+        f"{kit.VERDICT[c['rss_growth']['passed']]} RSS growth after warm-up {c['rss_growth']['value_mb']:+.1f} MiB "
         f"(limit < {c['rss_growth']['limit_mb']:g})",
-        f"{VERDICT[c['errors']['passed']]} errors other than bad inputs' 4xx: {c['errors']['value']}"
+        f"{kit.VERDICT[c['errors']['passed']]} errors other than bad inputs' 4xx: {c['errors']['value']}"
         + (f" {errors}" if errors else ""),
-        f"{VERDICT[c['p99_aged_vs_fresh']['passed']]} p99 aged / fresh {j['p99_ratio']:.3f} (aged "
+        f"{kit.VERDICT[c['p99_aged_vs_fresh']['passed']]} p99 aged / fresh {j['p99_ratio']:.3f} (aged "
         f"{j['aged_p99_ms']:.2f} ms, fresh {j['fresh_p99_ms']:.2f} ms at {j['rate']:.1f} req/s; per round "
         f"{rounds}; limit <= {c['p99_aged_vs_fresh']['limit']:g})",
         f"verdict: {'PASS' if results['passed'] else 'FAIL'}",
@@ -241,7 +223,7 @@ def plot(results: dict[str, Any], path: Path, warmup_s: float) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if refused(
+    if kit.refused(
         (not 0 <= args.bad_fraction < 1, "--bad-fraction must be in [0, 1)"),
         (not 0 <= args.warmup_s < args.duration_s, "--warmup-s must be in [0, --duration-s)"),
         (not (Path(args.repository) / args.model).is_dir(), f"{args.repository} holds no model {args.model}"),
@@ -251,35 +233,33 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     requests = build_mix(args.model, args.bad_fraction)
     good = [r for r in requests if r.tag.startswith("good")]
-    results = header(config=vars(args))
+    results = kit.header(config=vars(args))
     with launcher.start(args.repository, workers=args.workers, log=out / "server.log") as aged:
-        print(f"server at {aged.url} (pid {aged.process.pid}); its log: {out / 'server.log'}", flush=True)
+        print(f"server at {aged.url} (pid {aged.process.pid}); its log: {out / 'server.log'}")
         if args.rate is None:
-            where = bounds(aged.url, 1.0, args.capacity_s, drain_s=5.0, timeout_s=args.timeout_s)
+            where = kit.bounds(aged.url, 1.0, args.capacity_s, drain_s=5.0, timeout_s=args.timeout_s)
             print(
                 f"capacity: open-loop steps of {args.capacity_s:g} s (+1 s not counted), p99 within "
                 f"{args.capacity_p99_ms:g} ms and no error",
-                flush=True,
             )
             bodies = [Payload(r.path, r.headers, r.body, 1) for r in good]
             more = {"start_rate": args.capacity_start_rate, "max_steps": args.capacity_max_steps}
-            found = rate_search(args.model, bodies, args.capacity_p99_ms, where, **more)
+            found = kit.rate_search(args.model, bodies, args.capacity_p99_ms, where, **more)
             results["capacity"] = found.summary()
             if found.best_rate is None:
                 print(f"no rate met p99 <= {args.capacity_p99_ms:g} ms with no error", file=sys.stderr)
                 return 1
             rate, judge_rate = args.load * found.best_rate, args.judge_load * found.best_rate
-            print(f"capacity {found.best_rate:.1f} req/s; soaking at {rate:.1f}", flush=True)
+            print(f"capacity {found.best_rate:.1f} req/s; soaking at {rate:.1f}")
         else:
             rate = judge_rate = args.rate
         results["rate"] = rate
         print(
             f"soak: {args.duration_s:g} s at {rate:.1f} req/s ({args.warmup_s:g} s warm-up), "
             f"{args.bad_fraction:.0%} bad inputs",
-            flush=True,
         )
         pid = aged.process.pid
-        memory = Sampler(lambda: launcher.tree_rss_mb(pid), 1.0)
+        memory = kit.Sampler(lambda: launcher.tree_rss_mb(pid), 1.0)
         memory.start()
         records = soak(aged.url, requests, rate, args, memory)
         rss = memory.finish()
@@ -287,7 +267,6 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"judgement: fresh server at {fresh.url}; {args.judge_rounds} round(s) of {args.judge_window_s:g} s "
                 f"windows at {judge_rate:.1f} req/s",
-                flush=True,
             )
             judgement = judge({"aged": aged.url, "fresh": fresh.url}, good, judge_rate, args)
         results["exit_codes"] = {"fresh": fresh.stop()}
@@ -295,7 +274,7 @@ def main(args: argparse.Namespace) -> int:
     results.update(summarise(records, rss, judgement, args))
     report(results)
     print(f"servers stopped with SIGTERM: exit codes {results['exit_codes']}")
-    write_json(out / "soak.json", results)
+    kit.write_json(out / "soak.json", results)
     plot(results, out / "soak.png", args.warmup_s)
     print(f"wrote {out / 'soak.json'} and {out / 'soak.png'}")
     return 0 if results["passed"] else 1

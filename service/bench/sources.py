@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import secrets
 import sys
@@ -86,19 +87,14 @@ FLAGS: list[Flag] = [
 ]
 
 
-def grab_frames(url: str, folder: Path, count: int) -> list[Path]:
+def grab_frames(url: str, folder: Path, count: int) -> None:
     """``count`` decoded frames of the camera at ``url``, saved as JPEGs (quality 90) in ``folder``."""
     import av
 
     folder.mkdir(parents=True, exist_ok=True)
-    paths: list[Path] = []
     with av.open(url, options={"rtsp_transport": "tcp"}, timeout=30) as container:
-        for frame in container.decode(video=0):
-            paths.append(folder / f"frame-{len(paths):03d}.jpg")
-            frame.to_image().save(paths[-1], quality=90)
-            if len(paths) >= count:
-                break
-    return paths
+        for i, frame in enumerate(itertools.islice(container.decode(video=0), count)):
+            frame.to_image().save(folder / f"frame-{i:03d}.jpg", quality=90)
 
 
 class Server:
@@ -242,8 +238,7 @@ def judge(args: argparse.Namespace, run: dict[str, Any], pipeline: dict[str, Any
     answered = sum(s["answered_fps"] for s in sources.values())
     offered = float(args.sources * args.fps)
     capacity_fps = float(pipeline["pipeline_images_per_s"])
-    bound = min(offered, capacity_fps)
-    ratio = answered / bound
+    ratio = answered / min(offered, capacity_fps)
     rates = [s["answered_fps"] for s in sources.values()]
     mean = sum(rates) / len(rates) if rates else 0.0
     fairness = min(rates) / mean if mean > 0 else 0.0
@@ -326,10 +321,8 @@ def report(args: argparse.Namespace, r: dict[str, Any], say: Say) -> None:
             f"warm-up, {m['end_mb']:.1f} MiB at the end: {100 * m['growth']:+.1f}% (target <= +5%)")  # fmt: skip
     say(f"CPU, cores busy on average: RTSP server {cpu['cameras']:.2f}, visionserve {cpu['server']:.2f}, this "
         f"benchmark {cpu['bench']:.2f} (of {r['cores']} cores)")  # fmt: skip
-    loads = (
-        ", ".join(f"{x:.2f}" for x in r["load_average"]) + " -> " + ", ".join(f"{x:.2f}" for x in r["load_average_end"])
-    )
-    say(f"load average (1, 5, 15 min) at the start and the end: {loads}")
+    start, end = (", ".join(f"{x:.2f}" for x in r[k]) for k in ("load_average", "load_average_end"))
+    say(f"load average (1, 5, 15 min) at the start and the end: {start} -> {end}")
 
 
 def cameras_for(args: argparse.Namespace) -> RtspServer:
@@ -377,8 +370,7 @@ def main(args: argparse.Namespace) -> int:
             say(f"{args.sources} sources running ({results['start_retries']} retried to start); warming up "
                 f"{args.warmup_s:g} s, then {args.minutes:g} min measured")  # fmt: skip
             time.sleep(args.warmup_s)
-            run = measure(args, server, cameras, say)
-            results.update(judge(args, run, pipeline))
+            results.update(judge(args, measure(args, server, cameras, say), pipeline))
             results["exit_code"] = running.stop()
     results["load_average_end"] = os.getloadavg()
     report(args, results, say)

@@ -112,7 +112,6 @@ def make_repository(work: Path, args: argparse.Namespace) -> Path:
     return kit.repository(work / "repository", {name: ({1: EXAMPLE / "1"}, config) for name, config in models.items()})
 
 
-# ---- the runs -----------------------------------------------------------------------------------------------------
 def capacity(url: str, model: str, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     """The higher of closed-loop images/s with as many clients as streams and the streams probe's answered/s."""
     where = kit.bounds(url, args.warmup, args.capacity_s, drain_s=args.drain)
@@ -193,7 +192,6 @@ def fair_shares(demands: Sequence[float], total: float) -> list[float]:
     return shares
 
 
-# ---- the targets --------------------------------------------------------------------------------------------------
 def target_overload(url: str, model: str, cap: float, images: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     fps = args.overload * cap / args.streams
     report, run = streams(url, model, "overload", images, args, fps=fps, duration_s=args.duration)
@@ -266,8 +264,7 @@ def target_fairness(url: str, model: str, cap: float, images: list[bytes], args:
     fast = args.fast_factor * fps
     report, _ = streams(url, model, "fairness", images, args, fps=fps, duration_s=args.other_duration, fps_first=fast)
     rows = report["per_stream"]
-    demands = [r["sent_per_s"] for r in rows]
-    shares = fair_shares(demands, report["total"]["answered_per_s"])
+    shares = fair_shares([r["sent_per_s"] for r in rows], report["total"]["answered_per_s"])
     others = rows[1:]
     got = sum(r["answered_per_s"] for r in others) / len(others)
     share = sum(shares[1:]) / len(others)
@@ -298,11 +295,6 @@ def target_fairness(url: str, model: str, cap: float, images: list[bytes], args:
     }
 
 
-# ---- printing -----------------------------------------------------------------------------------------------------
-def _verdict(passed: bool) -> str:
-    return kit.VERDICT[bool(passed)]
-
-
 def print_model(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
     cap, a, b, c = r["capacity"], r["overload"], r["light"], r["fairness"]
     acc, age, flat, drops, p50, others = a["accounting"], a["age"], a["flat"], b["drops"], b["p50"], c["others"]
@@ -314,36 +306,30 @@ def print_model(name: str, r: dict[str, Any], args: argparse.Namespace) -> None:
         f"for {a['duration_s']:g} s: answered {a['total']['answered_per_s']:.1f}/s "
         f"({100 * a['total']['answered_fraction']:.0f}%); {_client_note(a['client'])}",
         f"      age p99 {age['p99_ms']:.1f} ms <= {args.age_compute_ratio:g} x compute {a['compute_ms']:.1f} ms "
-        f"({a['compute_source']}) = {age['bound_ms']:.1f} ms: {_verdict(age['passed'])}",
+        f"({a['compute_source']}) = {age['bound_ms']:.1f} ms: {kit.VERDICT[age['passed']]}",
         f"      flat: age p99 first {args.window:g} s {flat['first_p99_ms']:.1f} ms, last {flat['last_p99_ms']:.1f} "
-        f"ms (x{flat['ratio']:.2f} <= {args.flat_ratio:g}): {_verdict(flat['passed'])}",
+        f"ms (x{flat['ratio']:.2f} <= {args.flat_ratio:g}): {kit.VERDICT[flat['passed']]}",
         f"      accounted: {acc['sent']} sent = {acc['answered']} answered + {acc['superseded']} superseded + "
         f"{acc['expired']} expired + {acc['errors']} errors; {acc['lost']} lost, {acc['unexpected']} unexpected: "
-        f"{_verdict(a['accounted']['passed'])}",
+        f"{kit.VERDICT[a['accounted']['passed']]}",
         f"  (b) {100 * args.light:g}% of capacity: {args.streams} streams x {b['fps']:.2f} fps = "
         f"{b['total_fps']:.1f} fps for {b['duration_s']:g} s; one-shot open loop at the same rate; "
         f"{_client_note(b['client'])}",
         f"      drops: {drops['superseded']} superseded, {drops['expired']} expired, {drops['errors']} errors, "
-        f"{drops['lost']} lost: {_verdict(drops['passed'])}",
+        f"{drops['lost']} lost: {kit.VERDICT[drops['passed']]}",
         f"      age p50 {p50['age_p50_ms']:.1f} ms vs one-shot latency p50 {p50['one_shot_p50_ms']:.1f} ms "
-        f"(x{p50['ratio']:.2f} <= {1 + args.p50_tolerance:g}): {_verdict(p50['passed'])} [the streams' client latency "
-        f"p50: {p50['stream_latency_p50_ms']:.1f} ms]",
+        f"(x{p50['ratio']:.2f} <= {1 + args.p50_tolerance:g}): {kit.VERDICT[p50['passed']]} [the streams' client "
+        f"latency p50: {p50['stream_latency_p50_ms']:.1f} ms]",
         f"  (c) fairness: stream 0 at {c['fast_fps']:.0f} fps, {args.streams - 1} at {c['fps']:.1f} fps for "
         f"{c['duration_s']:g} s: the others answered {others['answered_per_s']:.2f}/s each (fraction "
         f"{100 * others['answered_fraction']:.0f}%) vs a fair share {others['fair_share_per_s']:.2f}/s "
         f"({100 * others['fair_fraction']:.0f}%): {100 * others['deviation']:+.1f}% (within "
-        f"{100 * args.fair_tolerance:g}%): {_verdict(c['passed'])}",
+        f"{100 * args.fair_tolerance:g}%): {kit.VERDICT[c['passed']]}",
         f"      worst other stream {others['worst_stream']}: {100 * others['worst_deviation']:+.1f}%; the fast stream "
         f"{c['fast']['answered_per_s']:.2f}/s (fair {c['fast']['fair_share_per_s']:.2f}/s), "
         f"{c['fast']['superseded']} superseded; {_client_note(c['client'])}",
     ]
     print("\n".join(lines))
-
-
-def passed(r: dict[str, Any]) -> bool:
-    a, b = r["overload"], r["light"]
-    judged = (a["age"], a["flat"], a["accounted"], b["drops"], b["p50"], r["fairness"])
-    return all(x["passed"] for x in judged)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -365,10 +351,11 @@ def main(args: argparse.Namespace) -> int:
                 return 2
             r: dict[str, Any] = {"capacity": capacity(server.url, model, images, args)}
             cap = r["capacity"]["images_per_s"]
-            r["overload"] = target_overload(server.url, model, cap, images, args)
-            r["light"] = target_light(server.url, model, cap, images, args)
+            r["overload"] = a = target_overload(server.url, model, cap, images, args)
+            r["light"] = b = target_light(server.url, model, cap, images, args)
             r["fairness"] = target_fairness(server.url, model, cap, images, args)
-            r["passed"] = passed(r)
+            judged = (a["age"], a["flat"], a["accounted"], b["drops"], b["p50"], r["fairness"])
+            r["passed"] = all(x["passed"] for x in judged)
             results["models"][model] = r
             print_model(model, r, args)
     results["passed"] = all(r["passed"] for r in results["models"].values())

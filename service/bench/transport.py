@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest.runner import on_fresh_loop
 from service.bench.kit import Flag, ms
 from service.core.arguments import comma_ints
 from service.transport import shm
@@ -63,16 +64,7 @@ def _engine(address: str, stop: Any) -> None:
             await asyncio.sleep(0.1)
         await endpoint.close()
 
-    _run(main())
-
-
-def _run(coro: Any) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(coro)
-    except ImportError:
-        asyncio.run(coro)
+    on_fresh_loop(main())
 
 
 def _sender(address: str, arena_name: str, index: int, inflight: int, seconds: float, out: Any) -> None:
@@ -96,12 +88,11 @@ def _sender(address: str, arena_name: str, index: int, inflight: int, seconds: f
 
         began = time.perf_counter()
         await asyncio.gather(*(loop() for _ in range(inflight)))
-        elapsed = time.perf_counter() - began
-        out.put((len(latencies) / elapsed, latencies))
+        out.put((len(latencies) / (time.perf_counter() - began), latencies))
         await client.close()
         arena.close()
 
-    _run(main())
+    on_fresh_loop(main())
 
 
 def measure(senders: int, inflight: int, seconds: float) -> dict[str, float]:
@@ -128,8 +119,7 @@ def measure(senders: int, inflight: int, seconds: float) -> dict[str, float]:
         for name in names:
             shm.unlink(name)
     latencies = [s for r in results for s in r[1]]
-    rate = float(sum(r[0] for r in results))
-    row = {"senders": senders, "inflight_per_sender": inflight, "round_trips_per_s": rate}
+    row = {"senders": senders, "inflight_per_sender": inflight, "round_trips_per_s": float(sum(r[0] for r in results))}
     return row | {"median_us": 1000 * ms(latencies, 0.5), "p99_us": 1000 * ms(latencies, 0.99)}
 
 

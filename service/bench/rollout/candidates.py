@@ -36,7 +36,6 @@ OTHER_FILES = tuple(name for table in (MODEL_FILES, FP16_FILES) for fmt, name in
 BATCH = 64  # images per onnxruntime run
 
 
-# ---- derived versions ---------------------------------------------------------------------------------------------
 def copy_version(src_dir: str | Path, dst_dir: str | Path) -> Path:
     """``src_dir`` copied file for file to ``dst_dir`` (which must not exist): a candidate that agrees on every
     image. Returns ``dst_dir``."""
@@ -107,8 +106,7 @@ def calibrate_disagreement(
     _, class_index, bias = chosen
     with tempfile.TemporaryDirectory(prefix="vs-calibrate-") as tmp:
         candidate = bias_logits(source, Path(tmp) / "candidate", class_index, bias)
-        measured = float(np.mean(top1(candidate, images_uint8) != top))
-    return class_index, bias, measured
+        return class_index, bias, float(np.mean(top1(candidate, images_uint8) != top))
 
 
 def _centred_bias(margins: np.ndarray, want: int) -> float:
@@ -143,41 +141,35 @@ def _derive(src_dir: str | Path, dst_dir: str | Path, edit: Callable[[Any], None
         onnx.checker.check_model(str(path))
 
 
-def _tail(model: Any) -> tuple[str, str, int]:
-    """Detaches the graph's first output (the logits) from the node that makes it: returns (the output's name, the
-    name its producer now writes, the output's element type)."""
+def _append(model: Any, op: str, constant: np.ndarray, constant_name: str, node_name: str, **attrs: Any) -> None:
+    """The graph's first output (the logits) detached from the node that makes it and made instead by ``op`` of
+    what that node makes and ``constant`` (an initializer named ``OUTPUT__constant_name``)."""
+    from onnx import helper, numpy_helper
+
     graph = model.graph
-    out = graph.output[0]
-    inner = f"{out.name}__before_candidate"
+    out = graph.output[0].name
+    inner, constant_name = f"{out}__before_candidate", f"{out}__{constant_name}"
     for node in graph.node:
         for field in (node.output, node.input):
             for i, name in enumerate(field):
-                if name == out.name:
+                if name == out:
                     field[i] = inner
-    return out.name, inner, int(out.type.tensor_type.elem_type)
+    graph.initializer.append(numpy_helper.from_array(constant, constant_name))
+    graph.node.append(helper.make_node(op, [inner, constant_name], [out], name=node_name, **attrs))
 
 
 def _gather_classes(model: Any, perm: np.ndarray) -> None:
-    from onnx import helper, numpy_helper
-
-    out, inner, _ = _tail(model)
-    indices = f"{out}__class_permutation"
-    model.graph.initializer.append(numpy_helper.from_array(perm.astype(np.int64), indices))
-    model.graph.node.append(helper.make_node("Gather", [inner, indices], [out], axis=1, name="candidate_permute"))
+    _append(model, "Gather", perm.astype(np.int64), "class_permutation", "candidate_permute", axis=1)
 
 
 def _add_to_class(model: Any, class_index: int, bias: float, classes: int) -> None:
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
-    out, inner, elem_type = _tail(model)
-    offsets = np.zeros(classes, dtype=helper.tensor_dtype_to_np_dtype(elem_type))
+    offsets = np.zeros(classes, dtype=helper.tensor_dtype_to_np_dtype(model.graph.output[0].type.tensor_type.elem_type))
     offsets[class_index] = bias
-    name = f"{out}__class_bias"
-    model.graph.initializer.append(numpy_helper.from_array(offsets, name))
-    model.graph.node.append(helper.make_node("Add", [inner, name], [out], name="candidate_bias"))
+    _append(model, "Add", offsets, "class_bias", "candidate_bias")
 
 
-# ---- measuring ----------------------------------------------------------------------------------------------------
 def logits(version_dir: str | Path, images_uint8: np.ndarray, batch: int = BATCH) -> np.ndarray:
     """The version's ``model.onnx`` run by onnxruntime on the CPU over ``images_uint8``, ``batch`` images a run (a
     model with a fixed batch size: its own): float32 ``[N, classes]``."""
@@ -205,7 +197,6 @@ def agreement(primary_dir: str | Path, candidate_dir: str | Path, images_uint8: 
     return float(np.mean(top1(primary_dir, images_uint8) == top1(candidate_dir, images_uint8)))
 
 
-# ---- held-out images ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Digits:
     """scikit-learn's digits as a client sends them (8x8 grayscale PNGs) and as the server's preprocessing makes

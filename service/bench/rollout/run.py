@@ -38,30 +38,18 @@ is met, 1 when one is missed, 2 on a usage error::
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from service.bench.kit import (
-    COUNT,
-    POSITIVE,
-    SHARE,
-    VERDICT,
-    Flag,
-    bounds,
-    closed_loop,
-    conclude,
-    header,
-    step_figures,
-    step_line,
-    workspace,
-)
+from service.bench import kit
 from service.bench.rollout import candidates, scenarios
 
 PARTS = ("latency", "detection", "promotion")
 
 
-FLAGS: list[Flag] = [
+FLAGS: list[kit.Flag] = [
     ("--version-dir", str(candidates.DIGITS_VERSION), "the primary: a served ONNX version folder (the shipped digits)"),
     ("--arch", None, "instead, this models.zoo architecture exported with its initial weights (default: none)"),
     ("--input-size", 64, "--arch's square input"),
@@ -69,33 +57,33 @@ FLAGS: list[Flag] = [
     ("--parts", ",".join(PARTS), "which runs, comma-separated"),
     ("--dry-run", False, "build and measure the candidates offline, start no server"),
     ("--model-config", "", "serving settings (TOML lines) in every config.toml, before [rollout] (default: none)"),
-    ("--workers", 1, "front ends per server", COUNT),
+    ("--workers", 1, "front ends per server", kit.COUNT),
     ("--admin-token", "rollout-bench", "the servers' --admin-token"),
-    ("--stream-images", 359, "held-out digits in the stream; past the validation split's 359, training's", COUNT),
+    ("--stream-images", 359, "held-out digits in the stream; past the validation split's 359, training's", kit.COUNT),
     ("--seed", 0, "seeds the label permutation"),
-    ("--capacity", None, "requests/s taken as capacity (default: measured)", POSITIVE),
-    ("--capacity-clients", 8, "closed-loop clients measuring capacity", COUNT),
-    ("--capacity-s", 5.0, "counted seconds of the capacity run", POSITIVE),
-    ("--shadow-fraction", 0.1, "shadowed share of requests in a and c", SHARE),
-    ("--load", 0.6, "share of capacity in a and c", SHARE),
-    ("--high-load", 0.95, "a's second load, where shadows are shed", SHARE),
-    ("--rounds", 2, "a's rounds per load, each a window per server", COUNT),
-    ("--window-s", 8.0, "seconds of one window in a", POSITIVE),
-    ("--warmup-s", 1.0, "a: seconds each server is sent each load before its rounds, not counted", POSITIVE),
+    ("--capacity", None, "requests/s taken as capacity (default: measured)", kit.POSITIVE),
+    ("--capacity-clients", 8, "closed-loop clients measuring capacity", kit.COUNT),
+    ("--capacity-s", 5.0, "counted seconds of the capacity run", kit.POSITIVE),
+    ("--shadow-fraction", 0.1, "shadowed share of requests in a and c", kit.SHARE),
+    ("--load", 0.6, "share of capacity in a and c", kit.SHARE),
+    ("--high-load", 0.95, "a's second load, where shadows are shed", kit.SHARE),
+    ("--rounds", 2, "a's rounds per load, each a window per server", kit.COUNT),
+    ("--window-s", 8.0, "seconds of one window in a", kit.POSITIVE),
+    ("--warmup-s", 1.0, "a: seconds each server is sent each load before its rounds, not counted", kit.POSITIVE),
     ("--max-ratio", 1.05, "target at --load: p50 and p99 with the shadow / without, each at most this"),
     ("--max-p99-ratio", 1.10, "target: p99 with the shadow / without, at most"),
-    ("--min-agreement", 0.99, "the rollouts' min_agreement", SHARE),
-    ("--min-samples", 1000, "the rollouts' min_samples before a promotion (the server's own)", COUNT),
+    ("--min-agreement", 0.99, "the rollouts' min_agreement", kit.SHARE),
+    ("--min-samples", 1000, "the rollouts' min_samples before a promotion (the server's own)", kit.COUNT),
     ("--detect-disagreement", 0.02, "the detected candidate's disagreement on the stream, in [0, 1)"),
     ("--promote-disagreement", 0.003, "the promoted candidate's disagreement on the stream, in [0, 1)"),
-    ("--detect-rate", 150.0, "requests/s in b", POSITIVE),
-    ("--detect-max-samples", 5000, "target: the 2%% candidate detected within this many samples", COUNT),
-    ("--detect-samples", 2000, "the detection run goes on past this many samples, to see it stays excluded", COUNT),
+    ("--detect-rate", 150.0, "requests/s in b", kit.POSITIVE),
+    ("--detect-max-samples", 5000, "target: the 2%% candidate detected within this many samples", kit.COUNT),
+    ("--detect-samples", 2000, "the detection run goes on past this many samples, to see it stays excluded", kit.COUNT),
     ("--abort-within", 200, "target: the permuted candidate aborted within this many samples"),
-    ("--promote-s", 20.0, "seconds of c's open loop", POSITIVE),
-    ("--promote-at", 0.5, "share of --promote-s at which c promotes", SHARE),
-    ("--poll-s", 0.1, "seconds between polls of the rollout route in b", POSITIVE),
-    ("--latency-poll-s", 1.0, "seconds between polls in a and c, both servers alike", POSITIVE),
+    ("--promote-s", 20.0, "seconds of c's open loop", kit.POSITIVE),
+    ("--promote-at", 0.5, "share of --promote-s at which c promotes", kit.SHARE),
+    ("--poll-s", 0.1, "seconds between polls of the rollout route in b", kit.POSITIVE),
+    ("--latency-poll-s", 1.0, "seconds between polls in a and c, both servers alike", kit.POSITIVE),
     ("--timeout-s", 30.0, "per-request timeout"),
     ("--work", "runs/rollout-bench", "candidates, repositories and logs"),
     ("--out", None, "write every figure as JSON here (default: WORK/result.json)"),
@@ -124,8 +112,6 @@ def build_candidates(
     args: argparse.Namespace, primary: Path, digits: candidates.Digits, folder: Path
 ) -> tuple[dict[str, Path], dict[str, Any]]:
     """The four candidates in ``folder`` and what each disagrees on offline (onnxruntime, the held-out stream)."""
-    import shutil
-
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     built = {"copy": candidates.copy_version(primary, folder / "copy")}
@@ -143,7 +129,6 @@ def build_candidates(
         print(
             f"candidate {name:<8} disagrees offline on {offline[name]['disagreement']:7.2%} of "
             f"{len(digits.images)} held-out images",
-            flush=True,
         )
     return built, offline
 
@@ -152,11 +137,11 @@ def measure_capacity(args: argparse.Namespace, work: Path, primary: Path, pngs: 
     if args.capacity is not None:
         return {"requests_per_s": args.capacity, "given": True}
     with scenarios.serve(args, work, "capacity", {1: primary}) as server:
-        where = bounds(server.url, 1.0, args.capacity_s, drain_s=5.0, timeout_s=args.timeout_s)
-        step = closed_loop(args.model, pngs, args.capacity_clients, where)
+        where = kit.bounds(server.url, 1.0, args.capacity_s, drain_s=5.0, timeout_s=args.timeout_s)
+        step = kit.closed_loop(args.model, pngs, args.capacity_clients, where)
     clients = args.capacity_clients
-    print(f"capacity: {step.requests_per_s:.0f} requests/s closed loop ({clients} clients), {step_line(step)}")
-    return {"clients": args.capacity_clients, "duration_s": args.capacity_s, **step_figures(step)}
+    print(f"capacity: {step.requests_per_s:.0f} requests/s closed loop ({clients} clients), {kit.step_line(step)}")
+    return {"clients": args.capacity_clients, "duration_s": args.capacity_s, **kit.step_figures(step)}
 
 
 def run(args: argparse.Namespace, work: Path, results: dict[str, Any]) -> None:
@@ -173,32 +158,32 @@ def run(args: argparse.Namespace, work: Path, results: dict[str, Any]) -> None:
     results["capacity"] = measure_capacity(args, work, primary, digits.pngs)
     rate = results["capacity"]["requests_per_s"]
     if "latency" in parts:
-        print(f"a. live latency, {args.rounds} rounds of {args.window_s:g} s per server and load", flush=True)
+        print(f"a. live latency, {args.rounds} rounds of {args.window_s:g} s per server and load")
         results["latency"] = scenarios.latency_runs(args, work, primary, built["copy"], requests, rate)
     if "detection" in parts:
-        print(f"b. detection at {args.detect_rate:g} req/s, every request shadowed", flush=True)
+        print(f"b. detection at {args.detect_rate:g} req/s, every request shadowed")
         found = scenarios.detection(args, work, primary, built, requests)
         for name in ("detect", "promote"):
             found[name]["offline_disagreement"] = offline[name]["disagreement"]
         results["detection"] = found
     if "promotion" in parts:
-        print(f"c. promotion under load: {args.load:.0%} of capacity for {args.promote_s:g} s", flush=True)
+        print(f"c. promotion under load: {args.load:.0%} of capacity for {args.promote_s:g} s")
         results["promotion"] = scenarios.promotion(args, work, primary, built["copy"], requests, rate)
 
 
 def main(args: argparse.Namespace) -> int:
-    work = workspace(args, usage_error(args))
+    work = kit.workspace(args, usage_error(args))
     if work is None:
         return 2
     began = time.perf_counter()
     limits = ("max_ratio", "max_p99_ratio", "min_agreement", "detect_max_samples", "abort_within")
-    results = header(model=args.model, workers=args.workers, limits={k: getattr(args, k) for k in limits})
+    results = kit.header(model=args.model, workers=args.workers, limits={k: getattr(args, k) for k in limits})
     run(args, work, results)
     judged = [results[k]["passed"] for k in PARTS if k in results]
-    results["passed"] = (all(judged) if judged else None) if not args.dry_run else None
+    results["passed"] = all(judged) if judged else None  # none in a dry run
     if not args.dry_run:
         report(results)
-    return conclude(results, began, args.out or work / "result.json")
+    return kit.conclude(results, began, args.out or work / "result.json")
 
 
 def _n(value: Any, digits: int = 0) -> str:
@@ -218,7 +203,7 @@ def report(results: dict[str, Any]) -> None:
             s, n, at_high = x["shadow"], x["none"], x["shed_passed"] is not None
             key, what = ("max_p99_ratio", "p99") if at_high else ("max_ratio", "p50 and p99")
             lines.append(
-                f"  {VERDICT[x['passed']]} {x['load']:.0%} of capacity ({x['rate']:.0f} req/s): p50 "
+                f"  {kit.VERDICT[x['passed']]} {x['load']:.0%} of capacity ({x['rate']:.0f} req/s): p50 "
                 f"{s['p50_ms']:.2f} vs {n['p50_ms']:.2f} ms ({x['p50_ratio']:.3f}x), p99 {s['p99_ms']:.2f} vs "
                 f"{n['p99_ms']:.2f} ms ({x['p99_ratio']:.3f}x), target <= {limits[key]:g}x ({what}), errors "
                 f"{s['errors']} / {n['errors']}; shadow samples {x['shadow_samples']}, shed {x['shed']}"
@@ -228,16 +213,16 @@ def report(results: dict[str, Any]) -> None:
         d, p, q = (results["detection"][k] for k in ("detect", "promote", "permuted"))
         lines += [
             "b. detection (shadow of every request):",
-            f"  {VERDICT[d['passed']]} a candidate disagreeing on {d['offline_disagreement']:.2%} of the held-out "
+            f"  {kit.VERDICT[d['passed']]} a candidate disagreeing on {d['offline_disagreement']:.2%} of the held-out "
             f"stream (auto off): agreement_high < {limits['min_agreement']:g} at {_n(d['excluded_at_samples'])} "
             f"samples (poll before: {_n(d['poll_before_samples'])}), and from {_n(d['excluded_for_good_at_samples'])} "
             f"samples on to the run's end at {_n(d['history'][-1]['samples'])} (target <= "
             f"{limits['detect_max_samples']})",
-            f"  {VERDICT[p['passed']]} a candidate disagreeing on {p['offline_disagreement']:.2%} (auto on): state "
+            f"  {kit.VERDICT[p['passed']]} a candidate disagreeing on {p['offline_disagreement']:.2%} (auto on): state "
             f"{p['final'].get('state')}, promoted at {_n(p['promoted_at_samples'])} samples; "
             f"{p['final'].get('verdict_reason', '')}",
-            f"  {VERDICT[q['passed']]} a label-permuted candidate (auto on): state {q['final'].get('state')}, aborted "
-            f"at {_n(q['aborted_at_samples'])} samples (target <= {limits['abort_within']}); "
+            f"  {kit.VERDICT[q['passed']]} a label-permuted candidate (auto on): state {q['final'].get('state')}, "
+            f"aborted at {_n(q['aborted_at_samples'])} samples (target <= {limits['abort_within']}); "
             f"{q['final'].get('reason', '')}",
         ]
     if "promotion" in results:
@@ -246,7 +231,7 @@ def report(results: dict[str, Any]) -> None:
         lines += [
             f"c. promotion under load ({c['rate']:.0f} req/s for {c['duration_s']:g} s, promoted at "
             f"{c['promote_at_s']:g} s):",
-            f"  {VERDICT[c['passed']]} {c['sent']} sent, {c['recorded']} answered or failed, {c['failed']} failed "
+            f"  {kit.VERDICT[c['passed']]} {c['sent']} sent, {c['recorded']} answered or failed, {c['failed']} failed "
             f"{c['failures'] or ''}, {c['lost']} lost; promote call {call.get('status')} in "
             f"{_n(call.get('took_ms'), 1)} ms; p99 {c['latency']['p99_ms']:.2f} ms overall, "
             f"{c['p99_ms_within_1s_of_promotion']:.2f} ms within 1 s of the promotion; state {c['final_state']}, "

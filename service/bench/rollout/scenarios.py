@@ -20,8 +20,7 @@ import httpx
 from loadtest.inputs import model_path
 from loadtest.openloop import Record, Request
 from service import launcher
-from service.bench.kit import Sampler, config_toml, latency, ms, ok_seconds, open_loop, quantiles, take_turns
-from service.bench.kit import repository as kit_repository
+from service.bench import kit
 
 
 @contextlib.contextmanager
@@ -31,8 +30,8 @@ def serve(
     """A server, ready, with the bench's workers and admin token, on a fresh repository ``WORK/repos/NAME`` of the
     model with ``versions``, ``--model-config`` and ``rollout`` (running before this yields), logging to
     ``WORK/logs/NAME.log``."""
-    config = "".join(line + "\n" for line in args.model_config.splitlines()) + config_toml(rollout=rollout)
-    repo = kit_repository(work / "repos" / name, {args.model: (versions, config)})
+    config = "".join(line + "\n" for line in args.model_config.splitlines()) + kit.config_toml(rollout=rollout)
+    repo = kit.repository(work / "repos" / name, {args.model: (versions, config)})
     flags = ("--workers", str(args.workers), "--admin-token", args.admin_token)
     with launcher.start(repo, *flags, log=work / "logs" / f"{name}.log", ready_timeout_s=300) as server:
         if rollout is not None:
@@ -75,9 +74,9 @@ def requests_for(model: str, pngs: Sequence[bytes]) -> list[Request]:
     return [Request(path, png, {"content-type": "image/png"}, "digit") for png in pngs]
 
 
-def poller(url: str, model: str, interval_s: float) -> Sampler[dict[str, Any]]:
+def poller(url: str, model: str, interval_s: float) -> kit.Sampler[dict[str, Any]]:
     """``GET /v2/models/{m}/rollout`` every ``interval_s`` on a thread of its own, started."""
-    polls = Sampler(lambda: status(url, model), interval_s, (httpx.HTTPError, RuntimeError, ValueError))
+    polls = kit.Sampler(lambda: status(url, model), interval_s, (httpx.HTTPError, RuntimeError, ValueError))
     polls.start()
     return polls
 
@@ -115,17 +114,16 @@ def window(servers: dict[str, Any], args: argparse.Namespace, requests: list[Req
     url = servers[side].url
     before = status(url, args.model)
     polls = poller(url, args.model, args.latency_poll_s)
-    records = open_loop(url, requests, rate, args.window_s, timeout_s=args.timeout_s)
+    records = kit.open_loop(url, requests, rate, args.window_s, timeout_s=args.timeout_s)
     after = polls.finish()[-1][1]
     moved = {k: (comparison(after).get(k) or 0) - (comparison(before).get(k) or 0) for k in ("samples", "shed")}
-    done = {**latency(records), "state": after.get("state"), **moved}
+    done = {**kit.latency(records), "state": after.get("state"), **moved}
     print(
         f"  {load:.0%} of capacity ({rate:.0f} req/s), round {k}, {side:<6}: {done['ok']}/{done['count']} ok, p50 "
         f"{done['p50_ms']:.2f} ms, p99 {done['p99_ms']:.2f} ms"
         + (f", shadow samples {done['samples']}, shed {done['shed']}" if side == "shadow" else ""),
-        flush=True,
     )
-    return done, ok_seconds(records)
+    return done, kit.ok_seconds(records)
 
 
 def latency_runs(
@@ -143,9 +141,9 @@ def latency_runs(
         for load in (args.load, args.high_load):
             rate = load * capacity
             for server in servers.values():  # not counted: connections, the first batches
-                open_loop(server.url, requests, rate, args.warmup_s, timeout_s=args.timeout_s)
+                kit.open_loop(server.url, requests, rate, args.warmup_s, timeout_s=args.timeout_s)
             measure = functools.partial(window, servers, args, requests, load, rate)
-            loads.append(judge_load(args, load, rate, *take_turns(("shadow", "none"), args.rounds, measure)))
+            loads.append(judge_load(args, load, rate, *kit.take_turns(("shadow", "none"), args.rounds, measure)))
     passed = all(x["passed"] for x in loads)
     return {"capacity": capacity, "shadow_fraction": args.shadow_fraction, "loads": loads, "passed": passed}
 
@@ -156,7 +154,7 @@ def judge_load(
     pooled: dict[str, dict[str, Any]] = {}
     for side, ok in ok_s.items():
         count = sum(w["count"] for w in windows if w["side"] == side)
-        pooled[side] = {"count": count, "ok": len(ok), "errors": count - len(ok), **quantiles(ok)}
+        pooled[side] = {"count": count, "ok": len(ok), "errors": count - len(ok), **kit.quantiles(ok)}
     shadow, none = pooled["shadow"], pooled["none"]
     shadowed = [w for w in windows if w["side"] == "shadow"]
     p50_ratio, p99_ratio = shadow["p50_ms"] / none["p50_ms"], shadow["p99_ms"] / none["p99_ms"]
@@ -199,7 +197,7 @@ def trial(args: argparse.Namespace, url: str, requests: list[Request], name: str
         if latest and (done(latest) or latest.get("state") != "running" or enough):
             break
         turned = requests[offset % len(requests) :] + requests[: offset % len(requests)]
-        records += open_loop(url, turned, args.detect_rate, 1.0, timeout_s=args.timeout_s)
+        records += kit.open_loop(url, turned, args.detect_rate, 1.0, timeout_s=args.timeout_s)
         offset += int(args.detect_rate)
         if time.perf_counter() - printed >= 2.0:
             printed = time.perf_counter()
@@ -207,10 +205,9 @@ def trial(args: argparse.Namespace, url: str, requests: list[Request], name: str
             print(
                 f"  {name}: {now['samples']} samples, agreement {now['agreement']} [{now['agreement_low']}, "
                 f"{now['agreement_high']}], verdict {now['verdict']}, state {now['state']}",
-                flush=True,
             )
     history = [compact(t, s) for t, s in polls.finish()]
-    figures = {"rate": args.detect_rate, "requests": latency(records), "history": history}
+    figures = {"rate": args.detect_rate, "requests": kit.latency(records), "history": history}
     return figures | {"final": polls.latest({}), "poll_failures": dict(polls.failures)}
 
 
@@ -299,9 +296,9 @@ def promotion(
 
         def tick(t: float) -> None:
             if round(t) % 5 == 0:
-                print(f"  promotion run: {t:.0f} s", flush=True)
+                print(f"  promotion run: {t:.0f} s")
 
-        records = open_loop(server.url, requests, rate, args.promote_s, timeout_s=args.timeout_s, on_tick=tick)
+        records = kit.open_loop(server.url, requests, rate, args.promote_s, timeout_s=args.timeout_s, on_tick=tick)
         timer.join()
         history = [compact(t, s) for t, s in polls.finish()]
         final = polls.latest({})
@@ -318,9 +315,9 @@ def promotion(
         "recorded": len(records),
         "failed": len(failed),
         "lost": sent - len(records),
-        "failures": dict(latency(failed)["outcomes"]),
-        "latency": latency(records),
-        "p99_ms_within_1s_of_promotion": ms(near, 0.99),
+        "failures": dict(kit.latency(failed)["outcomes"]),
+        "latency": kit.latency(records),
+        "p99_ms_within_1s_of_promotion": kit.ms(near, 0.99),
         "final_state": final.get("state"),
         "final_primary": final.get("primary"),
         "versions_after": versions,
