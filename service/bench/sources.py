@@ -77,6 +77,7 @@ FLAGS: list[Flag] = [
     ("--warmup-s", 30.0, "seconds the sources run before the measurement starts", POSITIVE),
     ("--window-s", 60.0, "seconds per age p99 window (the first and last are compared)", POSITIVE),
     ("--max-fps", 0.0, "each source's max_fps (0: every frame)"),
+    ("--track", False, "each source tracks its boxes and counts them in two zones (docs/tracking.md)"),
     ("--max-age-ms", None, "each source's max_age_ms (default: the server's)", float),
     ("--capacity-seconds", 5.0, "in-process pipeline: measuring seconds", POSITIVE),
     ("--min-share", 0.8, "throughput and fairness targets", SHARE),
@@ -334,6 +335,11 @@ def cameras_for(args: argparse.Namespace) -> RtspServer:
 def source_bodies(args: argparse.Namespace, cameras: RtspServer) -> list[dict[str, Any]]:
     same = {"model": args.model, "max_fps": args.max_fps}
     same |= {"max_age_ms": args.max_age_ms} if args.max_age_ms is not None else {}
+    w, h = args.width, args.height  # two zones, the frame's left and right halves
+    halves = [[[x, 0], [x + w / 2, 0], [x + w / 2, h], [x, h]] for x in (0, w / 2)]
+    same |= (
+        {"track": True, "zones": [{"id": f"z{i}", "polygon": p} for i, p in enumerate(halves)]} if args.track else {}
+    )
     shared = args.mounts == "shared"
     return [{"url": cameras.url(0 if shared else k), "id": f"cam{k:02d}", **same} for k in range(args.sources)]
 
