@@ -8,6 +8,7 @@ Heavy imports (httpx, numpy, matplotlib) wait until the command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -178,9 +179,7 @@ def _preflight(url: str, payload: Any) -> str | None:
         r = httpx.post(url + payload.path, content=payload.body, headers=payload.headers, timeout=60)
     except httpx.HTTPError as exc:
         return f"cannot reach {url}: {exc}"
-    if r.status_code != 200:
-        return f"{payload.path} answered {r.status_code}: {r.text[:300]}"
-    return None
+    return f"{payload.path} answered {r.status_code}: {r.text[:300]}" if r.status_code != 200 else None
 
 
 def run_loadtest(args: argparse.Namespace) -> int:
@@ -213,7 +212,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
     )  # fmt: skip
     mode = "open" if args.slo_p99_ms is not None else args.mode
     steps, slo = _run_steps(args, bodies, bounds, mode, err)
-    mismatched = _check_answers(steps, reference, args.min_match)
+    mismatched = _check_answers(steps, reference, args.min_match) if reference is not None else []
     report: dict[str, Any] = {
         "url": url, "model": ",".join(names), "mode": mode, "protocol": args.protocol, "task": task,
         "images_per_request": args.images_per_request, "processes": args.processes,
@@ -242,15 +241,13 @@ def run_loadtest(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_answers(steps: list[StepResult], reference: Reference | None, min_match: float | None) -> list[str]:
+def _check_answers(steps: list[StepResult], reference: Reference, min_match: float | None) -> list[str]:
     """Each step's kept answers checked against ``reference`` (into ``step.check``); the steps whose share of
     matching answers is under ``min_match``, or that had no answer to check, described."""
     from loadtest.answers import check
 
     failed = []
     for s in steps:
-        if reference is None:
-            continue
         result = check(s.answers, reference)
         s.check, s.answers = result.summary(), []
         if min_match is not None and (result.images == 0 or result.share < min_match):
@@ -369,33 +366,27 @@ def _run_steps(
     if sequence is not None:
         sequence.parent.mkdir(parents=True, exist_ok=True)
         sequence.write_text(names[0] + "\n")  # the preflight's request
-    with WorkerPool(args.processes, bodies) as pool:
-        if progress is not None:
-            progress.start()
-        try:
+    with WorkerPool(args.processes, bodies) as pool, progress if progress is not None else contextlib.nullcontext():
 
-            def step(spec: StepSpec) -> StepResult:
-                result = run_step(pool, spec, bounds, names[0], progress)
-                if sequence is not None:
-                    with sequence.open("a") as f:
-                        f.writelines(names[m] + "\n" for m in result.sequence)
-                    result.sequence = []  # written: not kept for the whole run
-                steps.append(result)
-                return result
+        def step(spec: StepSpec) -> StepResult:
+            result = run_step(pool, spec, bounds, names[0], progress)
+            if sequence is not None:
+                with sequence.open("a") as f:
+                    f.writelines(names[m] + "\n" for m in result.sequence)
+                result.sequence = []  # written: not kept for the whole run
+            steps.append(result)
+            return result
 
-            if args.slo_p99_ms is not None:
-                start = args.rate[0] if args.rate else 10.0
-                slo = search(lambda rate: step(StepSpec("open", rate=rate, arrival=args.arrival)), args.slo_p99_ms,
-                             start_rate=start, max_steps=args.slo_max_steps)  # fmt: skip
-            elif mode == "closed":
-                for c in args.concurrency:
-                    step(StepSpec("closed", concurrency=c))
-            else:
-                for rate in args.rate or (50.0, 100.0):
-                    step(StepSpec("open", rate=rate, arrival=args.arrival))
-        finally:
-            if progress is not None:
-                progress.stop()
+        if args.slo_p99_ms is not None:
+            start = args.rate[0] if args.rate else 10.0
+            slo = search(lambda rate: step(StepSpec("open", rate=rate, arrival=args.arrival)), args.slo_p99_ms,
+                         start_rate=start, max_steps=args.slo_max_steps)  # fmt: skip
+        elif mode == "closed":
+            for c in args.concurrency:
+                step(StepSpec("closed", concurrency=c))
+        else:
+            for rate in args.rate or (50.0, 100.0):
+                step(StepSpec("open", rate=rate, arrival=args.arrival))
     return steps, slo
 
 

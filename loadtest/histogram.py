@@ -34,9 +34,7 @@ class LatencyHistogram:
 
     @staticmethod
     def bucket(value_s: float) -> int:
-        if value_s <= LOWEST_S:
-            return 0
-        return min(BUCKETS - 1, int(math.log(value_s / LOWEST_S) / _LOG_GROWTH) + 1)
+        return 0 if value_s <= LOWEST_S else min(BUCKETS - 1, int(math.log(value_s / LOWEST_S) / _LOG_GROWTH) + 1)
 
     def record(self, value_s: float) -> None:
         self.counts[self.bucket(value_s)] += 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -23,12 +24,11 @@ class ConnectionFailed(Exception):
     """The connection was refused, reset or closed before a whole answer came back."""
 
 
+@dataclass(slots=True)
 class _Connection:
-    __slots__ = ("idle_since", "reader", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.idle_since = 0.0
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    idle_since: float = 0.0
 
     def close(self) -> None:
         self.writer.close()
@@ -119,8 +119,7 @@ class Http1Client:
             held.pop().close()
 
     async def aclose(self) -> None:
-        while self.idle:
-            self.idle.pop().close()
+        self._drop_held(self.idle)
 
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool, dict[str, str], bytes]:

@@ -108,8 +108,7 @@ def repository_names(url: str, admin_token: str | None, timeout_s: float = 30.0)
         hint = " (an admin route: pass the server's --admin-token)" if r.status_code in (401, 403) else ""
         raise ValueError(f"the repository index at {url} answered {r.status_code}{hint}: {r.text[:200]}")
     try:
-        rows = r.json()
-        return [str(row["name"]) for row in rows]
+        return [str(row["name"]) for row in r.json()]
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"the repository index at {url} is not a JSON list of {{'name': ...}}: {exc}") from exc
 
@@ -177,13 +176,10 @@ class ModelTally:
                     self.cold_start_ms.append(cold)
 
     def merge(self, other: ModelTally) -> None:
-        self.measured += other.measured
-        self.requests += other.requests
-        self.answered += other.answered
+        for name in ("measured", "requests", "answered", "cold_starts", "cold_start_ms"):  # counts, and a list
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.errors.update(other.errors)
         self.latency.merge(other.latency)
-        self.cold_starts += other.cold_starts
-        self.cold_start_ms += other.cold_start_ms
 
 
 def merged(tallies: Sequence[Sequence[ModelTally]], models: int) -> list[ModelTally]:

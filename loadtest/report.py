@@ -48,10 +48,7 @@ def table(steps: list[dict[str, Any]], title: str) -> Table:
     t = new_table(title, columns, ("step", "errors", "client"), caption)
     for s in steps:
         lat, srv = s["latency_ms"], s["server"]
-        split = "-"
-        if srv:
-            m = srv["mean_ms"]
-            split = f"{ms(m['queue'])}/{ms(m['preprocess'])}/{ms(m['compute'])}"
+        split = "/".join(ms(srv["mean_ms"][k]) for k in ("queue", "preprocess", "compute")) if srv else "-"
         client = "LIMITED: " + "; ".join(s["client_limited"]) if s["client_limited"] else "ok"
         if s["send_lag_ms"] and not s["client_limited"]:
             client += f" (lag p99 {ms(s['send_lag_ms']['p99'])} ms)"

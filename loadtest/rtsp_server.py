@@ -67,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     # in environments without it.
     import gi  # type: ignore[import-not-found]
 
-    gi.require_version("Gst", "1.0")
-    gi.require_version("GstRtsp", "1.0")
-    gi.require_version("GstRtspServer", "1.0")
+    for library in ("Gst", "GstRtsp", "GstRtspServer"):
+        gi.require_version(library, "1.0")
     from gi.repository import GLib, Gst, GstRtsp, GstRtspServer  # type: ignore[import-not-found]
 
     Gst.init(None)

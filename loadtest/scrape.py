@@ -27,9 +27,7 @@ def scrape(url: str, model: str | Sequence[str], timeout_s: float = 5.0) -> Samp
         r = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
     except httpx.HTTPError:
         return None
-    if r.status_code != 200:
-        return None
-    return parse(r.text, model) | batch_stats(url, model, timeout_s)
+    return parse(r.text, model) | batch_stats(url, model, timeout_s) if r.status_code == 200 else None
 
 
 def batch_stats(url: str, model: str | Sequence[str], timeout_s: float = 5.0) -> Sample:

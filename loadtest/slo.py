@@ -52,15 +52,14 @@ def search(
     result = SloSearch(target_p99_ms)
 
     def attempt(rate: float) -> bool:
-        step = run(rate)
-        result.steps.append(step)
-        ok = result.meets(step)
-        if not ok and step.client_limited and len(result.steps) < max_steps:
-            # The generator fell behind (a stalled client process on a shared machine): this says nothing about
-            # the server, so the rate is tried once more before it may bound the answer.
+        for _ in range(2):
             step = run(rate)
             result.steps.append(step)
             ok = result.meets(step)
+            # A failure where the generator fell behind (a stalled client process on a shared machine) says nothing
+            # about the server, so the rate is tried once more before it may bound the answer.
+            if ok or not step.client_limited or len(result.steps) >= max_steps:
+                break
         if ok and (result.passed is None or rate > result.passed.spec.rate):
             result.passed = step
         if not ok and (result.failed is None or rate < result.failed.spec.rate):
@@ -75,9 +74,7 @@ def search(
     while len(result.steps) < max_steps and result.failed is not None:
         low = result.passed.spec.rate if result.passed else 0.0
         high = result.failed.spec.rate
-        if low and (high - low) / low <= precision:
-            break
-        if not low and high <= start_rate * precision:
+        if ((high - low) / low <= precision) if low else (high <= start_rate * precision):
             break
         attempt(round((low + high) / 2, 1) if high - low > 2 else (low + high) / 2)
     return result

@@ -130,5 +130,4 @@ VisionServe = serve.deployment(
 
 def build_app(args: dict[str, Any]) -> Application:
     """The application ``serve run`` builds from serve.yaml's ``args`` (the fields of :class:`ReplicaOptions`)."""
-    options = msgspec.convert(args, ReplicaOptions)
-    return VisionServe.bind(msgspec.to_builtins(options))
+    return VisionServe.bind(msgspec.to_builtins(msgspec.convert(args, ReplicaOptions)))  # checked here, at build

@@ -91,6 +91,4 @@ class ServerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM (the server drains, then exits), SIGKILL past the drain bound; the exit status."""
-        if self.server is None:
-            return None
-        return stop(self.server, self.options.drain_timeout_s + 5.0)
+        return None if self.server is None else stop(self.server, self.options.drain_timeout_s + 5.0)

@@ -4,18 +4,6 @@ in-process ``bench``. Imports ``service.transport``, ``service.runtime`` and ``s
 
 from __future__ import annotations
 
-from service.core.metrics import BatchRecord
 from service.engine.batcher import Batcher, BatcherConfig, InferRequest, InferResult
-from service.engine.policy import AdaptivePolicy, BatchPolicy, CostModel, DelayPolicy
 
-__all__ = [
-    "AdaptivePolicy",
-    "BatchPolicy",
-    "BatchRecord",
-    "Batcher",
-    "BatcherConfig",
-    "CostModel",
-    "DelayPolicy",
-    "InferRequest",
-    "InferResult",
-]
+__all__ = ["Batcher", "BatcherConfig", "InferRequest", "InferResult"]

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -65,22 +66,22 @@ class Residency:
         self._active_loads = 0
         self._starts = 0  # loads started, ever: a load during which it moved overlapped another
         # Counted here and read at scrape time (a Prometheus call per request costs throughput: docs/performance.md).
-        self.hits: dict[str, int] = {}
-        self.misses: dict[str, int] = {}
-        self.loads: dict[tuple[str, str], int] = {}  # (model, reason) -> count
-        self.evictions: dict[tuple[str, str], int] = {}  # (model, reason: lru | unload) -> count
+        self.hits: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self.loads: Counter[tuple[str, str]] = Counter()  # (model, reason) -> count
+        self.evictions: Counter[tuple[str, str]] = Counter()  # (model, reason: lru | unload) -> count
         self._holds: dict[str, set[tuple[bytes, str]]] = {}  # model -> (front end's peer, holder) holding it
         self.live_peer: Callable[[bytes], bool] = lambda peer: True  # a front end's holds end with it
         self.cold_starts: list[tuple[str, float]] = []  # (model, seconds), folded into a histogram at scrape
 
     # ---- requests -------------------------------------------------------------------------------------------
     def hit(self, name: str) -> None:
-        self.hits[name] = self.hits.get(name, 0) + 1
+        self.hits[name] += 1
         self.accounts.touch(name)
 
     async def wait_for(self, name: str, deadline: float | None) -> float:
         """Make ``name`` resident (its load started, or joined); the seconds this request waited for it."""
-        self.misses[name] = self.misses.get(name, 0) + 1
+        self.misses[name] += 1
         started = time.monotonic()
         self._waiting[name] = self._waiting.get(name, 0) + 1
         try:
@@ -88,9 +89,7 @@ class Residency:
             if task is None:
                 task = self._loading[name] = asyncio.create_task(self._load(name, "on_demand"))
                 task.add_done_callback(self._loaded)
-            limit = self.cold_start_limit_s
-            if deadline is not None:
-                limit = min(limit, deadline - started)
+            limit = self.cold_start_limit_s if deadline is None else min(self.cold_start_limit_s, deadline - started)
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout=max(0.0, limit))
             except TimeoutError:
@@ -133,9 +132,7 @@ class Residency:
 
     def busy(self, name: str) -> bool:
         """Work queued, in flight, or waiting for its load, or held by a source: such a model is never evicted."""
-        if self._waiting.get(name) or name in self._loading or self.held(name):
-            return True
-        return self.table.busy(name)
+        return bool(self._waiting.get(name)) or name in self._loading or self.held(name) or self.table.busy(name)
 
     # ---- loading and evicting -------------------------------------------------------------------------------
     def offer(self, entry: ModelEntry) -> None:
@@ -242,7 +239,7 @@ class Residency:
         self.accounts.release(name)
         for key in [k for k in self.accounts.charges if isinstance(k, VersionKey) and k.name == name]:
             self.release_extra(key)
-        self.count_eviction(name, "unload")
+        self.evictions[(name, "unload")] += 1
 
     def loading(self) -> list[asyncio.Task[None]]:
         """The loads in progress."""
@@ -288,7 +285,7 @@ class Residency:
             self.accounts.sizes[name] = measured
         self.why_not.pop(name, None)
         self.table.changed()
-        self.loads[(name, reason)] = self.loads.get((name, reason), 0) + 1
+        self.loads[(name, reason)] += 1
         log.info("model %s resident on %s: %.1f MB%s", name, device, size / 1e6, " (estimated)" if overlapped else "")
 
     async def _make_room(self, key: str | VersionKey, device: str, need: int) -> None:
@@ -328,11 +325,8 @@ class Residency:
             for engine in engines.values():
                 await engine.close(self.drain_timeout_s)
             await asyncio.to_thread(give_back_memory)
-        self.count_eviction(name, reason)
+        self.evictions[(name, reason)] += 1
         log.info("model %s %s", name, why)
-
-    def count_eviction(self, name: str, reason: str) -> None:
-        self.evictions[(name, reason)] = self.evictions.get((name, reason), 0) + 1
 
     # ---- what it shows --------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

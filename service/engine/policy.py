@@ -86,9 +86,7 @@ class DelayPolicy:
 
     def wait_s(self, queued: int, oldest_wait_s: float) -> float:
         """Seconds left of the oldest image's delay (0 once a dispatching size is queued)."""
-        if self.full(queued):
-            return 0.0
-        return max(0.0, self.delay_s - oldest_wait_s)
+        return 0.0 if self.full(queued) else max(0.0, self.delay_s - oldest_wait_s)
 
     def batch_size(self, queued: int) -> int:
         """The maximum when that many are queued, else the largest preferred size that fits, else the maximum."""

@@ -20,11 +20,8 @@ UNLIMITED = 2**62
 
 def budget_for(budgets: dict[str, int], device: str) -> int:
     """The budget of ``device``: its own, else its kind's (``cuda``), else the one for all, else the default."""
-    kind = device.partition(":")[0]
-    for key in (device, kind, "*"):
-        if key in budgets:
-            return budgets[key]
-    return default_budget(device)
+    key = next((k for k in (device, device.partition(":")[0], "*") if k in budgets), None)
+    return budgets[key] if key is not None else default_budget(device)
 
 
 def default_budget(device: str) -> int:
@@ -106,8 +103,7 @@ class Accounts:
         return budget_for(self.budgets, device)
 
     def used(self, device: str) -> int:
-        held = [*self.charges.values(), *self.leaving]
-        return sum(c.bytes for c in held if c.device == device)
+        return sum(c.bytes for c in [*self.charges.values(), *self.leaving] if c.device == device)
 
     def charge(self, model: str | VersionKey, device: str, size: int, *, pinned: bool) -> None:
         now = time.monotonic()

@@ -40,28 +40,22 @@ log = logging.getLogger("visionserve.rollout")
 SHADOW_PRIORITY = 1 << 30  # after every live request of any priority
 
 
+@dataclasses.dataclass(eq=False)
 class Rollouts:
     """Every model's rollout on one engine, and the version that serves requests naming none. Handed the model
     ``table``, the memory accounts (``residency``), the ``repository`` (a candidate not loaded yet is read from it)
     and the loader of one version (``make_engine``)."""
 
-    def __init__(
-        self,
-        table: ModelTable,
-        residency: Residency,
-        repository: ModelRepository,
-        make_engine: Callable[[ModelEntry, int], Awaitable[ModelEngine]],
-        *,
-        drain_timeout_s: float = 30.0,
-    ) -> None:
-        self.table = table
-        self.residency = residency
-        self.repository = repository
-        self.make_engine = make_engine
-        self.drain_timeout_s = drain_timeout_s
-        self.by_model: dict[str, Rollout] = {}
-        self.serving: dict[str, int] = {}  # model -> the version requests without one get (where not the highest)
-        self._tasks: set[asyncio.Task[Any]] = set()
+    table: ModelTable
+    residency: Residency
+    repository: ModelRepository
+    make_engine: Callable[[ModelEntry, int], Awaitable[ModelEngine]]
+    _: dataclasses.KW_ONLY
+    drain_timeout_s: float = 30.0
+    by_model: dict[str, Rollout] = dataclasses.field(default_factory=dict, init=False)
+    # model -> the version requests without one get (where not the highest)
+    serving: dict[str, int] = dataclasses.field(default_factory=dict, init=False)
+    _tasks: set[asyncio.Task[Any]] = dataclasses.field(default_factory=set, init=False, repr=False)
 
     # ---- loading ----------------------------------------------------------------------------------------------
     def retired(self, entry: ModelEntry) -> set[int]:
@@ -163,8 +157,7 @@ class Rollouts:
         entry = dataclasses.replace(entry, config=self.table.configs[name].config)
 
         async def load() -> None:
-            engine = await self.make_engine(entry, number)
-            self.table.models.setdefault(name, {})[number] = engine
+            self.table.models.setdefault(name, {})[number] = await self.make_engine(entry, number)
 
         await self.residency.load_extra(VersionKey(name, number), entry, load)
 
@@ -316,9 +309,6 @@ class Rollouts:
             if ok:
                 comparison.record(comparison.rows(primary, ok), comparison.rows(candidate, ok), _per_image(primary),
                                   _per_image(candidate), (_size(primary), _size(candidate)))  # fmt: skip
-        self._judge(rollout)
-
-    def _judge(self, rollout: Rollout) -> None:
         rollout.verdict, rollout.verdict_reason = verdict(rollout.comparison, rollout.config)
         if rollout.config.auto and rollout.verdict != "wait" and rollout.running:
             self._spawn(self._close(*self._decide(rollout, rollout.verdict, f"automatic: {rollout.verdict_reason}")))
@@ -345,10 +335,6 @@ class Rollouts:
             if action in ("promote", "abort"):
                 return await self.decide(name, action, call.reason or f"{action} asked by request")
         raise BadInputError(f"unknown rollout action {action!r}: start, promote or abort")
-
-    def forget(self, name: str) -> None:
-        """``name`` was unloaded: its rollout goes with it."""
-        self.by_model.pop(name, None)
 
     def routes(self) -> dict[str, int]:
         """Per model, the version requests naming none are served by, where a rollout chose it."""

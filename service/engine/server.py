@@ -310,12 +310,23 @@ class EngineServer:
         if isinstance(call, CatalogQuery):
             return views.catalog(self.table, self.residency, self.rollouts)
         if isinstance(call, MetricsQuery):
-            return await self._metrics()
+            if self.metrics is None:
+                raise NotFoundError("metrics are off (--no-metrics)")
+            await self.endpoint.flush()
+            # Rendered off the event loop: with 40 models the text is ~4 MB and took 0.3-1.2 s, during which this
+            # engine answered nothing (a scrape every 0.5 s took another client's p99 from 26 to 200 ms). In a
+            # thread the loop still runs between the renderer's GIL slices. The recorders fold under their own locks.
+            return await asyncio.to_thread(self.metrics.render)
         if isinstance(call, StatsQuery):
             await self.endpoint.flush()
             return views.stats(self.table, list(self.endpoint.snapshots.values()))
         if isinstance(call, IndexQuery):
-            return views.index(await self._model_names(), self.table, self.residency)
+            try:
+                names = await asyncio.to_thread(self.repository.model_names)
+            except ConfigError as exc:
+                log.error("repository index: %s", exc)
+                names = []
+            return views.index(names, self.table, self.residency)
         if isinstance(call, LoadQuery):
             return await self._load_model(call.name, call.config)
         if isinstance(call, UnloadQuery):
@@ -325,22 +336,6 @@ class EngineServer:
         if isinstance(call, HoldQuery):
             return self.residency.hold(call.name, (peer, call.holder), call.hold)
         raise BadInputError(f"unknown query {type(call).__name__}")
-
-    async def _metrics(self) -> Any:
-        if self.metrics is None:
-            raise NotFoundError("metrics are off (--no-metrics)")
-        await self.endpoint.flush()
-        # Rendered off the event loop: with 40 models the text is ~4 MB and took 0.3-1.2 s, during which this
-        # engine answered nothing (a scrape every 0.5 s took another client's p99 from 26 to 200 ms). In a thread
-        # the loop still runs between the renderer's GIL slices. The recorders fold under their own locks.
-        return await asyncio.to_thread(self.metrics.render)
-
-    async def _model_names(self) -> list[str]:
-        try:
-            return await asyncio.to_thread(self.repository.model_names)
-        except ConfigError as exc:
-            log.error("repository index: %s", exc)
-            return []
 
     async def _load_model(self, name: str, override: Any) -> Any:
         async with self._lock:
@@ -372,7 +367,7 @@ class EngineServer:
                     raise NotFoundError(f"no model {name!r} in the repository")
                 return {"name": name, "state": "UNAVAILABLE"}  # unloading an unloaded model is not an error
             self.residency.unloaded(name)
-            self.rollouts.forget(name)
+            self.rollouts.by_model.pop(name, None)  # its rollout goes with it
             self.table.unloaded[name] = "unloaded by request"
             self.table.changed()
             for engine in old.values():

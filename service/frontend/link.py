@@ -7,17 +7,18 @@ can be stepped through in one process).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from service.transport.client import EngineClient
+from service.transport.client import ControlCalls, EngineClient
 from service.transport.messages import Answer, Catalog, Snapshot
 from service.transport.shm import Arena
 
 
-class EngineLink(Protocol):
-    """One engine, seen from a front end. All methods run on the front end's event loop."""
+class EngineLink(ControlCalls, Protocol):
+    """One engine, seen from a front end, with its control calls (:class:`ControlCalls`, one typed method per
+    query). All methods run on the front end's event loop."""
 
     up: bool  # connected, and has said what it serves
     catalog: Catalog | None  # what it serves (None until it has said)
@@ -42,23 +43,6 @@ class EngineLink(Protocol):
         guard_s: float,
         route: str | None = None,
     ) -> Answer: ...
-
-    # The control calls (``service.transport.client.ControlCalls``): one typed method per query.
-    async def metrics(self) -> bytes: ...
-
-    async def stats(self) -> list[dict[str, Any]]: ...
-
-    async def index(self) -> list[dict[str, Any]]: ...
-
-    async def load(self, name: str, config: Any = None) -> dict[str, Any]: ...
-
-    async def unload(self, name: str) -> dict[str, Any]: ...
-
-    async def rollout(
-        self, name: str, *, action: str | None = None, settings: Any = None, reason: str = ""
-    ) -> dict[str, Any] | None: ...
-
-    async def hold(self, name: str, holder: str, hold: bool = True) -> int: ...
 
     async def refresh(self) -> None: ...
 

@@ -40,6 +40,8 @@ EXTENSIONS = ["classification", "binary_tensor_data", "model_repository", "stati
 BASE64_MARK = ("content_type", "base64")
 _BASE64 = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
 _PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torchscript": "pytorch_libtorch", "aoti": "torch_aoti"}
+# The engine's state fields that model metadata lists as they are (its ``parameters``, in this order).
+_STATE_PARAMETERS = ("precision", "ungated", "fallbacks", "replaced", "residency", "resident", "resident_bytes")
 
 
 @dataclass
@@ -71,33 +73,22 @@ def platform(slot: ModelSlot) -> str:
 def metadata(server: ServerState, named: Named) -> dict[str, Any]:
     """Model metadata (the v2 JSON form): exactly one input, the one this name stands for, and the engine's state
     as scalar ``parameters``, as the v2 spec has them."""
-    slot, spec = named.slot, named.slot.spec
-    state = slot.engine
+    slot, state = named.slot, named.slot.engine
     if named.view == IMAGE:
         inputs = [{"name": IMAGE, "datatype": "BYTES", "shape": [-1]}]
     else:
         inputs = [{"name": TENSOR, "datatype": "UINT8", "shape": [-1, *_dims(slot)]}]
+    parameters: dict[str, Any] = {"state": state.state, "state_reason": state.note or "", "backend": state.backend}
+    parameters["devices"] = ",".join(state.devices)
+    parameters |= {k: getattr(state, k) for k in _STATE_PARAMETERS}
+    parameters |= {"why_not_resident": state.why_not_resident or "", "labels": len(slot.spec.labels)}
     return {
         "name": named.name,
         "versions": [str(v) for v in sorted(server.slots[slot.name])],
         "platform": platform(slot),
         "inputs": inputs,
         "outputs": [{"name": o.name, "datatype": o.datatype, "shape": [-1, *o.dims]} for o in slot.task.outputs()],
-        "parameters": {
-            "state": state.state,
-            "state_reason": state.note or "",
-            "backend": state.backend,
-            "devices": ",".join(state.devices),
-            "precision": state.precision,
-            "ungated": state.ungated,
-            "fallbacks": state.fallbacks,
-            "replaced": state.replaced,
-            "residency": state.residency,
-            "resident": state.resident,
-            "resident_bytes": state.resident_bytes,
-            "why_not_resident": state.why_not_resident or "",
-            "labels": len(spec.labels),
-        },
+        "parameters": parameters,
     }
 
 

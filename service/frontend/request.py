@@ -127,8 +127,7 @@ async def answer(
 ) -> T:
     """One request, parsed (``parse``: a refusal is recorded too) and answered (``encode``), recorded once."""
     with where.slot.observe(timing, protocol):
-        ask = await parse(where)
-        return await run(where, ask, timing, encode)
+        return await run(where, await parse(where), timing, encode)
 
 
 async def run(where: Target, ask: Ask, timing: Timing, encode: Callable[[Answer], T], observe: str | None = None) -> T:
@@ -149,10 +148,17 @@ async def run(where: Target, ask: Ask, timing: Timing, encode: Callable[[Answer]
         result = await _infer(slot, batch, ask, timing, where.route, observe)
         _row_errors(result, ask, errors, good)
     started = time.perf_counter()
+
+    def finish() -> tuple[list[int] | None, T]:
+        """The answer encoded, and its detections counted; the answer itself is let go here (off the loop, its
+        objects die in the worker thread)."""
+        done = postprocess(slot, ask, result, errors, good)
+        return done.detections, encode(done)
+
     if result is not None and sum(out.size for out in result.outputs.values()) > OFF_LOOP_VALUES:
-        detections, encoded = await asyncio.to_thread(_uncollected, _finish, slot, ask, result, errors, good, encode)
+        detections, encoded = await asyncio.to_thread(_uncollected, finish)
     else:
-        detections, encoded = _finish(slot, ask, result, errors, good, encode)
+        detections, encoded = finish()
     timing.detections = detections  # recorded with the request (ModelSlot.observe)
     timing.postprocess_s += time.perf_counter() - started
     return encoded
@@ -165,27 +171,13 @@ async def run(where: Target, ask: Ask, timing: Timing, encode: Callable[[Answer]
 OFF_LOOP_VALUES = 1 << 18
 
 
-def _finish(
-    slot: ModelSlot,
-    ask: Ask,
-    result: InferResult | None,
-    errors: list[VisionServeError | None],
-    good: list[int] | None,
-    encode: Callable[[Answer], T],
-) -> tuple[list[int] | None, T]:
-    """The answer encoded, and its detections counted; the answer itself is let go here (off the loop, its objects
-    die in the worker thread)."""
-    done = postprocess(slot, ask, result, errors, good)
-    return done.detections, encode(done)
-
-
 _COLLECTOR = threading.Lock()
 _uncollected_runs = 0
 _collector_was_on = True
 
 
-def _uncollected(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` with CPython's cyclic collector paused; reference counting still frees everything. A heavy
+def _uncollected(fn: Callable[[], T]) -> T:
+    """``fn()`` with CPython's cyclic collector paused; reference counting still frees everything. A heavy
     answer makes half a million short-lived objects that are in no cycle (a dict and a list a box); each full
     collection they set off walks every object of the process holding the GIL, and so the event loop, about 250 ms
     at a time (2-core VM). Counted, so overlapping runs turn it back on once, at the last one's end (and only if it
@@ -197,7 +189,7 @@ def _uncollected(fn: Callable[..., T], *args: Any) -> T:
             _collector_was_on = gc.isenabled()
             gc.disable()
     try:
-        return fn(*args)
+        return fn()
     finally:
         with _COLLECTOR:
             _uncollected_runs -= 1

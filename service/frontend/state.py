@@ -89,8 +89,8 @@ class ModelSlot:
             if server.requests_inflight == 0 and server.draining and server.idle is not None:
                 server.idle.set()
             recorders = self.answered_by(timing.version)._recorders
-            recorder = recorders[protocol] if recorders is not None else None
-            if recorder is not None:
+            if recorders is not None:
+                recorder = recorders[protocol]
                 done = outcome == "success"
                 end = time.perf_counter()
                 stages = timing.stages(end) if done else None
@@ -287,8 +287,7 @@ class ServerState:
             routes.update(catalog.routes)
             sticky.update(catalog.sticky_headers)
             load_errors.update(catalog.errors)
-            errors.update(catalog.errors)
-            errors.update(catalog.unloaded)
+            errors.update(catalog.errors | catalog.unloaded)
             for info in catalog.models:
                 key = (info.model, info.version)
                 spec = decode_spec(info.spec_json, source=f"{info.model} v{info.version}")
@@ -301,23 +300,17 @@ class ServerState:
                 old = self.slots.get(info.model, {}).get(info.version)
                 slot = ModelSlot(self, info, spec, pool) if old is None or _changed(old, info) else old
                 slots.setdefault(info.model, {})[info.version] = slot
-        self.slots = slots
-        self.routes, self.sticky_headers = routes, sticky
-        self.errors = errors
-        self.load_errors = load_errors
+        self.slots, self.routes, self.sticky_headers = slots, routes, sticky
+        self.errors, self.load_errors = errors, load_errors
         if self.linked and self._ready_event is not None:
             self._ready_event.set()
 
     def link_for(self, model: str) -> EngineLink:
         """The engine to send ``model``'s request to: the least busy (from here) of those serving it and up."""
-        best: EngineLink | None = None
-        for link in self.links:
-            serves = link.up and link.catalog is not None and any(m.model == model for m in link.catalog.models)
-            if serves and (best is None or link.inflight < best.inflight):
-                best = link
-        if best is None:
+        serving = [e for e in self.links if e.up and e.catalog and any(m.model == model for m in e.catalog.models)]
+        if not serving:
             raise OverloadedError(UNAVAILABLE)
-        return best
+        return min(serving, key=lambda link: link.inflight)
 
     def slot(self, name: str, version: int | str | None = None) -> ModelSlot:
         """The model version a request is for. Called as a request arrives: once draining, new work is refused

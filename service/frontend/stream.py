@@ -21,7 +21,7 @@ from service.core.errors import BadInputError, DeadlineExceededError, VisionServ
 from service.core.spec import ModelSpec
 from service.core.stream_metrics import FrameCounts
 from service.core.tasks import Want
-from service.frontend.request import Answer, Ask, Expired, Target, run
+from service.frontend.request import Ask, Expired, Target, run
 from service.frontend.state import ModelSlot
 from service.frontend.timing import Timing
 
@@ -154,12 +154,9 @@ class FrameStream:
             ask = Ask(want, pixels=pixels[np.newaxis], id=frame.id, each=True, transforms=[transform])
         ask.expires = frame.received + self.max_age_ms / 1000.0  # the queue's deadline: the frame's age
         try:
-            answer = await run(self.where, ask, timing, _itself, observe=self.protocol)
-        except Expired as exc:
-            self._answer(frame, "expired", stage=exc.stage)
-            return
-        except DeadlineExceededError:
-            self._answer(frame, "expired", stage="queue")
+            answer = await run(self.where, ask, timing, lambda done: done, observe=self.protocol)
+        except (Expired, DeadlineExceededError) as exc:  # aged past its deadline while decoded, or in the queue
+            self._answer(frame, "expired", stage=getattr(exc, "stage", "queue"))
             return
         except VisionServeError as exc:
             self._answer(frame, "error", error=str(exc))
@@ -168,12 +165,8 @@ class FrameStream:
         if error is not None:
             self._answer(frame, "error", error=str(error))
             return
-        timings = {
-            "wait": round(waited_ms, 3),
-            "decode": round(timing.preprocess_s * 1000.0, 3),
-            "queue": round(timing.queue_s * 1000.0, 3),
-            "compute": round(timing.compute_s * 1000.0, 3),
-        }
+        seconds = {"decode": timing.preprocess_s, "queue": timing.queue_s, "compute": timing.compute_s}
+        timings = {"wait": round(waited_ms, 3)} | {k: round(s * 1000.0, 3) for k, s in seconds.items()}
         if ask.want.outputs:
             held: dict[str, Any] = {"outputs": answer.tensors}
         else:
@@ -188,10 +181,6 @@ class FrameStream:
         if self.on_outcome is not None:
             self.on_outcome(outcome, age_ms / 1000.0)
         self.emit({"id": frame.id, "ts": frame.client_ts, "status": status, "age_ms": round(age_ms, 3), **fields})
-
-
-def _itself(answer: Answer) -> Answer:
-    return answer
 
 
 def stream_max_age(value: Any) -> float:

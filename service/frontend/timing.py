@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -53,13 +54,7 @@ class Timing:
         # gives a zero stage rather than a negative one, and the sum still ends where it should.
         points = [self.arrived, read, decode_start, decode_end, self.sent, e.received,
                   max(e.instance, e.received), e.batch, e.done, self.answered, end]  # fmt: skip
-        out: list[float] = []
-        last = points[0]
-        for point in points[1:]:
-            point = max(point, last)
-            out.append(point - last)
-            last = point
-        return tuple(out)
+        return tuple(b - a for a, b in itertools.pairwise(itertools.accumulate(points, max)))
 
     def header(self, total_s: float | None = None) -> str:
         stages = self.stages(self.arrived + total_s) if total_s is not None else None

@@ -15,8 +15,9 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -63,10 +64,11 @@ SILENCE_S = 3.0  # no word from the engine for this long: treat it as down
 UNAVAILABLE = "the inference engine is not available (restarting or not started yet); try again shortly"
 
 
-class ControlCalls:
+class ControlCalls(Protocol):
     """An engine link's control calls, one typed method each (as vLLM's engine client has), every one a
     :data:`~service.transport.messages.ControlQuery` sent through the link's own :meth:`call`. Both sides of the
-    link (shared memory here, in process in ``service.inprocess``) inherit them."""
+    link (shared memory here, in process in ``service.inprocess``) inherit them, and the front end's
+    ``EngineLink`` protocol extends this one."""
 
     async def call(self, query: ControlQuery, timeout_s: float = 30.0) -> Any:
         raise NotImplementedError
@@ -113,33 +115,26 @@ class _Waiting(msgspec.Struct):
     answered: float = 0.0  # time.perf_counter() when the answer was read off the socket
 
 
+@dataclass(eq=False)
 class EngineClient(ControlCalls):
     """Talks to one engine process. All methods run on the front end's event loop."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        arena: Arena,
-        frontend: str,
-        *,
-        snapshot: Callable[[int], Snapshot],
-        on_change: Callable[[], None],
-    ) -> None:
-        self.endpoint = endpoint
-        self.arena = arena
-        self.frontend = frontend
-        self._snapshot = snapshot
-        self._on_change = on_change
-        self.catalog: Catalog | None = None
-        self.up = False
-        self.frontends = 0  # how many front ends have reached this engine (the server is ready once all have)
-        self.engine_pid = 0
-        self._ids = itertools.count(1)
-        self._waiting: dict[int, _Waiting] = {}
-        self._queries: dict[int, asyncio.Future[Reply]] = {}
-        self._last_heard = 0.0
-        self._catalog_version = -1
-        self._closed = False
+    endpoint: str
+    arena: Arena
+    frontend: str
+    _: KW_ONLY
+    snapshot: Callable[[int], Snapshot]  # this front end's Snapshot, for a Flush
+    on_change: Callable[[], None]  # told when the catalog, readiness or the count of front ends changes
+    catalog: Catalog | None = field(default=None, init=False)
+    up: bool = field(default=False, init=False)
+    frontends: int = field(default=0, init=False)  # how many front ends have reached this engine (ready once all)
+    engine_pid: int = field(default=0, init=False)
+    _ids: Iterator[int] = field(default_factory=lambda: itertools.count(1), init=False, repr=False)
+    _waiting: dict[int, _Waiting] = field(default_factory=dict, init=False, repr=False)
+    _queries: dict[int, asyncio.Future[Reply]] = field(default_factory=dict, init=False, repr=False)
+    _last_heard: float = field(default=0.0, init=False, repr=False)
+    _catalog_version: int = field(default=-1, init=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -293,17 +288,17 @@ class EngineClient(ControlCalls):
             if query is not None and not query.done():
                 query.set_result(message)
         elif isinstance(message, Flush):
-            self._send(ENCODER.encode(self._snapshot(message.token)))
+            self._send(ENCODER.encode(self.snapshot(message.token)))
         elif isinstance(message, Beat):
             if message.frontends != self.frontends:
                 self.frontends = message.frontends
-                self._on_change()
+                self.on_change()
             if message.catalog_version != self._catalog_version and self.catalog is not None:
                 self._catalog_version = message.catalog_version
                 self._loop.create_task(self.refresh())
             elif not self.up and self.catalog is not None:
                 self.up = True  # silence ended (a stopped engine resumed)
-                self._on_change()
+                self.on_change()
         elif isinstance(message, Welcome):
             self.engine_pid = message.pid
             self._loop.create_task(self.refresh(welcome=True))
@@ -320,7 +315,7 @@ class EngineClient(ControlCalls):
         if welcome or not self.up:
             self.up = True
             log.info("engine %s at %s is up: %d model versions", self.engine_pid, self.endpoint, len(catalog.models))
-        self._on_change()
+        self.on_change()
 
     def _drain_monitor(self) -> None:
         while not self._closed:
@@ -354,7 +349,7 @@ class EngineClient(ControlCalls):
                 query.set_result(Reply(0, error=_unavailable(why)))
         if was_up and not self._closed:
             log.error("engine at %s is down: %s; %d requests answered 503", self.endpoint, why, len(waiting))
-            self._on_change()
+            self.on_change()
 
 
 def _expire(future: asyncio.Future[Result | Failed], guard_s: float) -> None:

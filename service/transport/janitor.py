@@ -17,8 +17,7 @@ from service.transport.shm import PREFIX
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    pid = int(args[0])
+    pid = int((sys.argv[1:] if argv is None else argv)[0])
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:

@@ -105,8 +105,7 @@ _LINE = re.compile(r"^(?P<key>[a-z_]+)(?P<eq>\s*=\s*)(?P<value>\S.*?)(?P<comment
 def config_text(config: ModelConfig, header: str = "") -> str:
     """``config`` as a complete, commented ``config.toml`` (export's file with each value replaced)."""
     values = msgspec.to_builtins(config)
-    faults = values.pop("faults")
-    rollout = values.pop("rollout")
+    tables = {name: values.pop(name) for name in ("faults", "rollout")}  # the [faults] and [rollout] sections
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for line in default_config_text(config.max_batch_size).splitlines():
         match = _LINE.match(line)
@@ -115,10 +114,10 @@ def config_text(config: ModelConfig, header: str = "") -> str:
             line = f"{new:<29} {match['comment'].lstrip()}" if match["comment"] else new
         lines.append(line)
     lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]  # settings export's file does not name
-    if faults != msgspec.to_builtins(ModelConfig().faults):
-        lines += ["", "[faults]", *(f"{k} = {toml_value(v)}" for k, v in faults.items())]
-    if rollout != msgspec.to_builtins(ModelConfig().rollout):
-        lines += ["", "[rollout]", *(f"{k} = {toml_value(v)}" for k, v in rollout.items())]
+    defaults = msgspec.to_builtins(ModelConfig())
+    for name, table in tables.items():
+        if table != defaults[name]:
+            lines += ["", f"[{name}]", *(f"{k} = {toml_value(v)}" for k, v in table.items())]
     text = "\n".join(lines) + "\n"
     if parse_config(tomllib.loads(text), source="tuned config.toml") != config:  # never write what would not load
         raise ValueError("the tuned config.toml does not read back as the configuration it was made from")

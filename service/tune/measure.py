@@ -71,8 +71,7 @@ def cpu_cores() -> int:
 
 def runtime_variants(version: ModelVersion, device: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """(backend, precision) pairs with an artifact for ``device``, and why the others are left out."""
-    cuda = device.startswith("cuda")
-    precisions = ("fp32", "fp16", "bf16", "int8") if cuda else ("fp32", "int8")
+    precisions = ("fp32", "fp16", "bf16", "int8") if device.startswith("cuda") else ("fp32", "int8")
     found: list[tuple[str, str]] = []
     skipped: dict[str, str] = {}
     for backend in BACKENDS:

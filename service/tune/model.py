@@ -132,8 +132,7 @@ class Simulator:
             self._units = _unit_arrivals(self.seed, need * (replica + 2) * 2)
         start = need * replica
         units = self._units[start : start + need] - (self._units[start - 1] if start else 0.0)
-        times = units[units <= horizon] * (1000.0 / rate)
-        return [float(t) for t in times]
+        return [float(t) for t in units[units <= horizon] * (1000.0 / rate)]
 
     def step(self, rate: float) -> StepOutcome:
         w = self.workload

@@ -108,15 +108,12 @@ def _step(step: dict[str, Any]) -> str:
 
 def verified_rows(report: dict[str, Any]) -> list[list[str]]:
     """One row per verified candidate: label, role, predicted, measured, p99 there, error, wall time."""
-    winner = (report["winner"] or {}).get("label")
-    roles = {(report["current"] or {}).get("label"): "current", (report["default"] or {}).get("label"): "default"}
+    winner, current, default = ((report[k] or {}).get("label") for k in ("winner", "current", "default"))
+    roles = {current: "current", default: "default"} if current != default else {current: "current = default"}
     rows = []
     for v in report["verified"]:
-        role = ", ".join(r for r in ("winner" if v["label"] == winner else "", roles.get(v["label"], "")) if r)
-        if v["label"] == (report["current"] or {}).get("label") == (report["default"] or {}).get("label"):
-            role = ", ".join(r for r in ("winner" if v["label"] == winner else "", "current = default") if r)
-        if v.get("calibrates"):
-            role = ", ".join(r for r in (role, "calibrates the rest") if r)
+        said = ["winner" if v["label"] == winner else "", roles.get(v["label"], "")]
+        role = ", ".join(r for r in [*said, "calibrates the rest" if v.get("calibrates") else ""] if r)
         measured = _f(v["measured_rate"]) if v["measured_rate"] else ("failed: " + v["error"] if v["error"] else "none")
         rows.append([v["label"], role, _f(v["predicted_rate"]), measured, _f(v["measured_p99_ms"]),
                      _pct(v["prediction_error"]), _f(v["wall_s"], 0, " s")])  # fmt: skip

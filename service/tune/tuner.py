@@ -1,10 +1,6 @@
-"""``visionserve tune`` from start to end: measure, predict and rank, verify the best few for real, decide.
-
-The budget is split as the work needs it: about a fifth to measuring, a little to predicting, the rest to
-verification, where each candidate costs a server start and the steps of a search; the steps are scaled so the
-planned candidates fit, and verification stops when the next candidate would overrun. The repository's current
-config and export's default are always verified beside the best predicted, so the answer is held against both.
-Everything is kept in a :class:`TuneRun` as it happens, so an interruption (Ctrl-C) still leaves a report.
+"""``visionserve tune`` from start to end (README, "Tuning"): measure (about a fifth of the budget), predict and rank
+(a little), verify the best few, the current config and export's default for real (the rest, each a server start and
+the steps of a search, scaled to fit), decide. Kept in a :class:`TuneRun` as it happens, so Ctrl-C leaves a report.
 """
 
 from __future__ import annotations
@@ -214,8 +210,7 @@ def _verify_phase(
     remaining = options.budget_s - run.elapsed() - RESERVE_S
     plan, fits = _plan_steps(0.9 * remaining - 2.0, len(todo), options.server_start_s)
     run.plan = plan
-    for c, _ in todo[fits:]:
-        run.skipped.append(f"{c.label}: not verified, the budget fits {fits} of {len(todo)}")
+    run.skipped += [f"{c.label}: not verified, the budget fits {fits} of {len(todo)}" for c, _ in todo[fits:]]
     # Predicted again for the steps as they will run (the ranking assumed the default step): a short step lets a
     # rate just past capacity pass before its queue has grown, and the prediction should know it.
     shaped = _shaped(predictor, workload, plan)
