@@ -94,15 +94,15 @@ class ByteTrack:
         stages = ((high, s.matching_iou, "box"), (low, max(s.matching_iou, 0.5), "box"),
                   (np.concatenate([high, low]), s.matching_iou, "observed"))  # fmt: skip
         for group, least, at in stages:
-            group = np.array([i for i in group.tolist() if i not in {b for _, b in matched}], dtype=np.int64)
-            left = [k for k, f in zip(self.tracks, free.tolist(), strict=True) if f]
-            iou = iou_matrix(np.array([getattr(k, at) for k in left]).reshape(-1, 4), boxes[group])
+            used = {b for _, b in matched}
+            group = np.array([i for i in group.tolist() if i not in used], dtype=np.int64)
+            left = np.flatnonzero(free)
+            iou = iou_matrix(np.array([getattr(self.tracks[k], at) for k in left]).reshape(-1, 4), boxes[group])
             if at == "observed":
-                iou *= np.array([k.label for k in left])[:, None] == labels[group]
+                iou *= np.array([self.tracks[k].label for k in left])[:, None] == labels[group]
             for track, box in _greedy(iou, least):
-                matched.append((int(np.flatnonzero(free)[track]), int(group[box])))
-            for track, _ in matched:
-                free[track] = False
+                matched.append((int(left[track]), int(group[box])))
+                free[left[track]] = False
         for track, box in matched:
             k = self.tracks[track]
             residual = boxes[box] - k.box
