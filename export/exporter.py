@@ -15,7 +15,6 @@ quantized there too and gated (:mod:`export.quantize`).
 from __future__ import annotations
 
 import math
-import platform
 import shutil
 import statistics
 import tempfile
@@ -45,6 +44,7 @@ from export.detect_parity import DetectParityResult, check_parity, drop_refused,
 from export.int8_gate import MIN_BOX_MAP, NO_INT8_DATA, Int8Verdict
 from export.parity import FP16, FP32, ParityResult, eager_outputs, exact_fp32, parity_batches
 from export.quantize import INT8_FILE, MIN_SPEEDUP, Int8Data, Int8Options, quantize_model
+from models.records import library_versions
 from service.core.config import CONFIG_FILE, default_config_text, load_config
 from service.core.errors import ConfigError, VisionServeError
 from service.core.repository import FP16_FILES, MODEL_FILES, ModelRepository
@@ -154,15 +154,8 @@ def measure_latency(runtime: Runtime, spec: ModelSpec, sizes: list[int], repeats
 def _versions() -> dict[str, str]:
     import onnx
     import onnxruntime
-    import torchvision
 
-    return {
-        "torch": str(torch.__version__),
-        "torchvision": str(torchvision.__version__),
-        "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "python": platform.python_version(),
-    }
+    return {**library_versions(), "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
 
 
 @dataclass(frozen=True)
@@ -210,10 +203,8 @@ def _aoti_candidates(
     for device in devices:
 
         def produce(path: Path, m: nn.Module = module, d: str = device) -> None:
-            if d == "cuda":
-                missing = cuda_toolkit_missing()
-                if missing:
-                    raise ConfigError(missing)
+            if d == "cuda" and (missing := cuda_toolkit_missing()):
+                raise ConfigError(missing)
             to_aoti(m, example_input(*shape), path, device=d)
 
         out.append(Candidate("aoti" if device == "cpu" else "aoti-cuda", precision, produce, device=device))

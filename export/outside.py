@@ -31,10 +31,10 @@ from export.exporter import (
     ExportRequest,
     Int8Source,
     Progress,
-    export_model,
+    export_source,
     publish,
 )
-from export.sources import calibration_images
+from export.sources import Source, calibration_images
 from models.checkpoint import file_sha256
 from models.normalize import Uint8Classifier
 from service.core.errors import ConfigError
@@ -337,13 +337,5 @@ def place_outside_model(
     except Exception as exc:
         raise ConfigError(f"{src} does not run on a batch of the described input: {exc}") from exc
     _check_width(first, labels, src)
-    return export_model(
-        eager,
-        spec,
-        request,
-        real_images=images,
-        real_source=real_source,
-        source_sha256=sha,
-        progress=progress,
-        int8_data=int8_data,
-    )
+    source = Source(eager, spec, sha, images, real_source)
+    return export_source(source, request, progress=progress, int8_data=int8_data)

@@ -153,15 +153,14 @@ def _epoch(run: _Run, epoch: int, progress: DetectProgress) -> DetectionEpoch:
     started, generate = time.perf_counter(), 0.0
     sums = np.zeros(5)
     pool = digit_pool("train")
-    segments = isinstance(run.network, DigitSeg)
     run.network.train()
     progress.start_epoch(epoch, run.steps_per_epoch)
     for done in range(1, run.steps_per_epoch + 1):
         t0 = time.perf_counter()
         canvases = make_canvases(run.params, run.config.batch_size, pool=pool, seed=(run.params.seed, run.step),
-                                 masks=segments)  # fmt: skip
+                                 masks=run.segments)  # fmt: skip
         targets = make_targets(canvases, run.network.num_classes, run.device)
-        masks = mask_targets(canvases, run.device) if segments else None
+        masks = mask_targets(canvases, run.device) if run.segments else None
         generate += time.perf_counter() - t0
         heads: tuple[torch.Tensor, ...] = run.network.heads(run.normalize(to_input(canvases.images, run.device)))
         focal, size_l1, off_l1 = losses(heads, targets)
@@ -181,7 +180,7 @@ def _epoch(run: _Run, epoch: int, progress: DetectProgress) -> DetectionEpoch:
     mean = (sums / run.steps_per_epoch).tolist()
     return DetectionEpoch(
         epoch=epoch, steps=run.steps_per_epoch, loss=mean[0], heatmap_loss=mean[1], size_loss=mean[2],
-        offset_loss=mean[3], mask_loss=mean[4] if segments else None, duration_s=duration, generate_s=generate,
+        offset_loss=mean[3], mask_loss=mean[4] if run.segments else None, duration_s=duration, generate_s=generate,
         canvases_per_s=run.steps_per_epoch * run.config.batch_size / duration,
     )  # fmt: skip
 
@@ -203,10 +202,8 @@ def evaluate(
 
 def _check(config: TrainConfig) -> None:
     layout = get_architecture(config.arch).spec.output_layout
-    if layout not in (
-        "candidates",
-        "yolo-seg",
-    ):  # torchvision's detectors (models/tv_detectors.py): suppressed rows, another loss
+    # torchvision's detectors (models/tv_detectors.py): suppressed rows, another loss
+    if layout not in ("candidates", "yolo-seg"):
         raise ConfigError(
             f"--arch {config.arch} is a detector this loop does not train (output_layout {layout}): train digitdet "
             "here, or train it elsewhere and export it with --weights W.pt (its torchvision state dict)"

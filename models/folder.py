@@ -44,6 +44,15 @@ class Split:
     paths: list[str]
     targets: np.ndarray  # int64
 
+    @classmethod
+    def of(cls, files: dict[str, list[str]], labels: tuple[str, ...]) -> Split:
+        """Each label's files, in label order, targeted with the label's index."""
+        paths = [p for name in labels for p in files.get(name, [])]
+        return cls(paths, np.array([i for i, n in enumerate(labels) for _ in files.get(n, [])], dtype=np.int64))
+
+    def take(self, index: Any) -> Split:
+        return Split([self.paths[i] for i in index], self.targets[index])
+
 
 @dataclass(frozen=True)
 class FolderIndex:
@@ -65,26 +74,12 @@ def scan_folder(root: str | Path) -> FolderIndex:
         if stray:
             raise DatasetError(f"{val_dir} has classes that {root / 'train'} lacks: {', '.join(stray)}")
         labels = tuple(train)
-        pick = {name: i for i, name in enumerate(labels)}
-
-        def split(files: dict[str, list[str]]) -> Split:
-            paths = [p for name in labels for p in files.get(name, [])]
-            targets = np.array([pick[n] for n in labels for _ in files.get(n, [])], dtype=np.int64)
-            return Split(paths, targets)
-
-        return FolderIndex(root, labels, split(train), split(val), "train/val folders")
+        return FolderIndex(root, labels, Split.of(train, labels), Split.of(val, labels), "train/val folders")
     files = class_files(root, required=True)
     labels = tuple(files)
-    paths = [p for name in labels for p in files[name]]
-    targets = np.array([i for i, name in enumerate(labels) for _ in files[name]], dtype=np.int64)
-    train_idx, val_idx = stratified_split(targets, len(labels))
-    return FolderIndex(
-        root,
-        labels,
-        Split([paths[i] for i in train_idx], targets[train_idx]),
-        Split([paths[i] for i in val_idx], targets[val_idx]),
-        "stratified split",
-    )
+    whole = Split.of(files, labels)
+    train_idx, val_idx = stratified_split(whole.targets, len(labels))
+    return FolderIndex(root, labels, whole.take(train_idx), whole.take(val_idx), "stratified split")
 
 
 class FolderImages(Dataset[tuple[torch.Tensor | None, int, str, str]]):
@@ -208,9 +203,8 @@ class StreamFeed:
     def readable_sizes(self, skipped: dict[str, str]) -> tuple[int, int]:
         """(train, val) images less the files found unreadable so far in each split (streamed files are only
         found unreadable when read: an unreadable file was counted as a training or validation image)."""
-        return self.train_size - len(self.train_paths & skipped.keys()), self.val_size - len(
-            self.val_paths & skipped.keys()
-        )
+        bad = skipped.keys()
+        return self.train_size - len(self.train_paths & bad), self.val_size - len(self.val_paths & bad)
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -282,6 +276,5 @@ def validation_sample(root: str | Path, spec: ModelSpec, limit: int = 512) -> np
     if not split.paths:
         return None
     chosen = np.unique(np.linspace(0, len(split.paths) - 1, min(limit, len(split.paths))).round().astype(int))
-    sample = Split([split.paths[i] for i in chosen], split.targets[chosen])
-    images, _, _ = decode_all(sample, spec, workers=0)
+    images, _, _ = decode_all(split.take(chosen), spec, workers=0)
     return images.numpy() if len(images) else None

@@ -24,6 +24,26 @@ PROTO_STRIDE = 4  # the prototypes' cell, in input pixels
 MASK_SIZE = 800  # torchvision's min_size
 
 
+def torchvision_spec(name: str, **changes: Any) -> ModelSpec:
+    """The spec of torchvision's default weights for ``name``, read from their metadata (no download): its input the
+    transform's crop (a classifier's), else its resize."""
+    weights = tvm.get_model_weights(name).DEFAULT
+    transform = weights.transforms()
+    resize = int(transform.resize_size[0])
+    side = int(getattr(transform, "crop_size", [resize])[0])
+    return ModelSpec(
+        name=name,
+        architecture=name,
+        input=InputSpec(channels=3, height=side, width=side),
+        resize_size=resize,
+        interpolation=transform.interpolation.value,
+        mean=tuple(float(m) for m in transform.mean),
+        std=tuple(float(s) for s in transform.std),
+        labels=tuple(weights.meta["categories"]),
+        **changes,
+    )
+
+
 class MaskRows(DetectionRows):
     """Mask R-CNN's scriptable core: float images ``[N, 3, H, W]`` in 0..1 -> the ``yolo-seg`` head and prototypes
     (see the module). torchvision's own steps, but each 28 x 28 mask is sampled at the prototypes' cell centres,
@@ -77,15 +97,8 @@ class SemanticLogits(nn.Module):
 def _register_semantic(name: str, description: str, **kwargs: Any) -> None:
     """LR-ASPP or DeepLabV3, no weights (batch-norm statistics from noise through its front), its spec from
     torchvision's VOC weights' metadata (no download)."""
-    weights = tvm.get_model_weights(name).DEFAULT
-    transform = weights.transforms()
-    size = int(transform.resize_size[0])
-    spec = ModelSpec(
-        name=name, architecture=name, input=InputSpec(channels=3, height=size, width=size), resize_size=size,
-        interpolation=transform.interpolation.value, mean=tuple(float(m) for m in transform.mean),
-        std=tuple(float(s) for s in transform.std), labels=tuple(weights.meta["categories"]), task="semantic",
-        resize="letterbox", pad_value=0,  # torchvision's training pads its crops with black
-    )  # fmt: skip
+    # torchvision's training pads its crops with black
+    spec = torchvision_spec(name, task="semantic", resize="letterbox", pad_value=0)
 
     def builder(*, num_classes: int = 21) -> nn.Module:
         factory = tvm.get_model_builder(name)

@@ -13,10 +13,10 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
-from models import tv_segmenters as _tv_segmenters  # noqa: F401  (registers torchvision's segmenters)
 from models.detector import DigitDet
 from models.registry import get_architecture, register
 from models.segmenter import DigitSeg
+from models.tv_segmenters import torchvision_spec  # (importing it registers torchvision's segmenters)
 from service.core.spec import InputSpec, ModelSpec
 
 DIGIT_LABELS = tuple(str(d) for d in range(10))
@@ -108,29 +108,12 @@ def digitseg(*, num_classes: int = 10) -> nn.Module:
     return DigitSeg(num_classes=num_classes)
 
 
-def _torchvision_spec(name: str) -> ModelSpec:
-    """The spec of torchvision's default ImageNet weights for ``name``, read from its metadata (no download)."""
-    weights = tvm.get_model_weights(name).DEFAULT
-    transform = weights.transforms()
-    crop = int(transform.crop_size[0])
-    return ModelSpec(
-        name=name,
-        architecture=name,
-        input=InputSpec(channels=3, height=crop, width=crop),
-        resize_size=int(transform.resize_size[0]),
-        interpolation=transform.interpolation.value,
-        mean=tuple(float(m) for m in transform.mean),
-        std=tuple(float(s) for s in transform.std),
-        labels=tuple(weights.meta["categories"]),
-    )
-
-
 def _register_torchvision(name: str, factory: Callable[..., nn.Module], description: str) -> None:
     def builder(*, num_classes: int = 1000) -> nn.Module:
         return factory(weights=None, num_classes=num_classes)
 
     builder.__name__ = name
-    register(name, spec=_torchvision_spec(name), description=description)(builder)
+    register(name, spec=torchvision_spec(name), description=description)(builder)
 
 
 _register_torchvision("resnet18", tvm.resnet18, "torchvision ResNet-18")
