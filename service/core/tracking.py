@@ -420,5 +420,19 @@ class Tracking:
         """:meth:`step` on an answer's boxes (its ``field``), in its image's width and height."""
         return self.step(answer.get(field or "") or [], how, (answer["width"], answer["height"]), t)
 
+    def tensors(self, outputs: list[Any], t: float) -> None:
+        """A v2 answer of one frame: its ``DETECTIONS`` ``[1, K, 6]`` (the first ``NUM_DETECTIONS``) tracked, and
+        ``TRACK_IDS`` ``[1, K]`` INT32 added (-1: no track, or a padding row). A gRPC stream's answer."""
+        from service.core.tasks.base import OutputTensor
+
+        named = {o.name: o for o in outputs}
+        if "DETECTIONS" not in named:
+            return
+        rows = np.asarray(named["DETECTIONS"].array)[0]
+        count = int(np.asarray(named["NUM_DETECTIONS"].array)[0]) if "NUM_DETECTIONS" in named else len(rows)
+        ids = np.full((1, len(rows)), -1, dtype=np.int32)
+        ids[0, :count] = self.tracker.update(rows[:count, :4], rows[:count, 4], rows[:count, 5], t)
+        outputs.append(OutputTensor("TRACK_IDS", "INT32", [1, len(rows)], ids))
+
     def counts(self) -> dict[str, Any]:
         return self.counter.counts(self.last_t)

@@ -106,7 +106,10 @@ class StreamSession(Outbox[M]):
         if self.tracking is not None and self.stream is not None and answer.get("status") == "result":
             t = answer["ts"] if isinstance(answer["ts"], int | float) else time.perf_counter()
             how = self.stream.want.options or self.stream.slot.task.default
-            events = self.tracking.answered(answer, self.stream.slot.task.boxes_field, how, float(t))
+            if "outputs" in answer:  # v2 tensors (gRPC): TRACK_IDS beside DETECTIONS
+                self.tracking.tensors(answer["outputs"], float(t))
+            else:
+                events = self.tracking.answered(answer, self.stream.slot.task.boxes_field, how, float(t))
         for message in (answer, *events):
             if self.cut_off is None:
                 self.put(self.encode(message))

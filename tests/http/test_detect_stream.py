@@ -208,5 +208,28 @@ def test_a_websocket_stream_that_asks_to_track_gives_each_box_its_track_across_f
 
     answers = asyncio.run(run())
     ids = [[d["track_id"] for d in a["detections"]] for a in answers]
-    assert all(isinstance(i, int) for i in ids[0]) and len(set(ids[0])) == len(ids[0]), ids
+    tracked = [i for i in ids[0] if i is not None]  # the box answered again as "zero" is the same object: no track
+    assert len(tracked) == 2 and len(set(tracked)) == 2 and ids[0][1] is None, ids
     assert ids[1] == ids[2] == ids[0], ids  # the same boxes, the same tracks
+
+
+def test_a_grpc_stream_that_asks_to_track_answers_track_ids_beside_its_detections(served: RunningServer) -> None:
+    calls = Callbacks()
+    client = tgrpc.InferenceServerClient(served.grpc_target)
+    client.start_stream(calls)
+    try:
+        for i in range(3):  # the first frame's parameters open the stream: track with them
+            client.async_stream_infer("bright", [images_input([FRAME])], request_id=str(i),
+                                      parameters={"max_age_ms": 10_000, "track": True})  # fmt: skip
+            calls.wait(i + 1)
+    finally:
+        client.stop_stream()
+        client.close()
+    ids = []
+    for result, error in calls.got:
+        assert error is None, error.message()
+        n = int(result.as_numpy("NUM_DETECTIONS")[0])
+        track = result.as_numpy("TRACK_IDS")
+        assert track.shape == result.as_numpy("DETECTIONS").shape[:2] and (track[0, n:] == -1).all(), track
+        ids.append(track[0, :n].tolist())
+    assert ids[0][0] > 0 and ids[0][1] == -1 and ids[1] == ids[2] == ids[0], ids  # as the WebSocket's
