@@ -93,3 +93,27 @@ def test_a_nan_or_a_huge_number_in_a_line_is_a_400(served: RunningServer, media:
                f'"lines": [{{"id": "l", "points": [[{value}, 0], [5, 5]]}}]}}')  # fmt: skip
         refused = httpx.post(f"{served.url}/v1/sources", content=raw, headers=AUTH, timeout=30)
         assert refused.status_code == 400, (value[:10], refused.status_code, refused.text)
+
+
+def test_watch_events_prints_each_entry_among_the_frames_and_without_it_passes_them_over(
+    served: RunningServer, media: Path
+) -> None:
+    from tests.http.conftest import ADMIN_TOKEN
+    from tests.sources.test_watch import finish, start_watching
+    from tests.sources.video import write_mp4
+
+    if not (media / "long.mp4").exists():  # 20 s in real time: it runs while watch starts and takes its frames
+        write_mp4(media / "long.mp4", frames=300, fps=15, width=160, height=120)
+    whole = {"id": "all", "polygon": [[-1, -1], [200, -1], [200, 200], [-1, 200]]}  # every tracked box is in it
+    for id, flags in (("evented", ("--events",)), ("quiet", ())):
+        body = {"url": f"file://{media / 'long.mp4'}", "model": "digits-detect", "id": id, "track": True,
+                "max_age_ms": 60_000}  # fmt: skip
+        assert post(served.url, body).status_code == 201
+        process = start_watching(served.url, id, "--count", "20", *flags, token=ADMIN_TOKEN)
+        # The zone once watch listens: it counts afresh, so each box tracked from then on enters it.
+        assert httpx.patch(f"{served.url}/v1/sources/{id}", json={"zones": [whole]}, headers=AUTH).status_code == 200
+        code, out, _ = finish(process)
+        entered = [line for line in out.splitlines() if line.startswith("event enter all  track ")]
+        assert code == 0 and out.splitlines()[-1].startswith("took 20 answers"), out[-500:]
+        assert (len(entered) > 0) == bool(flags), out[-2000:]  # without --events none, and no early end
+        httpx.delete(f"{served.url}/v1/sources/{id}", headers=AUTH, timeout=30)
