@@ -27,7 +27,6 @@ from service.client.kinds import CLASSIFY, DETECT, SEGMENT, DetectedImage, Kind,
 from service.client.output import ClassifyTable, CocoResults, DetectTable, Output, SegmentTable, Table, overlay
 from service.client.retry import RetryPolicy
 from service.client.summary import Tally, print_summary, progress_bar, reason_of
-from service.core.answers import ImageResult
 from service.core.arguments import add_option_flags, integer_in, number_in, option_flags
 from service.core.errors import ConfigError
 from service.core.tasks import Task
@@ -153,22 +152,6 @@ def task_job(args: argparse.Namespace, kind: Kind[R], done: str, table: Table[R]
     return Job(kind.action, kind.task, done, table, lambda error: kind.result(error=error), remote)
 
 
-def classify_job(args: argparse.Namespace) -> Job[ImageResult]:
-    default: Any = CLASSIFY.task.Options()
-    top_k = args.top_k or default.top_k
-    return task_job(args, CLASSIFY, "classified", ClassifyTable(top_k))
-
-
-def detect_job(args: argparse.Namespace) -> Job[DetectedImage]:
-    default: Any = DETECT.task.Options()
-    return task_job(args, DETECT, "searched", DetectTable(args.box_format or default.box_format))
-
-
-def segment_job(args: argparse.Namespace) -> Job[SegmentedImage]:
-    default: Any = SEGMENT.task.Options()
-    return task_job(args, SEGMENT, "segmented", SegmentTable(args.box_format or default.box_format))
-
-
 async def run_files(
     files: Sequence[Path],
     chunk_of: Chunk[R],
@@ -250,17 +233,20 @@ def _read_all(paths: list[Path]) -> tuple[list[bytes | str], list[Path]]:
 
 
 def run_classify(args: argparse.Namespace) -> int:
-    return _run_command(args, classify_job(args))
+    default: Any = CLASSIFY.task.Options()
+    return _run_command(args, task_job(args, CLASSIFY, "classified", ClassifyTable(args.top_k or default.top_k)))
 
 
 def run_detect(args: argparse.Namespace) -> int:
-    return _run_command(args, detect_job(args))
+    default: Any = DETECT.task.Options()
+    return _run_command(args, task_job(args, DETECT, "searched", DetectTable(args.box_format or default.box_format)))
 
 
 def run_segment(args: argparse.Namespace) -> int:
     if (args.mask_format or "rle") != "rle" and Path(args.out or "").suffix.lower() == ".json":
         raise ConfigError("--out F.json is COCO's results JSON, whose masks are RLE: leave --mask-format out")
-    return _run_command(args, segment_job(args))
+    default: Any = SEGMENT.task.Options()
+    return _run_command(args, task_job(args, SEGMENT, "segmented", SegmentTable(args.box_format or default.box_format)))
 
 
 def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:

@@ -73,10 +73,32 @@ def csv_header(top_k: int) -> list[str]:
     return ["path", "model", "version", *ranks, "error"]
 
 
-class ClassifyTable:
+class _Rows:
+    """What every table shares: an image's JSON line is its :attr:`row`, whose fields between ``version`` and
+    ``error`` are the result's own (none for a failed image); a CSV row's fourth cell (a label or a size) says the
+    image was read (with or without boxes), an empty last cell that it did not fail."""
+
+    row: Any
+
+    def json_line(self, path: str, result: Any) -> bytes:
+        fields = {f: getattr(result, f) if result.error is None else None for f in self.row.__struct_fields__[3:-1]}
+        return msgspec.json.encode(
+            self.row(path=path, model=result.model, version=result.version, error=result.error, **fields)
+        )
+
+    def csv_done(self, cells: list[str]) -> bool:
+        return bool(cells[3]) and not cells[-1]
+
+    def json_done(self, line: str) -> str | None:
+        row = msgspec.json.decode(line, type=self.row)
+        return row.path if row.error is None and getattr(row, self.row.__struct_fields__[-2]) is not None else None
+
+
+class ClassifyTable(_Rows):
     """``path, model, version, label_1, score_1, ..., label_k, score_k, error``: one row per image."""
 
     counts_boxes = False
+    row = Row
 
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k
@@ -95,25 +117,14 @@ class ClassifyTable:
             cells += [p.label, f"{p.score:.6f}"] if p else ["", ""]
         return [[path, result.model or "", result.version or "", *cells, result.error or ""]]
 
-    def json_line(self, path: str, result: ImageResult) -> bytes:
-        preds = result.predictions if result.error is None else None
-        row = Row(path=path, model=result.model, version=result.version, predictions=preds, error=result.error)
-        return msgspec.json.encode(row)
 
-    def csv_done(self, cells: list[str]) -> bool:
-        return bool(cells[3]) and not cells[-1]
-
-    def json_done(self, line: str) -> str | None:
-        row = msgspec.json.decode(line, type=Row)
-        return row.path if row.error is None and row.predictions is not None else None
-
-
-class DetectTable:
+class DetectTable(_Rows):
     """``path, model, version, width, height, label, index, score, <box>, error``, the box's columns named for
     ``box_format`` (x1, y1, x2, y2; x, y, w, h; cx, cy, w, h): one row per box, best first; an image with no
     detections one row with its size and empty label and box; an image that failed one row with its error."""
 
     counts_boxes = True
+    row: Any = DetectRow
 
     def __init__(self, box_format: str = "xyxy") -> None:
         self.box_format = box_format
@@ -137,22 +148,6 @@ class DetectTable:
             for d in result.detections
         ]
 
-    def json_line(self, path: str, result: DetectedImage) -> bytes:
-        failed = result.error is not None
-        row = DetectRow(
-            path=path, model=result.model, version=result.version, width=None if failed else result.width,
-            height=None if failed else result.height, detections=None if failed else result.detections,
-            error=result.error,
-        )  # fmt: skip
-        return msgspec.json.encode(row)
-
-    def csv_done(self, cells: list[str]) -> bool:
-        return bool(cells[3]) and not cells[-1]  # a size: the image was read (with or without boxes)
-
-    def json_done(self, line: str) -> str | None:
-        row = msgspec.json.decode(line, type=DetectRow)
-        return row.path if row.error is None and row.detections is not None else None
-
 
 class SegmentRow(msgspec.Struct, omit_defaults=False):
     """One line of a segmentation's JSON Lines output: one image, its size and its instances (masks included)."""
@@ -170,6 +165,8 @@ class SegmentTable(DetectTable):
     """A detection's CSV rows with each instance's ``area`` before ``error`` (masks do not fit a cell: JSON Lines
     or COCO's JSON hold them); JSON Lines: one line per image with its instances; ``.json``: COCO's results."""
 
+    row = SegmentRow
+
     def header(self) -> list[str]:
         return [*super().header()[:-1], "area", "error"]
 
@@ -179,18 +176,6 @@ class SegmentTable(DetectTable):
         rows = super().csv_rows(path, found)
         areas: list[object] = [i.area for i in result.instances or []] or [""]
         return [[*row[:-1], area, row[-1]] for row, area in zip(rows, areas, strict=False)]
-
-    def json_line(self, path: str, result: SegmentedImage) -> bytes:  # type: ignore[override]
-        failed = result.error is not None
-        return msgspec.json.encode(SegmentRow(
-            path=path, model=result.model, version=result.version, width=None if failed else result.width,
-            height=None if failed else result.height, instances=None if failed else result.instances,
-            error=result.error,
-        ))  # fmt: skip
-
-    def json_done(self, line: str) -> str | None:
-        row = msgspec.json.decode(line, type=SegmentRow)
-        return row.path if row.error is None and row.instances is not None else None
 
 
 def _as_detections(instances: list[Instance] | None) -> list[Detection] | None:
