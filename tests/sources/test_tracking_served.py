@@ -109,11 +109,11 @@ def test_watch_events_prints_each_entry_among_the_frames_and_without_it_passes_t
         body = {"url": f"file://{media / 'long.mp4'}", "model": "digits-detect", "id": id, "track": True,
                 "max_age_ms": 60_000}  # fmt: skip
         assert post(served.url, body).status_code == 201
-        process = start_watching(served.url, id, "--count", "20", *flags, token=ADMIN_TOKEN)
+        process = start_watching(served.url, id, "--count", "40", *flags, token=ADMIN_TOKEN)
         # The zone once watch listens: it counts afresh, so each box tracked from then on enters it.
         assert httpx.patch(f"{served.url}/v1/sources/{id}", json={"zones": [whole]}, headers=AUTH).status_code == 200
         code, out, _ = finish(process)
         entered = [line for line in out.splitlines() if line.startswith("event enter all  track ")]
-        assert code == 0 and out.splitlines()[-1].startswith("took 20 answers"), out[-500:]
+        assert code == 0 and out.splitlines()[-1].startswith("took 40 answers"), out[-500:]
         assert (len(entered) > 0) == bool(flags), out[-2000:]  # without --events none, and no early end
         httpx.delete(f"{served.url}/v1/sources/{id}", headers=AUTH, timeout=30)
