@@ -18,6 +18,7 @@ band (:data:`BAND_PX`) so that a box jittering on a line counts once.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from service.core.boxes import iou_matrix
 from service.core.errors import BadInputError, shown
+from service.core.tasks.base import OutputTensor
 
 MAX_LINES = MAX_ZONES = 16
 MAX_POINTS = 64  # a zone's polygon
@@ -416,15 +418,22 @@ class Tracking:
         labels = [self.names.get(k, str(k)) for k in self.tracker.labels_of(ids, np.array([r["index"] for r in rows]))]
         return self.counter.update(ids.tolist(), boxes, labels, t, size, self.tracker.dropped)
 
-    def answered(self, answer: dict[str, Any], field: str | None, how: Any, t: float) -> list[dict[str, Any]]:
-        """:meth:`step` on an answer's boxes (its ``field``), in its image's width and height."""
-        return self.step(answer.get(field or "") or [], how, (answer["width"], answer["height"]), t)
+    def answered(
+        self, answer: dict[str, Any], task: Any, options: Any, ts: Any, since: float = 0.0
+    ) -> list[dict[str, Any]]:
+        """A frame's answer of ``task`` (its ``options``, None: the task's default) tracked at ``ts`` seconds, or,
+        where ``ts`` is not a number, now (``time.perf_counter()`` less ``since``): v2 tensors (a gRPC stream's) get
+        ``TRACK_IDS`` (:meth:`tensors`), rows their ``track_id`` (:meth:`step`); the frame's events."""
+        t = float(ts) if isinstance(ts, int | float) else time.perf_counter() - since
+        if "outputs" in answer:
+            self.tensors(answer["outputs"], t)
+            return []
+        rows = answer.get(task.boxes_field or "") or []
+        return self.step(rows, options or task.default, (answer["width"], answer["height"]), t)
 
     def tensors(self, outputs: list[Any], t: float) -> None:
         """A v2 answer of one frame: its ``DETECTIONS`` ``[1, K, 6]`` (the first ``NUM_DETECTIONS``) tracked, and
         ``TRACK_IDS`` ``[1, K]`` INT32 added (-1: no track, or a padding row). A gRPC stream's answer."""
-        from service.core.tasks.base import OutputTensor
-
         named = {o.name: o for o in outputs}
         if "DETECTIONS" not in named:
             return

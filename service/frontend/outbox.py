@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Generic, TypeVar
 
-from service.core.tracking import Tracking
-from service.frontend.state import ServerState
+from service.core.tracking import Tracking, read_track
+from service.frontend.state import ModelSlot, ServerState
 from service.frontend.stream import FrameStream
 
 log = logging.getLogger("visionserve.stream")
@@ -85,6 +84,13 @@ class StreamSession(Outbox[M]):
         self.send_timeout_s = server.settings.stream_send_timeout_s
         self.tracking: Tracking | None = None  # the stream asked to track its objects (docs/tracking.md)
 
+    def track(self, asked: Any, slot: ModelSlot) -> None:
+        """Track the stream's boxes where it asked (``asked``: its ``track``, None where it did not say): a
+        BadInputError for a model whose answers are not boxes."""
+        ask = read_track({} if asked is None else {"track": asked}, None, slot.spec.labels,
+                         slot.task.boxes_field is not None)  # fmt: skip
+        self.tracking = Tracking(ask) if ask is not None else None
+
     def encode(self, answer: dict[str, Any]) -> M:
         raise NotImplementedError
 
@@ -104,12 +110,8 @@ class StreamSession(Outbox[M]):
         """The stream's ``emit``: one answer into the outbox, or the client cut off when it is full."""
         events = []
         if self.tracking is not None and self.stream is not None and answer.get("status") == "result":
-            t = answer["ts"] if isinstance(answer["ts"], int | float) else time.perf_counter()
-            how = self.stream.want.options or self.stream.slot.task.default
-            if "outputs" in answer:  # v2 tensors (gRPC): TRACK_IDS beside DETECTIONS
-                self.tracking.tensors(answer["outputs"], float(t))
-            else:
-                events = self.tracking.answered(answer, self.stream.slot.task.boxes_field, how, float(t))
+            stream = self.stream
+            events = self.tracking.answered(answer, stream.slot.task, stream.want.options, answer["ts"])
         for message in (answer, *events):
             if self.cut_off is None:
                 self.put(self.encode(message))

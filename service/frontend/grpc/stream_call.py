@@ -12,7 +12,6 @@ import grpc
 from service.core.errors import BadInputError, VisionServeError
 from service.core.protocol import pb
 from service.core.tasks import Want, fields
-from service.core.tracking import Tracking, read_track
 from service.frontend import protocol
 from service.frontend import request as path
 from service.frontend.grpc import wire
@@ -81,9 +80,7 @@ class StreamCall(StreamSession[pb.ModelStreamInferResponse]):
     def _start(self, request: pb.ModelInferRequest, params: dict[str, Any]) -> FrameStream:
         where = path.target(self.server, request.model_name, request.model_version, wire.metadata(self.context))
         max_age_ms = stream_max_age(params.get("max_age_ms"))
-        track = read_track({"track": params["track"]} if "track" in params else {}, None, where.slot.spec.labels,
-                           where.slot.task.boxes_field is not None)  # fmt: skip
-        self.tracking = Tracking(track) if track is not None else None
+        self.track(params.get("track"), where.slot)
         # Each frame says what its answer holds (its outputs, a detector's thresholds); the stream's options, checked
         # as the WebSocket checks them, say which outputs a frame naming none is answered with (a classifier's
         # top_k: the classification extension's k best; it was once checked here and then left unused).

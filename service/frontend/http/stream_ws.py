@@ -17,7 +17,6 @@ from litestar import WebSocket, websocket
 from litestar.params import FromPath, PathParameter
 
 from service.core.errors import VisionServeError
-from service.core.tracking import Tracking, read_track
 from service.frontend import request as path
 from service.frontend.http.image_api import query_values, server_of
 from service.frontend.outbox import StreamSession
@@ -118,17 +117,16 @@ async def stream(
         max_age_ms = stream_max_age(params.get("max_age_ms"))
         where = path.target(server, model, version, dict(socket.headers), aliases=False)
         want = stream_want(where.slot, query_values(params, where.slot.task.Options), text=True)
-        track = read_track({"track": params["track"] in ("1", "true")} if "track" in params else {}, None,
-                           where.slot.spec.labels, where.slot.task.boxes_field is not None)  # fmt: skip
+        name = where.slot.name
+        stream_args = {"where": where, "max_age_ms": max_age_ms, "want": want,
+                       "on_outcome": server.stream_outcome(name)}  # fmt: skip
+        session = Session(socket, server, stream_args)
+        session.track(params["track"] in ("1", "true") if "track" in params else None, where.slot)
     except VisionServeError as exc:
         code = NOT_FOUND if exc.http_status == 404 else POLICY if exc.http_status == 400 else INTERNAL
         await socket.send_text(json.dumps({"id": None, "status": "error", "error": str(exc)}))
         await socket.close(code=code, reason=close_reason(str(exc)))
         return
-    name = where.slot.name
-    stream_args = {"where": where, "max_age_ms": max_age_ms, "want": want, "on_outcome": server.stream_outcome(name)}
-    session = Session(socket, server, stream_args)
-    session.tracking = Tracking(track) if track is not None else None
     try:
         with server.stream_open(name, session):
             await session.serve()

@@ -225,10 +225,8 @@ class Source:
     def _track(self, message: dict[str, Any]) -> list[dict[str, Any]]:
         """The frame's boxes given their tracks (at its pts, else when it was decoded), and its events."""
         assert self.tracking is not None
-        pts = message["pts"]
-        t = pts if isinstance(pts, int | float) else time.perf_counter() - self._started_perf
-        how = self.options.want.options or self.where.slot.task.default
-        return self.tracking.answered(message, self.where.slot.task.boxes_field, how, float(t))
+        options, task = self.options.want.options, self.where.slot.task
+        return self.tracking.answered(message, task, options, message["pts"], since=self._started_perf)
 
     def counts(self) -> dict[str, Any]:
         """Its lines' and zones' counts (docs/tracking.md); a source that does not track has none."""
