@@ -17,7 +17,7 @@ from export.int8_gate import BoxJudge
 from export.quantize import Int8Data, Int8Options, quantize_model
 from models.canvases import CanvasParams
 from service.core.repository import ModelRepository
-from service.core.spec import load_spec
+from service.core.spec import ModelSpec, load_spec
 from tests.test_cli import in_process
 
 SHIPPED = Path(__file__).parents[2] / "examples" / "model_repository" / "digits-detect"
@@ -56,24 +56,34 @@ def test_the_shipped_detector_keeps_its_boxes_in_int8_and_a_blank_calibration_is
     assert not (tmp_path / "bad.onnx").exists()
 
 
+def export_outside_int8(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, onnx: Path, images: np.ndarray, labels: tuple[str, ...],
+    task: str, layout: str, folder: str = "canvases",
+) -> tuple[ModelSpec, str]:  # fmt: skip
+    """``onnx`` exported as an outside ``task`` model (named ``task``) with INT8, calibrated and gated on ``images``
+    (NCHW) saved as PNGs in ``tmp_path / folder``: its spec as written and export's output."""
+    where = tmp_path / folder
+    where.mkdir(parents=True)
+    for i, image in enumerate(images):
+        Image.fromarray(image.transpose(1, 2, 0)).save(where / f"{i:03d}.png")
+    (tmp_path / "labels.txt").write_text("\n".join(labels))
+    proc = in_process(
+        capsys, "export", "--onnx", str(onnx), "--task", task, "--output-layout", layout, "--input-size", "96",
+        "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5", "--labels", str(tmp_path / "labels.txt"), "--name", task,
+        "--repository", str(tmp_path / "repo"), "--int8", "--int8-allow-slower", "--calibration-images",
+        str(tmp_path / folder.split("/")[0]), "--no-latency", "--no-progress",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return ModelRepository(tmp_path / "repo").model(task).latest.spec, proc.stdout
+
+
 def test_export_int8_of_a_detector_records_box_agreement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The shipped graph placed as an outside detector, calibrated and gated on a folder of canvases."""
     data = from_canvases(PARAMS, SPEC, held_out=24)
-    folder = tmp_path / "canvases"
-    folder.mkdir()
-    for i, image in enumerate(np.concatenate([data.calibration[:24], data.held_out])):
-        Image.fromarray(image.transpose(1, 2, 0)).save(folder / f"{i:03d}.png")
-    labels = tmp_path / "labels.txt"
-    labels.write_text("\n".join(SPEC.labels))
-    proc = in_process(
-        capsys, "export", "--onnx", str(SHIPPED / "1" / "model.onnx"), "--task", "detect", "--output-layout",
-        "candidates", "--input-size", "96", "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5", "--labels", str(labels),
-        "--name", "det", "--repository", str(tmp_path / "repo"), "--int8", "--int8-allow-slower",
-        "--calibration-images", str(folder), "--no-latency", "--no-progress",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mAP@0.5 of int8's boxes against fp32's" in proc.stdout
-    spec = ModelRepository(tmp_path / "repo").model("det").latest.spec
+    images = np.concatenate([data.calibration[:24], data.held_out])
+    spec, out = export_outside_int8(capsys, tmp_path, SHIPPED / "1" / "model.onnx", images, SPEC.labels, "detect",
+                                    "candidates")  # fmt: skip
+    assert "mAP@0.5 of int8's boxes against fp32's" in out
     record = spec.export_record("model.int8.onnx")
     assert record is not None and record.int8 is not None and record.int8.box_map50_vs_fp32 is not None
     assert record.int8.box_map50_vs_fp32 >= 0.95 and record.int8.min_box_map50 == 0.95

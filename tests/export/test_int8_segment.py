@@ -12,16 +12,14 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
-from PIL import Image
 
 from export.calibration import from_canvases
 from export.int8_gate import BoxJudge, MaskJudge, judge_for
 from export.quantize import Int8Data, Int8Options, _run, _session, quantize_model
 from models.canvases import CanvasParams
 from service.core.errors import ConfigError
-from service.core.repository import ModelRepository
 from service.core.spec import load_spec
-from tests.test_cli import in_process
+from tests.export.test_int8_detect import export_outside_int8
 
 SHIPPED = Path(__file__).parents[2] / "examples" / "model_repository" / "digits-segment"
 SPEC = load_spec(SHIPPED / "1" / "spec.json")
@@ -81,21 +79,10 @@ def test_export_int8_of_a_segmenter_records_mask_agreement(
 ) -> None:
     """The shipped graph placed as an outside segmenter, calibrated and gated on a folder of canvases (in a
     sub-folder named as a label: a classifier's labels, which a segmenter must not take for its truth)."""
-    folder = tmp_path / "canvases"
-    (folder / "7").mkdir(parents=True)
-    for i, image in enumerate(np.concatenate([data.calibration, data.held_out])):
-        Image.fromarray(image.transpose(1, 2, 0)).save(folder / "7" / f"{i:03d}.png")
-    labels = tmp_path / "labels.txt"
-    labels.write_text("\n".join(SPEC.labels))
-    proc = in_process(
-        capsys, "export", "--onnx", str(SHIPPED / "1" / "model.onnx"), "--task", "segment", "--output-layout",
-        "yolo-seg", "--input-size", "96", "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5", "--labels", str(labels),
-        "--name", "seg", "--repository", str(tmp_path / "repo"), "--int8", "--int8-allow-slower",
-        "--calibration-images", str(folder), "--no-latency", "--no-progress",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "mask mAP@0.5 of int8's instances against fp32's" in proc.stdout
-    spec = ModelRepository(tmp_path / "repo").model("seg").latest.spec
+    images = np.concatenate([data.calibration, data.held_out])
+    spec, out = export_outside_int8(capsys, tmp_path, SHIPPED / "1" / "model.onnx", images, SPEC.labels, "segment",
+                                    "yolo-seg", folder="canvases/7")  # fmt: skip
+    assert "mask mAP@0.5 of int8's instances against fp32's" in out
     record = spec.export_record("model.int8.onnx")
     assert record is not None and record.int8 is not None and record.int8.mask_map50_vs_fp32 is not None
     assert record.int8.mask_map50_vs_fp32 >= 0.95 and record.int8.fp32_mask_map50 is None  # no masks known
