@@ -225,6 +225,9 @@ def train_from_args(args: argparse.Namespace) -> TrainResult:
     from models.train import TrainConfig
 
     task = get_architecture(args.arch).task
+    if task not in TASK_DEFAULTS:
+        raise ConfigError(f"{args.arch} ({task}) has no training loop here: export it with its own weights "
+                          f"(`visionserve export --arch {args.arch} --weights FILE`, docs/detection.md)")  # fmt: skip
     epochs, batch_size, lr = TASK_DEFAULTS[task]
     trainer = _trainers()[task]
     if args.dataset == "canvases" and not trainer.canvases:

@@ -91,6 +91,15 @@ def test_device_names_are_checked() -> None:
             resolve_device("cuda")
 
 
+def test_a_zoo_model_without_a_training_loop_is_refused_with_where_to_go() -> None:
+    import argparse
+
+    from models.commands import train_from_args
+
+    with pytest.raises(ConfigError, match=r"lraspp_mobilenet_v3_large \(semantic\) has no training loop.*export"):
+        train_from_args(argparse.Namespace(arch="lraspp_mobilenet_v3_large", dataset="digits"))
+
+
 def test_checkpoints_that_are_not_ours_are_refused_without_unpickling(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
 
