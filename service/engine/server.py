@@ -180,11 +180,16 @@ class EngineServer:
 
     async def make_engine(self, entry: ModelEntry, number: int, gpus: list[str] | None) -> ModelEngine:
         """Load and warm up one version (off the event loop), observed by the metrics."""
-        observer = on_fallback = None
+        observer = hook = None
         if self.metrics is not None:
             observer = self.metrics.batch_observer(entry.name, number)
             hook = self.metrics.fallback_hook(entry.name, number, lambda: "cpu")
-            on_fallback = self._on_fallback(hook)
+
+        def on_fallback(reason: str) -> None:
+            if hook is not None:
+                hook(reason)
+            self.table.changed()  # the model's state changed: front ends re-read the catalog (metrics or none)
+
         return await asyncio.to_thread(
             ModelEngine, entry.versions[number], entry.config, available_gpus=gpus, observer=observer,
             on_fallback=on_fallback, on_state_change=self.table.changed,
@@ -204,13 +209,6 @@ class EngineServer:
         self.table.failed(key, reason)
         if self.metrics is not None:
             self.metrics.load_failures.labels(key.name, str(key.version)).inc()
-
-    def _on_fallback(self, hook: Any) -> Any:
-        def on_fallback(reason: str) -> None:
-            hook(reason)
-            self.table.changed()  # the model's state changed: front ends re-read the catalog
-
-        return on_fallback
 
     # ---- the transport's handler ----------------------------------------------------------------------------
     def catalog_version(self) -> int:
