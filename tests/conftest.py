@@ -56,6 +56,7 @@ ALONE = {
     "tests/grpc/test_stages.py::test_compute_and_waiting": "a request queued behind a computing batch is timed",
     "tests/http/test_metrics.py::test_counters_and_histograms": "a flood and a deadline behind a 400 ms batch",
     "tests/sources/test_sources_live.py::test_a_camera_that_restarts": "running again within 2 s of the restart",
+    "tests/http/test_event_loop.py::test_the_heaviest": "the loop's 50 ms lag bound is the OS's too (busy cores)",
 }
 
 
