@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,17 +79,15 @@ def build(out: Path, work: Path, *, epochs: int | None = None) -> dict[str, Any]
     return training
 
 
+@dataclass
 class _EpochLines:
     """A canvas model's training progress: its epoch lines, printed (no bars: this runs in make and in tests)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    name: str
 
-    def start_epoch(self, epoch: int, batches: int) -> None:
-        pass
+    def start_epoch(self, epoch: int, batches: int) -> None: ...
 
-    def advance(self, loss: float, accuracy: float) -> None:
-        pass
+    def advance(self, loss: float, accuracy: float) -> None: ...
 
     def note(self, line: str) -> None:
         print(f"  {self.name}: {line}", flush=True)

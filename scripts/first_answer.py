@@ -86,8 +86,7 @@ def measure(work: Path, *, timeout_s: float, pip_cache: bool) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description = __doc__.split("\n\n")[0] if __doc__ else None
-    p = argparse.ArgumentParser("first_answer", description=description)
+    p = argparse.ArgumentParser("first_answer", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--timeout-s", type=float, default=300.0, help="most seconds to wait for the answer (default: 300)")
     p.add_argument("--pip-cache", action="store_true", help="let pip use its cache (default: off, as a new machine)")
     p.add_argument("--keep", default=None, help="build in this folder and keep it (default: a scratch folder)")

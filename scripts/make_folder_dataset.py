@@ -49,10 +49,8 @@ def _colour(cls: int, rng: np.random.Generator) -> tuple[int, int, int]:
 
 
 def _polygon(cx: float, cy: float, r: float, sides: int, turn: float) -> list[tuple[float, float]]:
-    return [
-        (cx + r * math.cos(turn + 2 * math.pi * k / sides), cy + r * math.sin(turn + 2 * math.pi * k / sides))
-        for k in range(sides)
-    ]
+    angles = (turn + 2 * math.pi * k / sides for k in range(sides))
+    return [(cx + r * math.cos(a), cy + r * math.sin(a)) for a in angles]
 
 
 def draw_image(cls: int, width: int, height: int, rng: np.random.Generator) -> Image.Image:
@@ -68,16 +66,13 @@ def draw_image(cls: int, width: int, height: int, rng: np.random.Generator) -> I
     turn = rng.uniform(0, 2 * math.pi)
     shape = SHAPES[cls % len(SHAPES)]
     box = (cx - r, cy - r, cx + r, cy + r)
-    if shape == "circle":
+    polygons = {"square": (4, turn), "diamond": (4, math.pi / 4), "triangle": (3, turn)}  # (sides, turn)
+    if shape in polygons:
+        draw.polygon(_polygon(cx, cy, r, *polygons[shape]), fill=colour)
+    elif shape == "circle":
         draw.ellipse(box, fill=colour)
     elif shape == "ring":
         draw.ellipse(box, outline=colour, width=max(3, int(r / 3)))
-    elif shape == "square":
-        draw.polygon(_polygon(cx, cy, r, 4, turn), fill=colour)
-    elif shape == "diamond":
-        draw.polygon(_polygon(cx, cy, r, 4, math.pi / 4), fill=colour)
-    elif shape == "triangle":
-        draw.polygon(_polygon(cx, cy, r, 3, turn), fill=colour)
     elif shape == "star":
         points = [_polygon(cx, cy, r if k % 2 == 0 else r * 0.45, 10, turn)[k] for k in range(10)]
         draw.polygon(points, fill=colour)

@@ -216,8 +216,8 @@ class Runtime:
         return RuntimeFailure(f"{where}: {type(exc).__name__}: {exc}")
 
     def _artifact(self) -> str:
-        """What this runtime loads, for messages (subclasses name their file)."""
-        return f"model {self.name}"
+        """What this runtime loads, for messages: its file (a subclass's ``path``), or the model's name."""
+        return str(getattr(self, "path", f"model {self.name}"))
 
     # ---- for subclasses -------------------------------------------------------------------------------------
     def _load(self) -> None:

@@ -56,16 +56,8 @@ def _cuda_index(device: str) -> int:
 
 
 DEVICE_ERROR_CLASSES = ("EPFail", "DeviceReset")
-# What the CUDA execution provider and its arena say when the device fails or runs out of memory.
-DEVICE_ERROR_MARKERS = (
-    "Failed to allocate memory",
-    "out of memory",
-    "CUDA failure",
-    "CUDNN failure",
-    "CUBLAS failure",
-    "cudaError",
-    "CUDA error",
-)
+# What the CUDA execution provider says when the device fails (its arena's out of memory is told apart first).
+DEVICE_ERROR_MARKERS = ("CUDA failure", "CUDNN failure", "CUBLAS failure", "cudaError", "CUDA error")
 
 
 def translate_onnxruntime_error(exc: BaseException, device: str) -> VisionServeError:
@@ -220,9 +212,6 @@ class OnnxRuntime(Runtime):
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return translate_onnxruntime_error(exc, self.device)
-
-    def _artifact(self) -> str:
-        return str(self.path)
 
     def _release(self) -> None:
         self.__dict__.pop("binding", None)

@@ -153,17 +153,15 @@ class TorchRuntime(Runtime):
         return _flatten(self._call_module(x))[1]
 
     def _call_module(self, x: Any) -> Any:
-        torch = self.torch
         if self.amp_dtype is None:
             return self.module(x)
-        with torch.autocast(self.tdevice.type, dtype=self.amp_dtype, cache_enabled=False):
+        with self.torch.autocast(self.tdevice.type, dtype=self.amp_dtype, cache_enabled=False):
             return self.module(x)
 
     def _probe_outputs(self) -> tuple[OutputInfo, ...]:
         """The module's named outputs, from one zero image's forward: a tensor is a classifier's ``logits``, a
         tuple or list gives ``output_0``, ``output_1``..., a dict its keys."""
-        torch = self.torch
-        with torch.inference_mode():
+        with self.torch.inference_mode():
             names, tensors = _flatten(self._call_module(self._layout(self._device_input(1))))
         return tuple(
             OutputInfo(name, str(t.dtype).removeprefix("torch."), tuple(t.shape[1:]))
@@ -199,10 +197,7 @@ class TorchRuntime(Runtime):
         self.graphs[size] = (graph, static_in, static_outs)
 
     def _bucket(self, n: int) -> int | None:
-        for size in sorted(self.graphs):
-            if size >= n:
-                return size
-        return None
+        return next((size for size in sorted(self.graphs) if size >= n), None)
 
     # ---- running --------------------------------------------------------------------------------------------
     def _staging(self, n: int) -> np.ndarray:
@@ -238,9 +233,6 @@ class TorchRuntime(Runtime):
 
     def _translate(self, exc: Exception) -> VisionServeError:
         return translate_torch_error(exc, self.kind, self.device)
-
-    def _artifact(self) -> str:
-        return str(self.path)
 
     def _release(self) -> None:
         self.__dict__.get("graphs", {}).clear()

@@ -18,7 +18,6 @@ class TorchScriptRuntime(TorchRuntime):
     kind = "torchscript"
 
     def _load_module(self) -> Any:
-        torch = self.torch
         try:
             module = load_torchscript(self.path, self.device)
         except Exception as exc:
@@ -28,7 +27,7 @@ class TorchScriptRuntime(TorchRuntime):
                 raise self._translate_load(exc) from exc
             raise ConfigError(f"torch cannot load TorchScript {self.path} on {self.device}: {exc}") from exc
         module.eval()
-        return module.to(memory_format=torch.channels_last)
+        return module.to(memory_format=self.torch.channels_last)
 
     def _autocast_dtype(self) -> Any:
         torch = self.torch

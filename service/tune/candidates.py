@@ -14,6 +14,8 @@ from typing import Any
 import msgspec
 
 from service.core.config import ModelConfig, default_config_text, parse_config, toml_value
+from service.core.repository import ModelVersion
+from service.runtime import choose_backend
 
 Say = Callable[[str], None]  # how tune's phases tell what they do
 
@@ -43,9 +45,7 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = msgspec.to_builtins(self)
-        out["preferred_batch_sizes"] = list(self.preferred_batch_sizes)
-        return out
+        return msgspec.to_builtins(self)
 
 
 # What a candidate sets of a model's config (besides ``backend``, which a config may leave to "auto").
@@ -53,8 +53,10 @@ SETTINGS = ("precision", "max_batch_size", "max_queue_delay_ms", "preferred_batc
             "threads")  # fmt: skip
 
 
-def candidate_from(config: ModelConfig, backend: str, workers: int) -> Candidate:
-    """The candidate a model's config (with ``backend`` resolved) and ``workers`` front ends make."""
+def candidate_from(config: ModelConfig, version: ModelVersion, device: str, workers: int) -> Candidate:
+    """The candidate a model's config (its backend resolved for ``version`` on ``device``) and ``workers`` front
+    ends make."""
+    backend = choose_backend(version, config, device)
     return Candidate(backend=backend, workers=workers, **{name: getattr(config, name) for name in SETTINGS})
 
 

@@ -119,9 +119,8 @@ def run_tune(args: argparse.Namespace) -> int:
         say("interrupted: writing the report with what was measured")
     finally:  # the candidates' repositories and server logs, whatever ended the run
         shutil.rmtree(work, ignore_errors=True)
-    written = None
-    if args.write and run.winner and not run.interrupted:
-        written = write_config(run, str(out_dir / "tune.md"))
+    wanted = args.write and run.winner and not run.interrupted
+    written = write_config(run, str(out_dir / "tune.md")) if wanted else None
     report = reporting.build(run, written)
     files = reporting.write(report, out_dir)
     if args.json:

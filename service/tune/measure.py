@@ -6,7 +6,6 @@ one batch alone takes longer than the latency target, since no configuration cou
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,6 +19,7 @@ from service.core.repository import ModelRepository, ModelVersion, random_batch
 from service.engine.model import cuda_devices, plan_devices
 from service.runtime import make_runtime, warm_up
 from service.runtime.factory import BACKENDS, artifact
+from service.supervisor import cpu_count
 from service.tune.candidates import Say
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -63,10 +63,6 @@ class Measurements:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"runtimes": [r.to_dict() for r in self.runtimes]}
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def runtime_variants(version: ModelVersion, device: str) -> tuple[list[tuple[str, str]], dict[str, str]]:
@@ -120,16 +116,15 @@ def measure(
     model: str,
     *,
     images: list[bytes],
-    images_label: str,
     slo_p99_ms: float,
     seconds: float,
     threads: tuple[int, ...],
     device: str = "auto",
     say: Say,
-    out: Measurements | None = None,
+    out: Measurements,
 ) -> Measurements:
-    """Measure within about ``seconds``. ``out`` (when given) is filled in place, so an interruption leaves in it
-    what was measured so far."""
+    """Measure within about ``seconds``, filling ``out`` (named for the model and its images) in place, so an
+    interruption leaves in it what was measured so far."""
     started = time.perf_counter()
     entry = ModelRepository(repository).model(model)
     version = entry.latest
@@ -137,16 +132,13 @@ def measure(
     devices, _degraded, _note = plan_devices(config, cuda_devices())
     target = devices[0]
     variants, skipped = runtime_variants(version, target)
-    cores = cpu_cores()
     if target.startswith("cuda"):
         threads = (0,)
-    result = out or Measurements(model, version.version, target, cores, 0.0, images_label)
-    result.model, result.version, result.device, result.cores, result.images = (
-        model, version.version, target, cores, images_label)  # fmt: skip
-    result.skipped.update(skipped)
+    out.version, out.device, out.cores = version.version, target, cpu_count()
+    out.skipped.update(skipped)
     decode_s = min(2.0, 0.1 * seconds)
-    say(f"decode: {images_label} for {decode_s:.1f} s")
-    result.decode_ms = decode_cost_ms(version, images, decode_s)
+    say(f"decode: {out.images} for {decode_s:.1f} s")
+    out.decode_ms = decode_cost_ms(version, images, decode_s)
     cells = max(1, len(variants) * len(threads) * len(BATCH_SIZES))
     cell_s = max(0.05, (seconds - decode_s - 2.0 * len(variants) * len(threads)) / cells)
     largest = max(BATCH_SIZES)
@@ -155,8 +147,8 @@ def measure(
             for count in threads:
                 name = f"{backend}/{precision}, {count or 'default'} threads"
                 if time.perf_counter() - started > seconds:
-                    result.skipped[name] = "measuring budget spent"
-                    result.complete = False
+                    out.skipped[name] = "measuring budget spent"
+                    out.complete = False
                     continue
                 say(f"runtime: {name}")
                 chosen = msgspec.structs.replace(config, backend=backend, precision=precision, threads=count,
@@ -166,7 +158,7 @@ def measure(
                 try:
                     warm_up(runtime, 1)
                     figures = RuntimeFigures(backend, precision, count, load_s=time.perf_counter() - t0)
-                    result.runtimes.append(figures)
+                    out.runtimes.append(figures)
                     for size in BATCH_SIZES:
                         figures.batch_ms[size] = _time_batches(runtime, version.spec, size, cell_s)
                         if figures.mean_ms(size) > slo_p99_ms or time.perf_counter() - started > 1.5 * seconds:
@@ -174,5 +166,5 @@ def measure(
                 finally:
                     runtime.close()
     finally:
-        result.seconds = time.perf_counter() - started
-    return result
+        out.seconds = time.perf_counter() - started
+    return out

@@ -66,17 +66,13 @@ class Predictor:
     def predict(self, candidate: Candidate) -> Prediction | None:
         """None when the candidate's runtime was not measured."""
         candidate = self.normal(candidate)
-        if candidate in self.cache:
-            return self.cache[candidate]
         curve = self.curve_for(candidate)
-        if curve is None:
-            return None
-        if oversubscribed(candidate, self.workload):
-            self.cache[candidate] = Prediction(0.0, None, math.inf)
-            return self.cache[candidate]
-        prediction = predict(Simulator(candidate, curve, self.workload), self.target)
-        self.cache[candidate] = prediction
-        return prediction
+        if curve is not None and candidate not in self.cache:
+            if oversubscribed(candidate, self.workload):
+                self.cache[candidate] = Prediction(0.0, None, math.inf)
+            else:
+                self.cache[candidate] = predict(Simulator(candidate, curve, self.workload), self.target)
+        return self.cache.get(candidate)
 
 
 def oversubscribed(candidate: Candidate, workload: Workload) -> bool:
@@ -90,15 +86,11 @@ def oversubscribed(candidate: Candidate, workload: Workload) -> bool:
 def _variations(c: Candidate, space: Space, runtimes: list[tuple[str, str]]) -> Iterable[list[Candidate]]:
     """For each setting, ``c`` with that setting at each of its values."""
     replace = msgspec.structs.replace
-
-    def sized(b: int, pref_of: Candidate) -> Candidate:
-        kind = "half" if pref_of.preferred_batch_sizes else "none"
-        return replace(c, max_batch_size=b, preferred_batch_sizes=preferred_sizes(kind, b))
-
+    kind = "half" if c.preferred_batch_sizes else "none"  # a new maximum keeps the preference, scaled to it
     yield [replace(c, backend=b, precision=p) for b, p in runtimes]
     yield [replace(c, threads=t) for t in space.threads]
     yield [replace(c, instances=n) for n in space.instances]
-    yield [sized(b, c) for b in space.max_batch_size]
+    yield [replace(c, max_batch_size=b, preferred_batch_sizes=preferred_sizes(kind, b)) for b in space.max_batch_size]
     yield [replace(c, max_queue_delay_ms=d) for d in space.max_queue_delay_ms]
     yield [replace(c, preferred_batch_sizes=preferred_sizes(k, c.max_batch_size)) for k in space.preferred]
     yield [replace(c, batch_policy=p) for p in space.batch_policy]
@@ -160,10 +152,7 @@ def shortlist(ranked: list[Ranked], count: int, exclude: Iterable[Candidate] = (
     seen = {structural(c) for c in exclude}
     chosen: list[Ranked] = []
     for r in ranked:
-        if len(chosen) >= count:
-            break
-        if r.rate <= 0 or structural(r.candidate) in seen:
-            continue
-        seen.add(structural(r.candidate))
-        chosen.append(r)
+        if len(chosen) < count and r.rate > 0 and structural(r.candidate) not in seen:
+            seen.add(structural(r.candidate))
+            chosen.append(r)
     return chosen

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 from service.core.config import ModelConfig
 from service.core.repository import ModelEntry, ModelRepository
 from service.core.samples import image_files, photo_like_jpegs
-from service.runtime import choose_backend
+from service.supervisor import cpu_count, default_workers
 from service.tune.candidates import Candidate, Say, Space, apply, candidate_from, export_default_config, space_for
-from service.tune.measure import Measurements, cpu_cores, measure
+from service.tune.measure import Measurements, measure
 from service.tune.model import Workload
 from service.tune.rank import Predictor, Ranked, rank, shortlist
 from service.tune.verify import StepPlan, Verified, verify
@@ -74,8 +74,7 @@ class TuneRun:
     @property
     def winner(self) -> Verified | None:
         """The verified candidate that served the most at the target (None: none met it)."""
-        met = [v for v in self.verified if v.best_rate]
-        return max(met, key=lambda v: v.best_rate or 0.0) if met else None
+        return max((v for v in self.verified if v.best_rate), key=lambda v: v.best_rate or 0.0, default=None)
 
     def find(self, candidate: Candidate | None) -> Verified | None:
         return next((v for v in self.verified if v.candidate == candidate), None)
@@ -94,12 +93,6 @@ def _load_images(options: TuneOptions) -> tuple[list[bytes], str]:
         return image_files(options.images), options.images
     w, h = options.image_size
     return photo_like_jpegs(32, (w, h)), f"32 generated {w}x{h} JPEGs"
-
-
-def _default_workers() -> int:
-    from service.supervisor import default_workers
-
-    return default_workers()
 
 
 def _plan_steps(remaining_s: float, count: int, overhead_s: float) -> tuple[StepPlan, int]:
@@ -154,8 +147,8 @@ def _measure_phase(
     t = time.perf_counter()
     say(f"measuring {options.model} v{version} in-process ({MEASURE_SHARE * budget:.0f} s of {budget:.0f} s)")
     run.measured = Measurements(options.model, version, "?", 0, 0.0, label)
-    threads = space_for(cpu_cores(), False, (), 1).threads
-    measure(options.repository, options.model, images=images, images_label=label, slo_p99_ms=options.slo_p99_ms,
+    threads = space_for(cpu_count(), False, (), 1).threads
+    measure(options.repository, options.model, images=images, slo_p99_ms=options.slo_p99_ms,
             seconds=MEASURE_SHARE * budget, threads=threads, device=options.device, say=say,
             out=run.measured)  # fmt: skip
     run.phases_s["measure"] = time.perf_counter() - t
@@ -167,8 +160,8 @@ def _predict_phase(
 ) -> tuple[Predictor, Workload, Space]:
     """2. Every candidate predicted from the measurements and ranked; the current config and export's default are
     placed beside them."""
-    version = entry.latest
-    cuda = measured.device.startswith("cuda")
+    device = measured.device
+    cuda = device.startswith("cuda")
     t = time.perf_counter()
     plan0 = StepPlan()
     workload = Workload(cores=measured.cores, decode_ms=measured.decode_ms, cuda=cuda, warmup_s=plan0.warmup_s,
@@ -176,11 +169,9 @@ def _predict_phase(
     predictor = Predictor(measured, workload, options.slo_p99_ms)
     largest = max((max(f.batch_ms) for f in measured.runtimes if f.batch_ms), default=1)
     space = space_for(measured.cores, cuda, tuple(predictor.runtimes()), max(largest, entry.config.max_batch_size))
-    workers_now = options.workers or _default_workers()
-    run.current = candidate_from(entry.config, choose_backend(version, entry.config, measured.device), workers_now)
     default_config = export_default_config(entry.config.max_batch_size)
-    run.default = candidate_from(default_config, choose_backend(version, default_config, measured.device),
-                                 _default_workers())  # fmt: skip
+    run.current = candidate_from(entry.config, entry.latest, device, options.workers or default_workers())
+    run.default = candidate_from(default_config, entry.latest, device, default_workers())
     say(f"predicting: {len(predictor.runtimes())} runtimes measured; searching the settings")
     run.ranked = rank(predictor, [run.current, run.default], space, seconds=PREDICT_SHARE * options.budget_s, say=say)
     run.phases_s["predict"] = time.perf_counter() - t
