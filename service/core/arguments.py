@@ -56,12 +56,10 @@ def integer_in(low: int, high: int) -> Callable[[str], int]:
         digits = stripped.removeprefix("-").removeprefix("+")
         # ASCII digits only, and no more than the bounds have: int() also takes "1_000" and "١", and a 100000-digit
         # string costs it time before it refuses one past its digit limit.
-        if not (digits.isascii() and digits.isdigit()) or len(digits) > max(len(str(low)), len(str(high))) + 1:
+        ok = digits.isascii() and digits.isdigit() and len(digits) <= max(len(str(low)), len(str(high))) + 1
+        if not ok or not low <= int(stripped) <= high:
             raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r}")
-        value = int(stripped)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r}")
-        return value
+        return int(stripped)
 
     parse.__name__ = f"integer from {low} to {high}"
     return parse
@@ -107,12 +105,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.help is argparse.SUPPRESS:
-            return action.help
-        shown = default_text(action)
-        if shown is None:
-            return text
-        return f"{text} (default: {shown.replace('%', '%%')})"  # help strings are %-formatted by argparse
+        shown = None if text is argparse.SUPPRESS else default_text(action)
+        return text if shown is None else f"{text} (default: {shown.replace('%', '%%')})"  # argparse %-formats help
 
 
 def add_option_flags(p: argparse._ActionsContainer, *options: type[Options]) -> None:

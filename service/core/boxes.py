@@ -16,12 +16,11 @@ numpy only: the serving install has no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 BoxFormat = Literal["xyxy", "xywh", "cxcywh"]
-BOX_FORMATS: Final = ("xyxy", "xywh", "cxcywh")
 # Columns of a candidate or detection row: x1, y1, x2, y2, score, class index.
 X1, Y1, X2, Y2, SCORE, CLASS = range(6)
 
@@ -115,14 +114,7 @@ def suppress(candidates: np.ndarray, options: Suppression) -> np.ndarray:
     above it, and the rest of the work is on those (docs/performance.md, "Detection": 0.045 ms an image at 1,000
     candidates, where the loop per kept box it replaced took 0.33 ms, the same detections).
     """
-    rows = np.asarray(candidates, dtype=np.float32).reshape(-1, 6)
-    rows = rows[rows[:, SCORE] >= options.score_threshold]  # NaN scores fail this too
-    if len(rows) and not np.isfinite(rows).all():
-        rows = rows[np.isfinite(rows).all(axis=1)]
-    if options.classes is not None:
-        rows = rows[np.isin(rows[:, CLASS], np.asarray(options.classes, dtype=np.float32))]
-    if len(rows) > 1:
-        rows = rows[np.argsort(-rows[:, SCORE], kind="stable")]
+    rows = select(candidates, options.score_threshold, options.classes)
     most = options.max_detections
     if len(rows) <= 1:
         return rows[:most]
@@ -138,6 +130,18 @@ def suppress(candidates: np.ndarray, options: Suppression) -> np.ndarray:
         groups = np.split(order, np.flatnonzero(np.diff(classes[order])) + 1)
         kept = np.sort(np.concatenate([g[_nms(boxes[g], None, options.iou_threshold, most)] for g in groups]))
     return rows[kept[:most]]
+
+
+def select(rows: np.ndarray, threshold: float, classes: tuple[int, ...] | None, most: int | None = None) -> np.ndarray:
+    """The rows ``[K, 6]`` at or above ``threshold``, finite, of ``classes`` (None: all), best first, at most
+    ``most``: what :func:`suppress` suppresses, and a graph's own suppressed rows as asked (nothing suppressed)."""
+    rows = np.asarray(rows, dtype=np.float32).reshape(-1, 6)
+    rows = rows[rows[:, SCORE] >= threshold]  # NaN scores fail this too
+    if len(rows) and not np.isfinite(rows).all():
+        rows = rows[np.isfinite(rows).all(axis=1)]
+    if classes is not None:
+        rows = rows[np.isin(rows[:, CLASS], np.asarray(classes, dtype=np.float32))]
+    return (rows[np.argsort(-rows[:, SCORE], kind="stable")] if len(rows) > 1 else rows)[:most]
 
 
 # Up to this many boxes above the threshold, a plain loop over Python floats: a trained head leaves a few (4.2 an

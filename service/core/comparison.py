@@ -38,17 +38,10 @@ def wilson(agreed: int, n: int, confidence: float) -> tuple[float, float]:
 
 
 def _quantiles(values: deque[float]) -> dict[str, float | None]:
-    for _ in range(10):  # a scrape reads on its own thread while the loop appends
-        try:
-            copied = list(values)
-            break
-        except RuntimeError:
-            continue
-    else:
-        copied = []
-    if not copied:
+    # list(): one step under the GIL, though a scrape reads on its own thread while the loop appends
+    a = np.asarray(list(values), dtype=np.float64) * 1000.0
+    if not a.size:
         return {"mean": None, "p50": None, "p99": None}
-    a = np.asarray(copied, dtype=np.float64) * 1000.0
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
 
@@ -73,8 +66,6 @@ class Comparison:
         self.moved: dict[tuple[int, int], int] = {}  # (primary top-1, candidate top-1) -> count, where they differ
         self.primary_s: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.candidate_s: deque[float] = deque(maxlen=LATENCY_WINDOW)
-        self._primary_total = 0.0
-        self._candidate_total = 0.0
         # (version, batch size) -> [seconds per image summed, images]: the latency ratio compares like with like
         # (a shadow computes alone, in small batches, beside a primary's larger ones).
         self._by_size: dict[tuple[str, int], list[float]] = {}
@@ -127,8 +118,6 @@ class Comparison:
         """Each version's compute seconds per image for ``n`` compared images, by batch size."""
         self.primary_s.extend([primary_s] * n)
         self.candidate_s.extend([candidate_s] * n)
-        self._primary_total += primary_s * n
-        self._candidate_total += candidate_s * n
         for version, size, seconds in (("p", sizes[0], primary_s), ("c", sizes[1], candidate_s)):
             into = self._by_size.setdefault((version, size), [0.0, 0])
             into[0] += seconds * n
@@ -159,7 +148,8 @@ class Comparison:
         ]
         if ratios:  # per batch size both versions computed, weighted by the candidate's images at each
             return sum(n * r for n, r in ratios) / sum(n for n, _ in ratios)
-        return self._candidate_total / self._primary_total if self._primary_total > 0 else None
+        primary, candidate = (sum(t for (v, _), (t, _) in by_size.items() if v == version) for version in "pc")
+        return candidate / primary if primary > 0 else None
 
     def interval(self) -> tuple[float, float]:
         return wilson(self.agreed, self.samples, self.confidence)

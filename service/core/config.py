@@ -211,16 +211,11 @@ ROLLOUT_SETTINGS: dict[str, Setting] = {
     "shadow_timeout_ms": Setting("a number > 0", check=lambda v: v > 0),
 }
 
-for _struct, _declared in ((ModelConfig, SETTINGS), (Faults, FAULT_SETTINGS), (RolloutConfig, ROLLOUT_SETTINGS)):
+# Each struct's settings, by the ModelConfig field that holds it ("": ModelConfig's own).
+TABLES = {"": (ModelConfig, SETTINGS), "faults": (Faults, FAULT_SETTINGS), "rollout": (RolloutConfig, ROLLOUT_SETTINGS)}
+for _struct, _declared in TABLES.values():
     if tuple(_declared) != _struct.__struct_fields__:  # a field added to one and not the other fails at import
         raise AssertionError(f"{_struct.__name__}'s fields and their settings differ: {_struct.__struct_fields__}")
-
-
-def _check_rules(settings: Any, declared: dict[str, Setting], source: str, prefix: str = "") -> None:
-    for field, setting in declared.items():
-        value = getattr(settings, field)
-        if setting.check is not None and (isinstance(value, bool) or not setting.check(value)):
-            raise ConfigError(f"{prefix}{field} must be {setting.allowed}, got {value!r} ({source})")
 
 
 def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
@@ -239,15 +234,17 @@ def parse_config(raw: dict[str, Any], *, source: str) -> ModelConfig:
         field = match.group(1) if match else "?"
         allowed = SETTINGS[field].allowed if field in SETTINGS else "valid"
         raise ConfigError(f"{field} must be {allowed}, got {raw.get(field)!r} ({source})") from exc
-    _check_rules(config, SETTINGS, source)
-    _check_rules(config.faults, FAULT_SETTINGS, source, prefix="faults.")
-    _check_rules(config.rollout, ROLLOUT_SETTINGS, source, prefix="rollout.")
-    for size in config.preferred_batch_sizes:
-        if not 1 <= size <= config.max_batch_size:
-            raise ConfigError(
-                f"preferred_batch_sizes entries must be between 1 and max_batch_size ({config.max_batch_size}), "
-                f"got {list(config.preferred_batch_sizes)} ({source})"
-            )
+    for table, (_, declared) in TABLES.items():
+        settings, prefix = (getattr(config, table), f"{table}.") if table else (config, "")
+        for field, setting in declared.items():
+            value = getattr(settings, field)
+            if setting.check is not None and (isinstance(value, bool) or not setting.check(value)):
+                raise ConfigError(f"{prefix}{field} must be {setting.allowed}, got {value!r} ({source})")
+    if not all(1 <= size <= config.max_batch_size for size in config.preferred_batch_sizes):
+        raise ConfigError(
+            f"preferred_batch_sizes entries must be between 1 and max_batch_size ({config.max_batch_size}), "
+            f"got {list(config.preferred_batch_sizes)} ({source})"
+        )
     if config.precision in ("fp16", "bf16") and config.device == "cpu":
         raise ConfigError(f"precision {config.precision} needs a GPU, but device is 'cpu' ({source})")
     return config
@@ -301,10 +298,9 @@ def default_config_text(max_batch_size: int = 32) -> str:
     defaults = msgspec.to_builtins(ModelConfig(max_batch_size=max_batch_size))
     lines = ["# Serving settings for this model (all optional; these are the defaults)."]
     for field, setting in SETTINGS.items():
-        if field in ("faults", "rollout"):
-            table = FAULT_SETTINGS if field == "faults" else ROLLOUT_SETTINGS
+        if field in TABLES:
             # "\0" holds each "name = value" on one line when the comment wraps.
-            names = ", ".join(f"{k}\0=\0{toml_value(v)}" for k, v in defaults[field].items() if k in table)
+            names = ", ".join(f"{k}\0=\0{toml_value(v)}" for k, v in defaults[field].items() if k in TABLES[field][1])
             lines += _commented(f"# [{field}]", f"{setting.doc}: {names}")
         else:
             lines += _commented(f"{field} = {toml_value(defaults[field])}", setting.doc)

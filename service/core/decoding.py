@@ -25,28 +25,26 @@ from typing import Any
 
 import numpy as np
 
-from service.core.boxes import Transform, letterbox_geometry
+from service.core.boxes import Transform
 from service.core.errors import BadInputError, OverloadedError, VisionServeError
 from service.core.preprocess import (
     DEFAULT_LIMITS,
     ImageLimits,
-    crop_box,
     decode_cost,
     decode_transformed,
     open_image,
     orientation,
-    resized_size,
+    placement,
 )
 from service.core.spec import ModelSpec
 
 Decoded = np.ndarray | VisionServeError
+LARGE_IMAGE_PIXELS = 4_000_000  # serve's --large-image-pixels default
+GPU_JPEG_MODES = ("RGB", "L", "YCbCr")  # PIL's modes for JPEGs nvJPEG decodes correctly to RGB/Y
 
 
 def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
-
-
-LARGE_IMAGE_PIXELS = 4_000_000
 
 
 class DecodeFuture(Future[np.ndarray]):
@@ -61,14 +59,14 @@ class DecodeFuture(Future[np.ndarray]):
         self.finished = self.submitted
         self.transform: Transform | None = None
 
-    def decoded(self, done: tuple[np.ndarray, Transform]) -> None:
-        """Set the result: the pixels, and the transform beside them."""
-        self.transform = done[1]
-        self.stamp_finished()
-        self.set_result(done[0])
-
-    def stamp_finished(self) -> None:
+    def settle(self, outcome: tuple[np.ndarray, Transform] | Exception) -> None:
+        """Stamp the end and set the result (the pixels, the transform beside them) or the exception."""
         self.finished = time.perf_counter()
+        if isinstance(outcome, Exception):
+            self.set_exception(outcome)
+        else:
+            self.transform = outcome[1]
+            self.set_result(outcome[0])
 
 
 class Preprocessor:
@@ -124,17 +122,15 @@ class Preprocessor:
                     self._large_pending += 1
                 self._large.submit(self._decode_large, img, result)
                 return
-            result.decoded(decode_transformed(img, self.spec))
+            result.settle(decode_transformed(img, self.spec))
         except Exception as exc:
-            result.stamp_finished()
-            result.set_exception(exc)
+            result.settle(exc)
 
     def _decode_large(self, img: Any, result: DecodeFuture) -> None:
         try:
-            result.decoded(decode_transformed(img, self.spec))
+            result.settle(decode_transformed(img, self.spec))
         except Exception as exc:
-            result.stamp_finished()
-            result.set_exception(exc)
+            result.settle(exc)
         finally:
             with self._large_lock:
                 self._large_pending -= 1
@@ -156,16 +152,9 @@ def _outcome(future: DecodeFuture) -> Decoded:
         return exc
 
 
-def is_jpeg(data: bytes) -> bool:
-    return data[:3] == b"\xff\xd8\xff"
-
-
 def has_jpeg_end(data: bytes) -> bool:
     """Whether the file ends with the end-of-image marker (some writers pad after it)."""
     return data.rstrip(b"\x00\r\n ")[-2:] == b"\xff\xd9"
-
-
-GPU_JPEG_MODES = ("RGB", "L", "YCbCr")  # PIL's modes for JPEGs nvJPEG decodes correctly to RGB/Y
 
 
 class GpuJpegDecoder:
@@ -186,12 +175,11 @@ class GpuJpegDecoder:
 
     def _upright(self, image: Any, turn: int) -> Any:
         """``image`` (C, H, W) as a viewer shows it: PIL's transpose for each EXIF orientation, on the device."""
-        torch = self.torch
         if turn in (5, 7):  # transpose, transverse: the axes swapped (transverse also turned half round)
             image = image.transpose(1, 2)
             return image.flip(1, 2) if turn == 7 else image
         if turn in (6, 8):  # rotate 270 / 90 counter-clockwise
-            return torch.rot90(image, k=1 if turn == 8 else -1, dims=(1, 2))
+            return self.torch.rot90(image, k=1 if turn == 8 else -1, dims=(1, 2))
         flips = {2: (2,), 3: (1, 2), 4: (1,)}.get(turn)
         return image.flip(flips) if flips else image
 
@@ -208,18 +196,14 @@ class GpuJpegDecoder:
         spec = self.spec
         _, h, w = image.shape
         in_w, in_h = spec.input.width, spec.input.height
-        if spec.resize == "letterbox":
-            new_w, new_h, left, top = letterbox_geometry(w, h, in_w, in_h)
-            out = self.torch.full((image.shape[0], in_h, in_w), spec.pad_value, dtype=self.torch.uint8,
-                                  device=image.device)  # fmt: skip
-            out[:, top : top + new_h, left : left + new_w] = self._resize(image, new_h, new_w)
-            return out, Transform(w, h, new_w / w, new_h / h, float(left), float(top))
-        if spec.resize == "stretch":
-            return self._resize(image, in_h, in_w), Transform(w, h, in_w / w, in_h / h)
-        new_w, new_h = resized_size(w, h, spec.resize_size)
-        left, top, right, bottom = crop_box(new_w, new_h, in_h, in_w)
-        crop = self._resize(image, new_h, new_w)[:, top:bottom, left:right]
-        return crop, Transform(w, h, new_w / w, new_h / h, float(-left), float(-top))
+        new_w, new_h, x, y = placement(spec, w, h)
+        resized = self._resize(image, new_h, new_w)
+        transform = Transform(w, h, new_w / w, new_h / h, float(x), float(y))
+        if spec.resize != "letterbox":  # a centre crop's window (x, y <= 0), or the whole of a stretch
+            return resized[:, -y : in_h - y, -x : in_w - x], transform
+        out = self.torch.full((image.shape[0], in_h, in_w), spec.pad_value, dtype=self.torch.uint8, device=image.device)
+        out[:, y : y + new_h, x : x + new_w] = resized
+        return out, transform
 
     def decode_many(self, images: Sequence[bytes], cpu: Preprocessor) -> list[Decoded]:
         """JPEGs on the GPU in one batch; everything else (and any JPEG that fails there) through ``cpu``."""
@@ -232,7 +216,7 @@ class GpuJpegDecoder:
         out: list[tuple[Decoded, Transform | None] | None] = [None] * len(images)
         jpegs: list[tuple[int, int]] = []  # (index, EXIF orientation)
         for i, data in enumerate(images):
-            if is_jpeg(data):
+            if data[:3] == b"\xff\xd8\xff":  # a JPEG
                 try:
                     header = open_image(data, self.limits)  # header checks (format, pixel limit) stay on the CPU
                 except BadInputError as exc:

@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
-from service.core.boxes import Suppression, suppress
+from service.core.boxes import Suppression, select, suppress
 from service.core.errors import ConfigError
 
 Layout = Literal["candidates", "yolo", "yolov5", "end2end", "efficientnms", "yolo-seg"]
@@ -157,16 +157,6 @@ def top_rows(rows: list[np.ndarray], k: int) -> np.ndarray:
         best = image[np.argsort(-image[:, 4], kind="stable")[:k]]
         out[i, : len(best)] = best
     return out
-
-
-def select(rows: np.ndarray, score_threshold: float, classes: Sequence[int] | None, most: int) -> np.ndarray:
-    """A graph's own suppressed rows, as asked: those at or above ``score_threshold`` of ``classes`` (None: all),
-    best first, at most ``most``; nothing suppressed."""
-    rows = np.asarray(rows, dtype=np.float32).reshape(-1, 6)
-    rows = rows[(rows[:, 4] >= score_threshold) & np.isfinite(rows).all(axis=1)]
-    if classes is not None:
-        rows = rows[np.isin(rows[:, 5], np.asarray(classes, dtype=np.float32))]
-    return rows[np.argsort(-rows[:, 4], kind="stable")[:most]]
 
 
 def keep(layout: str | None, rows: np.ndarray, options: Suppression) -> np.ndarray:

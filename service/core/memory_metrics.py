@@ -5,17 +5,23 @@ plain counts the engine keeps (a Prometheus call per request costs throughput: d
 from __future__ import annotations
 
 import bisect
-import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from service.core.metrics import ScrapeCollector
+from service.core.metrics import ScrapeCollector, le_buckets
 
 # A cold start is a load: 10 ms to about 3 minutes.
 COLD_START_BUCKETS = tuple(round(0.01 * 1.5**k, 4) for k in range(25))
+# The counters, by the snapshot's key: loads and evictions by model and reason, hits and misses by model.
+COUNTERS = (
+    ("loads", "visionserve_model_loads", "Model loads, by reason (startup, on_demand, explicit)"),
+    ("evictions", "visionserve_model_evictions", "Models taken out of memory, by reason (lru, unload)"),
+    ("hits", "visionserve_model_residency_hits", "Requests that found their model resident"),
+    ("misses", "visionserve_model_residency_misses", "Requests that waited for their model's load"),
+)
 
 
 class ResidencyCollector(ScrapeCollector):
@@ -43,14 +49,13 @@ class ResidencyCollector(ScrapeCollector):
             used.add_metric([device], charged)
             budget.add_metric([device], limit)
         yield from (per_model, used, budget)
-        yield _counter("visionserve_model_loads", "Model loads, by reason (startup, on_demand, explicit)",
-                       ("model", "reason"), snap["loads"])  # fmt: skip
-        yield _counter("visionserve_model_evictions", "Models taken out of memory, by reason (lru, unload)",
-                       ("model", "reason"), snap["evictions"])  # fmt: skip
-        yield _counter("visionserve_model_residency_hits", "Requests that found their model resident", ("model",),
-                       {(k,): v for k, v in snap["hits"].items()})  # fmt: skip
-        yield _counter("visionserve_model_residency_misses", "Requests that waited for their model's load",
-                       ("model",), {(k,): v for k, v in snap["misses"].items()})  # fmt: skip
+        for key, name, text in COUNTERS:
+            counter = CounterMetricFamily(
+                name, text, labels=("model", "reason") if key in ("loads", "evictions") else ("model",)
+            )
+            for labels, value in sorted(snap[key].items()):
+                counter.add_metric(list(labels) if isinstance(labels, tuple) else [labels], value)
+            yield counter
         yield cold
 
     def _cold_starts(self, samples: list[tuple[str, float]]) -> Metric:
@@ -60,14 +65,6 @@ class ResidencyCollector(ScrapeCollector):
             counts[-1] += seconds
         family = HistogramMetricFamily("visionserve_cold_start_duration_seconds", "How long a request waited for "
                                        "its model's load (on-demand models)", labels=("model",))  # fmt: skip
-        bounds = (*map(str, COLD_START_BUCKETS), "+Inf")
         for model, counts in sorted(self._cold.items()):
-            family.add_metric([model], list(zip(bounds, itertools.accumulate(counts[:-1]), strict=True)), counts[-1])
+            family.add_metric([model], le_buckets(counts[:-1], COLD_START_BUCKETS), counts[-1])
         return family
-
-
-def _counter(name: str, documentation: str, labels: tuple[str, ...], values: dict[Any, int]) -> Metric:
-    family = CounterMetricFamily(name, documentation, labels=labels)
-    for key, value in sorted(values.items()):
-        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
-    return family

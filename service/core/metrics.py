@@ -168,25 +168,20 @@ def merge_request_states(states: Iterable[RequestState]) -> list[RequestState]:
     """Sum the states of several processes per label set."""
     merged: dict[tuple[str, str, str, str], RequestState] = {}
     for state in states:
-        seen = merged.get(state.labels)
-        if seen is None:
-            merged[state.labels] = state
-            continue
-        merged[state.labels] = RequestState(
-            state.labels,
-            [a + b for a, b in zip(seen.outcomes, state.outcomes, strict=True)],
-            [_added(x, y) for x, y in zip(seen.stages, state.stages, strict=True)],
-            _added(seen.detections, state.detections) if seen.detections and state.detections
-            else seen.detections or state.detections,
-        )  # fmt: skip
+        if (seen := merged.get(state.labels)) is not None:
+            state = RequestState(
+                state.labels,
+                [a + b for a, b in zip(seen.outcomes, state.outcomes, strict=True)],
+                [_added(x, y) for x, y in zip(seen.stages, state.stages, strict=True)],
+                _added(seen.detections, state.detections) if seen.detections and state.detections
+                else seen.detections or state.detections,
+            )  # fmt: skip
+        merged[state.labels] = state
     return list(merged.values())
 
 
 def _added(x: StageState, y: StageState) -> StageState:
     return StageState([a + b for a, b in zip(x.counts, y.counts, strict=True)], x.sum + y.sum)
-
-
-_UNSTAGED = (NOT_OBSERVED,) * len(STAGES)
 
 
 class RequestRecorder(_Folding):
@@ -213,7 +208,7 @@ class RequestRecorder(_Folding):
         preprocess_s: float,
         queue_s: float,
         postprocess_s: float,
-        stages: tuple[float, ...] = _UNSTAGED,
+        stages: tuple[float, ...] = (NOT_OBSERVED,) * len(STAGES),
     ) -> None:
         """One request, once, however it ended; ``NOT_OBSERVED`` for a stage it never reached; ``stages``: the
         :data:`STAGES` durations of an answered request."""
@@ -330,8 +325,7 @@ class Metrics(ScrapeCollector):
 
     def request_snapshot(self) -> list[RequestState]:
         """This process's requests so far (every recorder folded first)."""
-        requests, _ = self.recorders()
-        return [r.state() for r in requests]
+        return [r.state() for r in self.recorders()[0]]
 
     def recorders(self) -> tuple[list[RequestRecorder], list[BatchRecorder]]:
         """Every recorder, each folded first: what they hold is then every record made before this call."""

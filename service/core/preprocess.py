@@ -121,6 +121,19 @@ def preprocess_pil(img: Image.Image, spec: ModelSpec) -> np.ndarray:
     return prepare(img, spec)[0]
 
 
+def placement(spec: ModelSpec, width: int, height: int) -> tuple[int, int, int, int]:
+    """(new_w, new_h, x, y): the size ``spec``'s resize gives a ``width`` x ``height`` image and where its corner lands
+    in the input (a letterbox's padding; minus a centre crop's corner; 0 for a stretch)."""
+    in_w, in_h = spec.input.width, spec.input.height
+    if spec.resize == "letterbox":
+        return letterbox_geometry(width, height, in_w, in_h)
+    if spec.resize == "stretch":
+        return in_w, in_h, 0, 0
+    new_w, new_h = resized_size(width, height, spec.resize_size)
+    left, top, _, _ = crop_box(new_w, new_h, in_h, in_w)
+    return new_w, new_h, -left, -top
+
+
 def prepare(img: Image.Image, spec: ModelSpec, size: tuple[int, int] | None = None) -> tuple[np.ndarray, Transform]:
     """:func:`preprocess_pil`, and the image's :class:`Transform` from ``size`` (the original's width and height as
     a viewer shows it, where ``img`` was decoded smaller; default ``img.size``) to the input."""
@@ -129,33 +142,24 @@ def prepare(img: Image.Image, spec: ModelSpec, size: tuple[int, int] | None = No
         img = img.convert(mode)
     width, height = size or img.size
     in_w, in_h = spec.input.width, spec.input.height
-    resample = RESAMPLE[spec.interpolation]
-    if spec.resize == "letterbox":
-        new_w, new_h, left, top = letterbox_geometry(width, height, in_w, in_h)
-        if (new_w, new_h) != img.size:
-            img = img.resize((new_w, new_h), resample)
-        out = np.full((spec.input.channels, in_h, in_w), spec.pad_value, dtype=np.uint8)
-        arr = np.asarray(img, dtype=np.uint8)
-        out[:, top : top + new_h, left : left + new_w] = arr[np.newaxis] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-        return out, Transform(width, height, new_w / width, new_h / height, float(left), float(top))
-    if spec.resize == "stretch":
-        if (in_w, in_h) != img.size:
-            img = img.resize((in_w, in_h), resample)
-        return _chw(img), Transform(width, height, in_w / width, in_h / height)
-    new_w, new_h = resized_size(img.width, img.height, spec.resize_size)
+    # A centre crop is sized from the decoded image (JPEG draft decoding may have shrunk it), others from the original.
+    new_w, new_h, x, y = placement(spec, *(img.size if spec.resize == "center_crop" else (width, height)))
     if (new_w, new_h) != img.size:
-        img = img.resize((new_w, new_h), resample)
-    box = crop_box(new_w, new_h, in_h, in_w)
-    if box != (0, 0, new_w, new_h):
-        img = img.crop(box)
-    return _chw(img), Transform(width, height, new_w / width, new_h / height, float(-box[0]), float(-box[1]))
+        img = img.resize((new_w, new_h), RESAMPLE[spec.interpolation])
+    transform = Transform(width, height, new_w / width, new_h / height, float(x), float(y))
+    if spec.resize == "letterbox":
+        out = np.full((spec.input.channels, in_h, in_w), spec.pad_value, dtype=np.uint8)
+        out[:, y : y + new_h, x : x + new_w] = _chw(img)
+        return out, transform
+    if (x, y, in_w, in_h) != (0, 0, new_w, new_h):  # a centre crop that cuts something off
+        img = img.crop((-x, -y, in_w - x, in_h - y))
+    return _chw(img).copy(), transform
 
 
 def _chw(img: Image.Image) -> np.ndarray:
+    """The image's pixels as a (C, H, W) view."""
     arr = np.asarray(img, dtype=np.uint8)
-    if arr.ndim == 2:
-        return arr[np.newaxis, :, :].copy()
-    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+    return arr[np.newaxis] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 
 def orientation(img: Image.Image) -> int:
@@ -171,10 +175,7 @@ def orientation(img: Image.Image) -> int:
 
 
 def preprocess_image(data: bytes, spec: ModelSpec, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
-    """Decode encoded image bytes and preprocess them for ``spec``: uint8 array (C, H, W).
-
-    Raises :class:`BadInputError` (or a subclass) for this image alone.
-    """
+    """Decode encoded image bytes and preprocess them for ``spec``: uint8 (C, H, W), or a BadInputError (its own)."""
     return decode_opened(open_image(data, limits), spec)
 
 

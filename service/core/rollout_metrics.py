@@ -10,9 +10,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
 
-from service.core.metrics import ScrapeCollector
+from service.core.metrics import ScrapeCollector, le_buckets
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +83,7 @@ def _add_histogram(family: Metric, model: str, shift: dict[str, Any] | None, sam
         log.warning("rollout of %s: score_shift has %d edges and %d counts; not exported", model, len(edges),
                     len(counts))  # fmt: skip
         return
-    running = 0.0
-    for edge, count in zip(edges[1:], counts, strict=True):
-        running += count
-        family.add_sample(family.name + "_bucket", {"model": model, "le": floatToGoString(edge)}, running)
-    family.add_sample(family.name + "_bucket", {"model": model, "le": "+Inf"}, running)
+    for le, running in le_buckets([*counts, 0], tuple(edges[1:])):  # +Inf: every sample
+        family.add_sample(family.name + "_bucket", {"model": model, "le": le}, running)
     family.add_sample(family.name + "_count", {"model": model}, running)
     family.add_sample(family.name + "_sum", {"model": model}, (shift.get("mean") or 0.0) * (samples or 0))

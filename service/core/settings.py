@@ -101,38 +101,30 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     ] = False
 
     def __post_init__(self) -> None:
-        positive = "max_body_bytes max_images_per_request max_pixels max_header_bytes large_image_pixels decode_workers"
+        positive = (
+            "max_body_bytes max_images_per_request max_pixels max_header_bytes large_image_pixels decode_workers "
+            "source_max_pixels max_parallel_loads"
+        )
         for name in positive.split():
             if (value := getattr(self, name)) is not None and value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value}")
         for name in ("engine_timeout_s", "header_timeout_s", "body_timeout_s", "stream_send_timeout_s",
-                     "source_connect_timeout_s", "source_read_timeout_s"):  # fmt: skip
+                     "source_connect_timeout_s", "source_read_timeout_s", "cold_start_limit_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("min_body_bytes_per_s", "drain_timeout_s"):
+        for name in ("min_body_bytes_per_s", "drain_timeout_s", "max_sources", "min_residency_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be between 0 and 65535, got {self.port}")
-        if not 0 <= self.grpc_port <= 65535:
-            raise ConfigError(f"grpc_port must be between 0 and 65535 (0: no gRPC), got {self.grpc_port}")
+        for name, note in (("port", ""), ("grpc_port", " (0: no gRPC)")):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(f"{name} must be between 0 and 65535{note}, got {getattr(self, name)}")
         if self.grpc_port and self.grpc_port == self.port:
             raise ConfigError(f"grpc_port and port must differ, both are {self.port}")
         from service.core.preprocess import pil_max_pixels  # PIL only once settings are checked
 
         if self.max_pixels > pil_max_pixels():
             raise ConfigError(f"max_pixels must be at most {pil_max_pixels()} (PIL's own limit), got {self.max_pixels}")
-        if self.max_sources < 0 or self.source_max_pixels < 1:
-            raise ConfigError(
-                f"max_sources must be >= 0 and source_max_pixels >= 1, got {self.max_sources} and "
-                f"{self.source_max_pixels}"
-            )
         parse_budget(self.memory_budget)
-        if self.min_residency_s < 0 or self.cold_start_limit_s <= 0 or self.max_parallel_loads < 1:
-            raise ConfigError(
-                "min_residency_s must be >= 0, cold_start_limit_s > 0 and max_parallel_loads >= 1, got "
-                f"{self.min_residency_s}, {self.cold_start_limit_s} and {self.max_parallel_loads}"
-            )
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B?|B)?\s*$", re.IGNORECASE)

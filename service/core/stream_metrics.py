@@ -85,18 +85,16 @@ def merge_stream_states(states: Iterable[StreamState]) -> dict[str, StreamState]
     """Several front ends' states summed per model."""
     merged: dict[str, StreamState] = {}
     for state in states:
-        seen = merged.get(state.model)
-        if seen is None:
-            merged[state.model] = state
-            continue
-        if len(seen.ages) != len(state.ages):  # a front end of another build: its frames still count
-            log.warning("stream ages of %s: %d buckets and %d; the latter left out", state.model, len(seen.ages),
-                        len(state.ages))  # fmt: skip
-            ages = seen.ages
-        else:
-            ages = [a + b for a, b in zip(seen.ages, state.ages, strict=True)]
-        frames = {k: seen.frames.get(k, 0) + state.frames.get(k, 0) for k in {*seen.frames, *state.frames}}
-        merged[state.model] = StreamState(state.model, frames, ages, seen.open + state.open)
+        if (seen := merged.get(state.model)) is not None:
+            if len(seen.ages) != len(state.ages):  # a front end of another build: its frames still count
+                log.warning("stream ages of %s: %d buckets and %d; the latter left out", state.model, len(seen.ages),
+                            len(state.ages))  # fmt: skip
+                ages = seen.ages
+            else:
+                ages = [a + b for a, b in zip(seen.ages, state.ages, strict=True)]
+            frames = {k: seen.frames.get(k, 0) + state.frames.get(k, 0) for k in {*seen.frames, *state.frames}}
+            state = StreamState(state.model, frames, ages, seen.open + state.open)
+        merged[state.model] = state
     return merged
 
 
