@@ -66,5 +66,4 @@ class DigitSeg(DigitDet):
 
     def candidates(self, x: torch.Tensor) -> torch.Tensor:
         """The detector's rows ``[N, K, 6]`` (its boxes judged as the detector's are)."""
-        logits, size, offset, *_ = self.heads(x)
-        return decode(logits, size, offset, max_detections=self.max_detections, input_hw=x.shape[-2:])
+        return decode(*self.heads(x)[:3], max_detections=self.max_detections, input_hw=x.shape[-2:])

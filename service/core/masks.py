@@ -1,17 +1,11 @@
-"""Instance masks in the image's own pixels, and their encodings (COCO's compressed RLE, PNG). numpy only.
+"""Instance masks in the image's own pixels, and their encodings (COCO's compressed RLE, polygons, PNG). numpy only.
 
-A segmenter answers each instance's mask at its own resolution (a YOLO-seg head: 32 coefficients an instance times
-32 prototypes of 160 x 160, in the letterboxed input's frame). :func:`instance_masks` brings them to the original
-image: each original pixel's centre is taken through the image's :class:`~service.core.boxes.Transform` to the
-prototypes' grid and the mask's logit is sampled there bilinearly (separably: a weight matrix per axis), the sigmoid
-thresholded at 0.5 (logit >= 0), and only the instance's box (in the image's own pixels) is filled: the mask never
-extends past its box or the image. One resampling from the model's grid to the image, never two (letterbox, then
-original), so the edges land where ultralytics' ``scale_masks`` puts them.
-
-:func:`rle` writes COCO's compressed RLE of the full image (column-major runs, first a run of zeros, each count
-written as pycocotools' ``rleToString`` writes it), exactly what ``pycocotools.mask.decode`` reads; it is built
-from the box's region alone, never from a full-size array. :func:`polygons` traces the mask's pixel edges into
-rings (COCO's polygon form, the outer rings, and its holes apart: a COCO polygon cannot hold one).
+:func:`instance_masks` brings a segmenter's masks (an instance's coefficients times the prototypes, on the grid of
+the model's input) to the original image in one bilinear resampling through the image's
+:class:`~service.core.boxes.Transform`, never two (letterbox, then original), so the edges land where ultralytics'
+``scale_masks`` puts them; only the instance's box is filled. :func:`rle` writes exactly what
+``pycocotools.mask.decode`` reads, from the box's region alone, never from a full-size array. What each protocol
+answers: docs/tasks.md, "Segmentation".
 """
 
 from __future__ import annotations

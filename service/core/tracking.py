@@ -1,22 +1,16 @@
-"""Objects tracked across a stream's frames, and counted through lines and zones (docs/tracking.md). numpy only.
+"""Objects tracked across a stream's frames, and counted through lines and zones. numpy only. What a stream asks and
+gets, how lines and zones count and why the tracker is our own: docs/tracking.md.
 
-:class:`ByteTrack` is ByteTrack's association (Zhang et al., 2022; as roboflow/trackers writes it): each frame's
-boxes split by score, the confident ones matched first to every track's predicted box by IoU, the weak ones then to
-the tracks left (so an object its detector barely sees keeps its track), a new track from a confident box matched
-to none, a track lost for longer than its buffer dropped. Two departures, both for a server that skips frames:
-time is the frames' timestamps (seconds), not their count, so a gap the latest-frame-wins policy left is a gap the
-motion model crosses; and the motion model is an alpha-beta filter on the box's corners (a Kalman filter at its
-steady state) rather than a full Kalman filter, and the matching greedy by IoU rather than Hungarian: no scipy in
-the serving install (trackers' ByteTrack with its dependencies adds 540 MB to it: docs/tracking.md).
-
-:class:`Counter` counts tracks through :class:`Line` s (a crossing when a track's anchor passes from one side to the
-other, ``in`` when the cross product ``(p2 - p1) x (a - p1)`` goes from negative to positive, image coordinates, y
-down) and :class:`Zone` s (entries, exits, occupancy, dwell), each side or inside state changing only past a dead
-band (:data:`BAND_PX`) so that a box jittering on a line counts once.
+:class:`ByteTrack` is ByteTrack's association (Zhang et al., 2022; as roboflow/trackers writes it) on the frames'
+timestamps (seconds, not their count: a gap the latest-frame-wins policy left is a gap the motion model crosses),
+with an alpha-beta filter on the box's corners and greedy matching by IoU (no scipy in the serving install).
+:class:`Counter` counts tracks through :class:`Line` s and :class:`Zone` s, a side or inside state changing only past
+a dead band (:data:`BAND_PX`) so that a box jittering on a line counts once.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from dataclasses import dataclass, field
@@ -308,9 +302,7 @@ class Counter:
         zones = {}
         for zone in self.zones:
             here = [(since, label) for (z, _), (since, label) in self.inside.items() if z == zone.id]
-            occupancy: dict[str, int] = {}
-            for _, label in here:
-                occupancy[label] = occupancy.get(label, 0) + 1
+            occupancy = dict(collections.Counter(label for _, label in here))
             dwells = self.dwells[zone.id] + ([now - since for since, _ in here] if now is not None else [])
             zones[zone.id] = {
                 "occupancy": occupancy, "entered": dict(self.entered[zone.id]), "exited": dict(self.exited[zone.id]),
@@ -364,8 +356,7 @@ def read_track(body: Any, before: TrackAsk | None, labels: tuple[str, ...], boxe
     and ``normalized`` (what it leaves out as ``before``); None: no tracking. Lines or zones track (with the
     default settings where ``track`` is not given). BadInputError names what is wrong, and tracking asked of a
     model whose answers hold no boxes (``boxes`` false)."""
-    keys = ("track", "lines", "zones", "normalized")
-    if not any(k in body for k in keys):
+    if not any(k in body for k in ("track", "lines", "zones", "normalized")):
         return before
     track = body.get("track", before.settings if before else None)
     if track is True or (track is None and (body.get("lines") or body.get("zones"))):
@@ -409,13 +400,13 @@ class Tracking:
         """A frame's answered ``rows`` (``{"box", "label", "index", "score"}``, boxes as ``how``'s options write
         them) at ``t`` seconds: each row given its ``track_id`` (None while untracked), and the frame's events."""
         boxes = xyxy([r["box"] for r in rows], how.box_format, size, how.normalized)
-        scores = np.array([r["score"] for r in rows], dtype=np.float64)
-        ids = self.tracker.update(boxes, scores, np.array([r["index"] for r in rows], dtype=np.int64), t)
+        index = np.array([r["index"] for r in rows], dtype=np.int64)
+        ids = self.tracker.update(boxes, np.array([r["score"] for r in rows], dtype=np.float64), index, t)
         for row, track in zip(rows, ids.tolist(), strict=True):
             row["track_id"] = track if track > 0 else None
         self.last_t = t
         self.names.update((int(r["index"]), str(r["label"])) for r in rows)
-        labels = [self.names.get(k, str(k)) for k in self.tracker.labels_of(ids, np.array([r["index"] for r in rows]))]
+        labels = [self.names.get(k, str(k)) for k in self.tracker.labels_of(ids, index)]
         return self.counter.update(ids.tolist(), boxes, labels, t, size, self.tracker.dropped)
 
     def answered(

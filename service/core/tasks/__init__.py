@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted, bytes_tensor
+from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted
 from service.core.tasks.classify import Classify, ClassifyOptions
 from service.core.tasks.detect import Detect, DetectOptions
 from service.core.tasks.options import Field, Options, fields
@@ -27,7 +27,6 @@ def task_named(name: str) -> type[Task]:
 
 __all__ = [
     "TASKS", "Classify", "ClassifyOptions", "Detect", "DetectOptions", "Field", "Options", "OutputSpec",
-    "OutputTensor", "Post", "Segment", "SegmentOptions", "Semantic", "SemanticOptions",
-    "Task", "Transforms", "Want", "Wanted", "bytes_tensor",
-    "fields", "task_for", "task_named",
+    "OutputTensor", "Post", "Segment", "SegmentOptions", "Semantic", "SemanticOptions", "Task", "Transforms",
+    "Want", "Wanted", "fields", "task_for", "task_named",
 ]  # fmt: skip

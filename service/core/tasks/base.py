@@ -24,6 +24,8 @@ import numpy as np
 from service.core.boxes import Transform
 from service.core.comparison import Comparison
 from service.core.config import RolloutConfig
+from service.core.errors import BadInputError
+from service.core.parameters import flag
 from service.core.status import InferResult
 from service.core.tasks.options import Options, read
 
@@ -71,20 +73,14 @@ class OutputTensor:
     strings: list[str] = field(default_factory=list)
 
     def raw(self) -> bytes:
-        """The binary form: little-endian elements, or BYTES as length-prefixed strings."""
+        """The binary form: little-endian elements, or BYTES as strings each after its 4-byte little-endian length."""
         if self.array is None:
-            return bytes_tensor(self.strings)
+            return b"".join(struct.pack("<I", len(e)) + e for e in (s.encode() for s in self.strings))
         return np.ascontiguousarray(self.array, dtype=_LITTLE_ENDIAN[self.datatype]).tobytes()
 
     def values(self) -> list[Any]:
         """The JSON form: the elements flattened row by row."""
         return self.strings if self.array is None else self.array.ravel().tolist()
-
-
-def bytes_tensor(elements: list[str]) -> bytes:
-    """The binary form of a BYTES tensor of strings: each a 4-byte little-endian length, then its UTF-8 bytes."""
-    encoded = [e.encode() for e in elements]
-    return b"".join(struct.pack("<I", len(e)) + e for e in encoded)
 
 
 @dataclass(slots=True)
@@ -101,7 +97,8 @@ class Post:
 class Task:
     """A model's task: its options, what its outputs are, which a request may ask for, and what they mean.
     A subclass sets :attr:`name` (the spec's ``task``, and the image API's route), :attr:`Options`,
-    :attr:`result_type` and :attr:`response_type` (the image API's answer), and implements the methods."""
+    :attr:`result_type`, :attr:`response_type` and :attr:`rows_field` (the image API's answer), and implements the
+    methods."""
 
     name: ClassVar[str]
     summary: ClassVar[str]  # what the image API's route does, and what it answers
@@ -109,12 +106,13 @@ class Task:
     Options: ClassVar[type[Options]]
     result_type: ClassVar[type[msgspec.Struct]]
     response_type: ClassVar[type[msgspec.Struct]]
-    # What export and the spec read: the ``output_layout`` values its graph's outputs may be read by (none: its
+    rows_field: ClassVar[str]  # the answer's list of rows (:meth:`fields`)
+    boxes_field: ClassVar[str | None] = None  # the answer's list of boxed objects, which streams may track
+    # What export and the spec read: the ``output_layout`` values its graph's outputs may be read by
     # (:mod:`service.core.layouts`), the output an export of ours names, what export's parity and INT8 gates judge
     # (``top1``: logits and top-1 classes; ``boxes``: matched boxes), and an outside model's preprocessing unless
     # told (``unit_input``: x / 255, mean 0 and std 1, rather than ImageNet's normalisation).
     layouts: ClassVar[tuple[str, ...]] = ()
-    boxes_field: ClassVar[str | None] = None  # the answer's list of boxed objects, which streams may track
     output_name: ClassVar[str]
     output_names: ClassVar[tuple[str, ...]]  # the v2 outputs it answers (how a client tells the task of a model)
     gate: ClassVar[str]
@@ -145,9 +143,21 @@ class Task:
         raise NotImplementedError
 
     def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
-        """The v2 outputs a request names (its default when it names none), each parameter checked; ``binary``:
+        """The v2 outputs a request names (all it answers when it names none), each parameter checked; ``binary``:
         the request's ``binary_data_output``, which an output's ``binary_data`` overrides."""
-        raise NotImplementedError
+        wanted = []
+        for i, (name, params) in enumerate(outputs or [(name, {}) for name in self.output_names]):
+            if name not in self.output_names:
+                raise BadInputError(f"unknown output {name!r}: this model has {' and '.join(self.output_names)}")
+            where = f"outputs[{i}].parameters"
+            k = self.classification(params.get("classification"), f"{where}.classification")
+            wanted.append(Wanted(name, k, flag(f"{where}.binary_data", params.get("binary_data"), binary)))
+        return tuple(wanted)
+
+    def classification(self, k: Any, where: str) -> int | None:
+        """An output's ``classification`` parameter (``where``), checked: the k of Triton's classification extension
+        (None: the tensor itself). A task without the extension ignores it."""
+        return None
 
     @classmethod
     def named_outputs(cls, options: Any, given: Collection[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -166,7 +176,8 @@ class Task:
 
     def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
         """One image's answer as streams and sources send it (``shown``: the image's transform, its size)."""
-        raise NotImplementedError
+        assert shown is not None  # a decoded image has its transform (the image of the rows' boxes or masks)
+        return {self.rows_field: rows, "width": shown.width, "height": shown.height}
 
     def result(self, name: str | None, rows: list[dict[str, Any]], shown: Transform | None) -> msgspec.Struct:
         """One image's answer in the image API (:attr:`result_type`; an error is ``result_type(error=...)``)."""

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from service.core.boxes import Suppression, iou_matrix, match
+from service.core.boxes import iou_matrix, match
 from service.core.comparison import SHIFT_EDGES, Comparison
+from service.core.config import RolloutConfig
 from service.core.layouts import image_rows, keep
 from service.core.status import InferResult
 
@@ -29,10 +30,8 @@ def box_f1(
 ) -> tuple[float, np.ndarray, np.ndarray]:
     """(F1, the matched pairs' IoU, the matched pairs' score shift) of one image's kept rows ``[M, 6]``;
     ``overlaps``: each candidate row's IoU with each primary row where not their boxes' (a segmenter's masks')."""
-    if len(primary) == 0 and len(candidate) == 0:
-        return 1.0, np.zeros(0), np.zeros(0)
-    if len(primary) == 0 or len(candidate) == 0:
-        return 0.0, np.zeros(0), np.zeros(0)
+    if len(primary) == 0 or len(candidate) == 0:  # agreeing when neither found any
+        return float(len(primary) == len(candidate)), np.zeros(0), np.zeros(0)
     rows, cols = match(candidate, primary, MATCH_IOU, overlaps)  # best scored first, each to its best free partner
     if overlaps is None:
         overlaps = iou_matrix(candidate[:, :4], primary[:, :4])
@@ -44,23 +43,22 @@ def box_f1(
 class BoxComparison(Comparison):
     """:class:`Comparison` for detectors: the same counts, latencies and verdict, agreement judged on boxes."""
 
-    def __init__(
-        self, labels: list[str], *, confidence: float, min_box_f1: float, layout: str | None, options: Suppression
-    ) -> None:
-        super().__init__(labels, confidence=confidence)
-        self.measure = "box agreement"
-        self.what = "boxes'"
-        self.min_box_f1 = min_box_f1
-        self.layout = layout
-        self.options = options  # the model's defaults: both versions' boxes as the server answers them
+    measure = "box agreement"
+    what = "boxes'"
+
+    def __init__(self, task: Any, config: RolloutConfig) -> None:  # a Detect (or Segment): its labels, layout, default
+        super().__init__(list(task.labels), confidence=config.confidence)
+        self.task = task
+        self.min_box_f1 = config.min_box_f1
+        self.options = task.default  # the model's defaults: both versions' boxes as the server answers them
         self.f1_sum = 0.0
         self.pairs = 0
         self.iou_counts = [0] * (len(IOU_EDGES) - 1)
 
     def rows(self, result: InferResult, ok: list[int]) -> list[np.ndarray]:  # type: ignore[override]
         outputs = {name: array[ok] for name, array in result.outputs.items()}
-        found = image_rows(self.layout, outputs, len(self.labels), self.options.score_threshold)
-        return [keep(self.layout, rows, self.options) for rows in found]
+        found = image_rows(self.task.layout, outputs, len(self.labels), self.options.score_threshold)
+        return [keep(self.task.layout, rows, self.options) for rows in found]
 
     def record(  # type: ignore[override]
         self,
@@ -79,13 +77,10 @@ class BoxComparison(Comparison):
             self.f1_sum += f1
             self.agreed += int(f1 >= self.min_box_f1)
             self.pairs += len(ious)
-            for bucket in np.clip(np.searchsorted(IOU_EDGES, ious, side="right") - 1, 0, len(self.iou_counts) - 1):
-                self.iou_counts[int(bucket)] += 1
             self.shift_sum += float(shifts.sum())
-            for bucket in np.clip(
-                np.searchsorted(SHIFT_EDGES, shifts, side="right") - 1, 0, len(self.shift_counts) - 1
-            ):
-                self.shift_counts[int(bucket)] += 1
+            for counts, edges, values in ((self.iou_counts, IOU_EDGES, ious), (self.shift_counts, SHIFT_EDGES, shifts)):
+                for bucket in np.clip(np.searchsorted(edges, values, side="right") - 1, 0, len(counts) - 1):
+                    counts[int(bucket)] += 1
         self.samples += n
         self.record_times(n, primary_s, candidate_s, sizes)
 

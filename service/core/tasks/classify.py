@@ -13,8 +13,7 @@ from service.core.answers import ClassifyResponse, ImageResult
 from service.core.boxes import Transform
 from service.core.comparison import Comparison
 from service.core.config import RolloutConfig
-from service.core.errors import BadInputError
-from service.core.parameters import MAX_TOP_K, classification_k, flag
+from service.core.parameters import MAX_TOP_K, classification_k
 from service.core.scores import classification_strings, predictions, softmax
 from service.core.status import InferResult
 from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted
@@ -39,25 +38,13 @@ class Classify(Task):
     gate = "top1"
     result_type = ImageResult
     response_type = ClassifyResponse
-
-    def __init__(self, spec: Any) -> None:
-        super().__init__(spec)
-        self.classes = len(spec.labels)
+    rows_field = "predictions"
 
     def outputs(self) -> list[OutputSpec]:
-        return [OutputSpec(LOGITS, "FP32", [self.classes])]
+        return [OutputSpec(LOGITS, "FP32", [len(self.labels)])]
 
-    def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
-        wanted = []
-        for i, (name, params) in enumerate(outputs or [(LOGITS, {})]):
-            if name != LOGITS:
-                raise BadInputError(f"unknown output {name!r}: this model has LOGITS")
-            where = f"outputs[{i}].parameters"
-            k = params.get("classification")
-            if k is not None:
-                k = classification_k(k, self.classes, f"{where}.classification")
-            wanted.append(Wanted(name, k, flag(f"{where}.binary_data", params.get("binary_data"), binary)))
-        return tuple(wanted)
+    def classification(self, k: Any, where: str) -> int | None:
+        return None if k is None else classification_k(k, len(self.labels), where)
 
     @classmethod
     def named_outputs(cls, options: Any, given: Collection[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -75,7 +62,7 @@ class Classify(Task):
         return Comparison(list(self.labels), confidence=config.confidence)  # top-1 classes
 
     def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
-        return {"predictions": rows}
+        return {self.rows_field: rows}  # no size: a class is of the whole image
 
     def _tensor(self, logits: np.ndarray, out: Wanted) -> OutputTensor:
         if out.k is None:

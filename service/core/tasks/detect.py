@@ -14,16 +14,15 @@ import msgspec
 import numpy as np
 
 from service.core.answers import DetectResponse, DetectResult
-from service.core.boxes import Transform, identity, listed, to_original
+from service.core.boxes import identity, listed, to_original
 from service.core.comparison import Comparison
 from service.core.config import RolloutConfig
 from service.core.errors import BadInputError
 from service.core.layouts import image_rows, keep, suppresses
-from service.core.parameters import flag
 from service.core.status import InferResult
-from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted
+from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want
 from service.core.tasks.box_comparison import BoxComparison
-from service.core.tasks.options import Options, given
+from service.core.tasks.options import Options, fields
 
 DETECTIONS, NUM_DETECTIONS = "DETECTIONS", "NUM_DETECTIONS"
 MAX_DETECTIONS: Final = 10_000  # the most a request may ask for: a cap on its answer's size
@@ -63,7 +62,7 @@ class Detect(Task):
     layouts: ClassVar[tuple[str, ...]] = ("candidates", "yolo", "yolov5", "end2end", "efficientnms")
     output_name = "candidates"
     output_names: ClassVar[tuple[str, ...]] = (DETECTIONS, NUM_DETECTIONS)
-    boxes_field: ClassVar[str | None] = "detections"
+    rows_field = boxes_field = "detections"
     gate = "boxes"
     resize = "letterbox"  # as YOLO exports are
     unit_input = True
@@ -72,7 +71,8 @@ class Detect(Task):
 
     def __init__(self, spec: Any) -> None:
         super().__init__(spec)
-        self.input = identity(spec.input.width, spec.input.height)
+        self.size = (spec.input.width, spec.input.height)
+        self.input = identity(*self.size)
         self.layout = spec.output_layout
         self.suppresses = suppresses(spec.output_layout)
 
@@ -82,7 +82,7 @@ class Detect(Task):
     def options(self, values: Mapping[str, Any], **how: Any) -> Any:
         """As every task's, and a graph that suppresses its own boxes refuses the suppression's options: they would
         act on nothing."""
-        named = given(DetectOptions, values)
+        named = [f.name for f in fields(DetectOptions) if f.suppression and f.name in values]
         if named and not self.suppresses:
             raise BadInputError(
                 f"{' and '.join(named)}: this detector's graph suppresses its own boxes (output_layout "
@@ -96,16 +96,10 @@ class Detect(Task):
             OutputSpec(NUM_DETECTIONS, "INT32", []),
         ]
 
-    def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
-        wanted = []
-        for i, (name, params) in enumerate(outputs or [(name, {}) for name in self.output_names]):
-            if name not in self.output_names:
-                raise BadInputError(f"unknown output {name!r}: this model has {' and '.join(self.output_names)}")
-            if params.get("classification") is not None:
-                raise BadInputError(f"outputs[{i}].parameters.classification is for classifiers, not detector outputs")
-            where = f"outputs[{i}].parameters.binary_data"
-            wanted.append(Wanted(name, None, flag(where, params.get("binary_data"), binary)))
-        return tuple(wanted)
+    def classification(self, k: Any, where: str) -> int | None:
+        if k is not None:
+            raise BadInputError(f"{where} is for classifiers, not detector outputs")
+        return None
 
     def kept(self, result: InferResult, options: DetectOptions, transforms: Transforms = None) -> list[np.ndarray]:
         """Each image's boxes kept (rows x1, y1, x2, y2, score, class in its own pixels, best first)."""
@@ -122,12 +116,7 @@ class Detect(Task):
         return Post(tensors, answers, [len(k) for k in kept])
 
     def comparison(self, config: RolloutConfig) -> Comparison:
-        return BoxComparison(list(self.labels), confidence=config.confidence, min_box_f1=config.min_box_f1,
-                             layout=self.layout, options=self.default)  # fmt: skip
-
-    def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
-        assert shown is not None  # a decoded image has its transform (the boxes' image)
-        return {"detections": rows, "width": shown.width, "height": shown.height}
+        return BoxComparison(self, config)
 
     def _tensor(self, name: str, kept: list[np.ndarray], most: int) -> OutputTensor:
         if name == NUM_DETECTIONS:

@@ -147,16 +147,14 @@ def check(
         return class_indices(name, value, labels)
     if text and isinstance(value, str):
         value = _from_text(field.kind, value)
-    ok = not isinstance(value, bool) or field.kind == "flag"
     if field.kind == "flag":
         ok = isinstance(value, bool)
     elif field.kind == "choice":
         ok = isinstance(value, str) and value in field.choices
-    elif field.kind == "integer":
-        ok = ok and isinstance(value, int) and _within(field, value)
-    else:
-        ok = ok and isinstance(value, int | float) and _within(field, value)  # NaN fails the range
-        value = float(value) if ok else value
+    else:  # a bool is no number here; NaN fails the range
+        ok = not isinstance(value, bool) and isinstance(value, int if field.kind == "integer" else int | float)
+        ok = ok and _within(field, value)
+        value = float(value) if ok and field.kind == "number" else value
     if not ok:
         raise BadInputError(f"{name} must be {field.allowed}, got {shown(sent)}{said}")
     return value
@@ -183,11 +181,6 @@ def _from_text(kind: str, text: str) -> Any:
     return text
 
 
-def given(options: type[Options], values: Mapping[str, Any]) -> list[str]:
-    """The suppression options ``values`` sets (those a graph that suppresses its own boxes refuses)."""
-    return [f.name for f in fields(options) if f.suppression and f.name in values]
-
-
 def as_query(options: type[Options], values: Mapping[str, Any], call: str) -> dict[str, Any]:
     """Keyword arguments (the client's) as the route's query: those given (None: the server's default), lists as
     repeated texts; TypeError naming a keyword that is no option of ``options``, as a misspelt keyword gets."""
@@ -195,17 +188,13 @@ def as_query(options: type[Options], values: Mapping[str, Any], call: str) -> di
     unknown = sorted(set(values) - names)
     if unknown:
         raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}")
-    query: dict[str, Any] = {}
-    for name, value in values.items():
-        if value is None:
-            continue
-        if isinstance(value, list | tuple):
-            query[name] = [str(v) for v in value]
-        elif isinstance(value, bool):
-            query[name] = "true" if value else "false"
-        else:
-            query[name] = value
-    return query
+    return {name: _as_text(value) for name, value in values.items() if value is not None}
+
+
+def _as_text(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [str(v) for v in value]
+    return ("true" if value else "false") if isinstance(value, bool) else value
 
 
 def class_indices(name: str, values: Any, labels: tuple[str, ...]) -> tuple[int, ...]:

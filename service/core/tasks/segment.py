@@ -2,15 +2,8 @@
 segmentation export: a YOLO head with 32 mask coefficients an anchor, and the prototypes) is read as a detector is,
 suppressed with the request's options (detection's, and ``mask_format``), and each instance kept gets its mask:
 its coefficients times the prototypes, resampled to the image's own pixels and cropped to its box
-(:func:`service.core.masks.instance_masks`: bilinear, thresholded at 0.5).
-
-Answers: the image API, streams and sources each image's ``{"width", "height", "instances": [{"box", "label",
-"index", "score", "area", "mask"}]}``, the mask COCO's compressed RLE of the full image (``{"size": [h, w],
-"counts"}``, what ``pycocotools.mask.decode`` reads); with ``mask_format=polygon`` its outline,
-``{"polygons": [[x, y, ...], ...], "holes": [...]}`` (the outer rings, COCO's polygon form, and the holes in them
-apart); with ``mask_format=png``, a base64 PNG of it. v2 answers
-``DETECTIONS`` and ``NUM_DETECTIONS`` as a detector does, and ``MASKS``: BYTES ``[N, max_detections]``, each
-instance's RLE as JSON (empty past the image's count), in the input's pixels for a v2 tensor input.
+(:func:`service.core.masks.instance_masks`). What each protocol answers (each mask COCO's RLE, its polygons or a
+PNG; v2's ``MASKS``): docs/tasks.md, "Segmentation".
 """
 
 from __future__ import annotations
@@ -21,11 +14,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from service.core.boxes import Transform, listed, to_original
+from service.core.boxes import listed, to_original
 from service.core.comparison import Comparison
 from service.core.config import RolloutConfig
 from service.core.layouts import anchor_rows, keep, seg_outputs
-from service.core.masks import encoded, instance_masks, mask_ious, rles
+from service.core.masks import Mask, encoded, instance_masks, mask_ious, rles
 from service.core.status import InferResult
 from service.core.tasks.base import OutputSpec, OutputTensor, Post, Transforms, Want
 from service.core.tasks.box_comparison import BoxComparison, box_f1
@@ -85,16 +78,12 @@ class Segment(Detect):
     response_type = SegmentResponse
     layouts = ("yolo-seg",)
     output_names = (DETECTIONS, NUM_DETECTIONS, MASKS)
-    boxes_field = "instances"
+    rows_field = boxes_field = "instances"
     gate = "masks"  # export's parity gate judges its boxes as a detector's, and its masks (export/detect_parity.py)
 
     @classmethod
     def graph_outputs(cls) -> tuple[str, ...]:
         return ("output0", "output1")  # as ultralytics names a segmentation export's
-
-    def __init__(self, spec: Any) -> None:
-        super().__init__(spec)
-        self.size = (spec.input.width, spec.input.height)
 
     def outputs(self) -> list[OutputSpec]:
         return [*super().outputs(), OutputSpec(MASKS, "BYTES", [self.default.max_detections])]
@@ -131,33 +120,35 @@ class Segment(Detect):
         options: SegmentOptions = want.options or self.default
         kept, masks, failed = self.instances(result, options, transforms)
         each = [(t or self.input) for t in transforms] if transforms else [self.input] * len(kept)
-        tensors = [self._seg_tensor(out.name, kept, masks, options.max_detections) for out in want.outputs]
+        most = options.max_detections
+        tensors = [
+            masks_tensor([list(enumerate(found[:most])) for found in masks], most)
+            if out.name == MASKS
+            else self._tensor(out.name, kept, most)
+            for out in want.outputs
+        ]
         answers = []
-        if not want.outputs:
-            flat = encoded([m for found in masks for m in found], options.mask_format)
-            for rows, found, where in zip(kept, masks, each, strict=True):
-                written, flat = flat[: len(found)], flat[len(found) :]
-                answers.append([
-                    {**d, "area": m.area, "mask": e}
-                    for d, m, e in zip(listed(rows, where, options, self.labels), found, written, strict=True)
-                ])  # fmt: skip
+        if not want.outputs:  # every mask written at once, then each row given its own
+            written = iter(encoded([m for found in masks for m in found], options.mask_format))
+            for k, found, t in zip(kept, masks, each, strict=True):
+                rows = zip(listed(k, t, options, self.labels), found, strict=True)
+                answers.append([{**d, "area": m.area, "mask": next(written)} for d, m in rows])
         return Post(tensors, answers, [len(k) for k in kept], failed)
 
-    def _seg_tensor(self, name: str, kept: list[np.ndarray], masks: list[list[Any]], most: int) -> OutputTensor:
-        if name != MASKS:
-            return self._tensor(name, kept, most)
-        strings: list[str] = []
-        for found in masks:
-            row = [json.dumps(r) for r in rles(found[:most])]
-            strings += row + [""] * (most - len(row))
-        return OutputTensor(MASKS, "BYTES", [len(kept), most], strings=strings)
-
-    def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
-        assert shown is not None  # a decoded image has its transform (the masks' image)
-        return {"instances": rows, "width": shown.width, "height": shown.height}
-
     def comparison(self, config: RolloutConfig) -> Comparison:
-        return MaskComparison(self, confidence=config.confidence, min_f1=config.min_box_f1)
+        return MaskComparison(self, config)
+
+
+def masks_tensor(found: list[list[tuple[int, Mask]]], columns: int) -> OutputTensor:
+    """v2's ``MASKS``, BYTES ``[N, columns]``: each image's masks' RLE as JSON at their columns, empty elsewhere."""
+    strings = []
+    for pairs in found:
+        row = [""] * columns
+        for (c, _), text in zip(pairs, rles([m for _, m in pairs]), strict=True):
+            if c < columns:
+                row[c] = json.dumps(text)
+        strings += row
+    return OutputTensor(MASKS, "BYTES", [len(found), columns], strings=strings)
 
 
 def _anchors_of(kept: np.ndarray, rows: np.ndarray, anchors: np.ndarray) -> np.ndarray:
@@ -175,18 +166,14 @@ class MaskComparison(BoxComparison):
     """A candidate segmenter's instances beside the primary's: a detector's comparison (the same counts, verdict
     and summary), each pair matched on its masks' IoU (in the model's input pixels) rather than its boxes'."""
 
-    def __init__(self, task: Segment, *, confidence: float, min_f1: float) -> None:
-        super().__init__(list(task.labels), confidence=confidence, min_box_f1=min_f1, layout=task.layout,
-                         options=task.default)  # fmt: skip
-        self.task = task
-        self.measure = "mask agreement"
-        self.what = "masks'"
+    measure = "mask agreement"
+    what = "masks'"
+    task: Segment
 
     def rows(self, result: InferResult, ok: list[int]) -> Any:
         """Each image's kept rows and their masks, in the input's pixels."""
         outputs = {name: array[ok] for name, array in result.outputs.items()}
-        options: Any = self.options
-        kept, masks, _ = self.task.instances(InferResult(outputs, [None] * len(ok)), options)
+        kept, masks, _ = self.task.instances(InferResult(outputs, [None] * len(ok)), self.options)
         return list(zip(kept, masks, strict=True))
 
     def agreement(self, primary: Any, candidate: Any) -> tuple[float, np.ndarray, np.ndarray]:

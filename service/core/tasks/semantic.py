@@ -1,32 +1,25 @@
 """Semantic segmentation: one class a pixel. The graph's one output is each class's logits over its input
 (``[N, C, h, w]``, torchvision's ``lraspp``/``deeplabv3`` ``out``); each image's answer is a mask for every class
-that wins some pixel of it, in the image's own pixels (:func:`service.core.masks.class_masks`: the logits sampled
-bilinearly at each pixel's centre, undoing the letterbox, and the pixel given to the highest).
-
-Answers: the image API, streams and sources ``{"width", "height", "classes": [{"label", "index", "area",
-"mask"}]}``, by class index, each mask as a segmenter's (``mask_format``: COCO's RLE, polygons or a PNG). v2
-answers ``MASKS``: BYTES ``[N, C]``, class c's RLE as JSON at column c (empty where it wins nowhere), in the input's
-pixels for a v2 tensor input. A rollout compares the two versions' class maps (:class:`PixelComparison`).
+that wins some pixel of it, in the image's own pixels (:func:`service.core.masks.class_masks`), written as a
+segmenter's; a rollout compares the two versions' class maps (:class:`PixelComparison`). What each protocol
+answers: docs/tasks.md, "Semantic segmentation".
 """
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-from service.core.boxes import Transform, identity
+from service.core.boxes import identity
 from service.core.comparison import Comparison
 from service.core.config import RolloutConfig
-from service.core.errors import BadInputError
-from service.core.masks import class_masks, encoded, rles
-from service.core.parameters import flag
+from service.core.masks import class_masks, encoded
 from service.core.status import InferResult
-from service.core.tasks.base import OutputSpec, OutputTensor, Post, Task, Transforms, Want, Wanted
+from service.core.tasks.base import OutputSpec, Post, Task, Transforms, Want
 from service.core.tasks.options import Options
-from service.core.tasks.segment import MASKS, MaskFormat
+from service.core.tasks.segment import MASKS, MaskFormat, masks_tensor
 
 
 class SemanticOptions(Options, frozen=True, kw_only=True):
@@ -71,6 +64,7 @@ class Semantic(Task):
     resize = "letterbox"
     result_type = SemanticResult
     response_type = SemanticResponse
+    rows_field = "classes"
 
     def __init__(self, spec: Any) -> None:
         super().__init__(spec)
@@ -79,15 +73,6 @@ class Semantic(Task):
 
     def outputs(self) -> list[OutputSpec]:
         return [OutputSpec(MASKS, "BYTES", [len(self.labels)])]
-
-    def wanted(self, outputs: list[tuple[str, dict[str, Any]]], binary: bool = False) -> tuple[Wanted, ...]:
-        wanted = []
-        for i, (name, params) in enumerate(outputs or [(MASKS, {})]):
-            if name != MASKS:
-                raise BadInputError(f"unknown output {name!r}: this model has MASKS")
-            wanted.append(Wanted(name, None, flag(f"outputs[{i}].parameters.binary_data", params.get("binary_data"),
-                                                  binary)))  # fmt: skip
-        return tuple(wanted)
 
     def masks(self, result: InferResult, options: SemanticOptions, transforms: Transforms) -> list[list[Any]]:
         """Each image's (class, mask) pairs, by class index."""
@@ -102,16 +87,7 @@ class Semantic(Task):
         failed = {row: reason for row, logits in enumerate(result.logits) if not np.isfinite(logits).all()}
         found = [[] if row in failed else pairs for row, pairs in enumerate(found)]
         if want.outputs:
-            strings = []
-            for pairs in found:
-                row = [""] * len(self.labels)
-                for (c, _), text in zip(pairs, rles([m for _, m in pairs]), strict=True):
-                    if c < len(row):
-                        row[c] = json.dumps(text)
-                strings += row
-            return Post(
-                [OutputTensor(MASKS, "BYTES", [len(found), len(self.labels)], strings=strings)], [], None, failed
-            )
+            return Post([masks_tensor(found, len(self.labels))], [], None, failed)
         answers = [
             [
                 {"label": self._label(c), "index": c, "area": m.area, "mask": e}
@@ -126,10 +102,6 @@ class Semantic(Task):
 
     def comparison(self, config: RolloutConfig) -> Comparison:
         return PixelComparison(list(self.labels), confidence=config.confidence, min_agreement=config.min_box_f1)
-
-    def fields(self, rows: list[dict[str, Any]], shown: Transform | None) -> dict[str, Any]:
-        assert shown is not None  # a decoded image has its transform (the masks' image)
-        return {"classes": rows, "width": shown.width, "height": shown.height}
 
 
 class PixelComparison(Comparison):
