@@ -83,36 +83,27 @@ class Http1Client:
         return await _read_response(reader)
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
-        return (await self.exchange(path, body, headers))[0]
-
-    async def exchange(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
-        """POST and return (status, response header fields, names lower-cased); raises as :meth:`post`."""
-        status, fields, _ = await self.fetch(path, body, headers)
-        return status, fields
+        return (await self.fetch(path, body, headers))[0]
 
     async def fetch(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
-        """:meth:`exchange`, and the answer's body (read either way: keeping it costs nothing more)."""
+        """POST and return (status, response header fields, names lower-cased, the answer's body: read either way,
+        keeping it costs nothing more); raises as :meth:`post`."""
         held: list[_Connection] = []
         try:
             async with asyncio.timeout(self.timeout_s):
                 status, keep_alive, fields, answer = await self._exchange(
                     self.head(path, headers, len(body)) + body, held
                 )
+            if keep_alive:
+                held[-1].idle_since = time.monotonic()
+                self.idle.append(held.pop())
+            return status, fields, answer
         except TimeoutError:
-            self._drop_held(held)
-            raise
+            raise  # an OSError as well, but counted apart from a failed connection
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            self._drop_held(held)
             raise ConnectionFailed(str(exc) or type(exc).__name__) from exc
-        except BaseException:  # cancelled mid-answer: the connection's state is unknown, so it goes
-            self._drop_held(held)
-            raise
-        if keep_alive:
-            held[-1].idle_since = time.monotonic()
-            self.idle.append(held[-1])
-        else:
-            self._drop_held(held)
-        return status, fields, answer
+        finally:
+            self._drop_held(held)  # not kept alive, or its state unknown (failed, timed out, cancelled mid-answer)
 
     def _drop_held(self, held: list[_Connection]) -> None:
         while held:

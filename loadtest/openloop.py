@@ -78,7 +78,7 @@ async def run_open_loop(
         sent = time.perf_counter() - start
         retry_after = None
         try:
-            status, fields = await client.exchange(request.path, request.body, request.headers)
+            status, fields, _ = await client.fetch(request.path, request.body, request.headers)
             outcome = str(status)
             retry_after = fields.get("retry-after")
         except TimeoutError:

@@ -15,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from loadtest.inputs import Payload
-from loadtest.runner import PartPlan, PartResult, run_part
+from loadtest.runner import PartPlan, PartResult, on_fresh_loop, run_part_async
 
 
 def _worker(conn: Connection, corpus: list[list[Payload]], tally: Any) -> None:
@@ -25,7 +25,7 @@ def _worker(conn: Connection, corpus: list[list[Payload]], tally: Any) -> None:
         if plan is None:
             return
         try:
-            conn.send(run_part(plan, corpus, tally))
+            conn.send(on_fresh_loop(run_part_async(plan, corpus, tally)))
         except BaseException:  # the parent reports it; the worker must not die silently
             conn.send(RuntimeError(traceback.format_exc()))
 

@@ -233,11 +233,6 @@ async def run_part_async(plan: PartPlan, corpus: list[list[Payload]], tally: Tal
         await client.aclose()
 
 
-def run_part(plan: PartPlan, corpus: list[list[Payload]], tally: Tally) -> PartResult:
-    """Run one part to its end on a fresh event loop."""
-    return on_fresh_loop(run_part_async(plan, corpus, tally))
-
-
 def on_fresh_loop(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to its end on a fresh event loop (uvloop where installed)."""
     try:

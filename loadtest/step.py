@@ -147,16 +147,12 @@ def merge(spec: StepSpec, bounds: StepBounds, parts: list[PartResult]) -> StepRe
     result = StepResult(spec, bounds.duration_s, len(parts))
     errors: Counter[str] = Counter()
     for p in parts:
-        result.measured += p.measured
-        result.requests += p.requests
-        result.images += p.images
+        for name in ("measured", "requests", "images", "sent", "timeline", "answers"):  # counts, and lists
+            setattr(result, name, getattr(result, name) + getattr(p, name))
         errors.update(p.errors)
         result.latency.merge(p.latency)
         result.send_lag.merge(p.send_lag)
-        result.timeline.extend(p.timeline)
-        result.answers.extend(p.answers)
     result.errors = dict(errors)
-    result.sent = sum(p.sent for p in parts)
     if bounds.mix is not None:
         result.mix, result.cold_observed = bounds.mix, not bounds.grpc_target
         result.models = mixes.merged([p.models for p in parts], len(bounds.mix.names))

@@ -65,7 +65,8 @@ class _Base(Generic[_Http]):
         self.requests_sent = 0  # counting every attempt, retries included
         self.retries = 0
 
-    def _call(self, kind: Kind[R], query: dict[str, Any], model: str | None, version: int | None) -> _Call[R]:
+    def _call(self, kind: Kind[R], options: dict[str, Any], model: str | None, version: int | None) -> _Call[R]:
+        query = kind.query(options)
         model = model or self.model
         if not model:
             raise ValueError(f"no model named: pass model= to the client or to {kind.action}()")
@@ -75,7 +76,8 @@ class _Base(Generic[_Http]):
         return _Call(kind, route, query)
 
     def _request(self, call: _Call[Any], files: list[File]) -> httpx.Request:
-        """One attempt's request (built again for each attempt: a multipart body is read as it is sent)."""
+        """One attempt's request, counted (built again for each attempt: a multipart body is read as it is sent)."""
+        self.requests_sent += 1
         return self._http.build_request("POST", call.route, params=call.query, files=[("file", f) for f in files])
 
     @staticmethod
@@ -155,7 +157,7 @@ class Client(_Base[httpx.Client]):
         (``top_k``). ``images``: paths, bytes of encoded files, PIL images or uint8 numpy arrays (HxW or HxWxC).
         Raises :class:`ClientError` when a request is refused as a whole (an unknown model: 404) or the server
         cannot be reached within the retry policy; an image the server cannot use gets its own ``error``."""
-        return self._ask(self._call(CLASSIFY, CLASSIFY.query(options), model, version), images)
+        return self._ask(self._call(CLASSIFY, options, model, version), images)
 
     def detect(
         self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
@@ -163,7 +165,7 @@ class Client(_Base[httpx.Client]):
         """One :class:`DetectedImage` per image, in order, from a detector's ``/detect`` route (README, "Detect
         objects in a folder, or from Python"); ``options``: :class:`~service.core.tasks.DetectOptions`'s, each sent
         only when given. ``images`` and the errors raised as :meth:`classify`'s."""
-        return self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
+        return self._ask(self._call(DETECT, options, model, version), images)
 
     def segment(
         self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
@@ -171,21 +173,18 @@ class Client(_Base[httpx.Client]):
         """One :class:`SegmentedImage` per image, in order, from a segmenter's ``/segment`` route: its ``instances``
         (a detection's fields, ``area`` and ``mask``: COCO's compressed RLE of the full image, or a base64 PNG with
         ``mask_format="png"``). ``options``: :class:`~service.core.tasks.SegmentOptions`'s, as :meth:`detect`'s."""
-        return self._ask(self._call(SEGMENT, SEGMENT.query(options), model, version), images)
+        return self._ask(self._call(SEGMENT, options, model, version), images)
 
     def _ask(self, call: _Call[R], images: Images) -> list[R]:
         return [r for chunk in self._chunks(self._files(images)) for r in self._send(call, chunk)]
 
     def _send(self, call: _Call[R], files: list[File]) -> list[R]:
         results, resend = self._read(self._post(call, files), files, call.kind)
-        for chunk in resend:
-            results.extend(self._send(call, chunk))
-        return results
+        return results + [r for chunk in resend for r in self._send(call, chunk)]
 
     def _post(self, call: _Call[Any], files: list[File]) -> httpx.Response:
         attempts = self.retry.start()
         while True:
-            self.requests_sent += 1
             try:
                 response = self._http.send(self._request(call, files))
             except httpx.TransportError as exc:
@@ -238,23 +237,23 @@ class AsyncClient(_Base[httpx.AsyncClient]):
         self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[ImageResult]:
         """As :meth:`Client.classify`."""
-        return await self._ask(self._call(CLASSIFY, CLASSIFY.query(options), model, version), images)
+        return await self._ask(self._call(CLASSIFY, options, model, version), images)
 
     async def detect(
         self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[DetectedImage]:
         """As :meth:`Client.detect`."""
-        return await self._ask(self._call(DETECT, DETECT.query(options), model, version), images)
+        return await self._ask(self._call(DETECT, options, model, version), images)
 
     async def segment(
         self, images: Images, *, model: str | None = None, version: int | None = None, **options: Any
     ) -> list[SegmentedImage]:
         """As :meth:`Client.segment`."""
-        return await self._ask(self._call(SEGMENT, SEGMENT.query(options), model, version), images)
+        return await self._ask(self._call(SEGMENT, options, model, version), images)
 
     async def ask(self, kind: Kind[R], images: Images, options: dict[str, Any], **where: Any) -> list[R]:
         """Any task's route (``kind``), with the task's ``options`` (``where``: ``model``, ``version``)."""
-        return await self._ask(self._call(kind, kind.query(options), where.get("model"), where.get("version")), images)
+        return await self._ask(self._call(kind, options, where.get("model"), where.get("version")), images)
 
     async def _ask(self, call: _Call[R], images: Images) -> list[R]:
         gate = asyncio.Semaphore(self.max_concurrency)
@@ -268,14 +267,11 @@ class AsyncClient(_Base[httpx.AsyncClient]):
 
     async def _send(self, call: _Call[R], files: list[File]) -> list[R]:
         results, resend = self._read(await self._post(call, files), files, call.kind)
-        for chunk in resend:
-            results.extend(await self._send(call, chunk))
-        return results
+        return results + [r for chunk in resend for r in await self._send(call, chunk)]
 
     async def _post(self, call: _Call[Any], files: list[File]) -> httpx.Response:
         attempts = self.retry.start()
         while True:
-            self.requests_sent += 1
             try:
                 response = await self._http.send(self._request(call, files))
             except httpx.TransportError as exc:

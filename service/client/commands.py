@@ -3,7 +3,7 @@ or in this process, to a CSV or JSON Lines file, with progress, retries, ``--res
 any image failed.
 
 The two commands are one run (:func:`run_files`, :func:`_run`); a :class:`Job` is all they differ in: the rows
-(:mod:`service.client.output`'s tables), the client's call and the words of the summary. Without ``--url`` the
+(:mod:`service.client.output`'s tables), the route and the words of the summary. Without ``--url`` the
 client talks to a server in this process (:func:`in_process`: the engine link's in-process side, bound to
 127.0.0.1), so a folder takes the server's request path either way.
 """
@@ -14,9 +14,10 @@ import argparse
 import asyncio
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic
 
@@ -29,7 +30,7 @@ from service.client.retry import RetryPolicy
 from service.client.summary import Tally, print_summary, progress_bar, reason_of
 from service.core.arguments import add_option_flags, integer_in, number_in, option_flags
 from service.core.errors import ConfigError
-from service.core.tasks import Task
+from service.core.tasks import ClassifyOptions, DetectOptions, SegmentOptions
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -43,8 +44,6 @@ MAX_CONCURRENCY = 1024
 MAX_IMAGES_PER_REQUEST = 4096
 MAX_ATTEMPTS = 1000
 MAX_SECONDS = 86400  # a day
-
-Chunk = Callable[[list[bytes], list[str]], Awaitable[list[R]]]
 
 
 def add_classify_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,40 +130,28 @@ def _add_arguments(p: argparse.ArgumentParser, command: str, verb: str) -> None:
 
 @dataclass(frozen=True)
 class Job(Generic[R]):
-    """What one command is to the shared run: its name, task and the summary's verb, its rows, a failed image's
-    result, and its call through the client."""
+    """What one command is to the shared run: its route (``kind``: the task, the result type) with the options the
+    flags give (the server checks them), the summary's verb and its rows."""
 
-    command: str
-    task: type[Task]
+    kind: Kind[R]
+    options: dict[str, Any]
     done: str  # "classified 12 images in ..."
     table: Table[R]
-    failed: Callable[[str], R]
-    remote: Callable[[AsyncClient, list[bytes]], Awaitable[list[R]]]
-
-
-def task_job(args: argparse.Namespace, kind: Kind[R], done: str, table: Table[R]) -> Job[R]:
-    """The command of ``kind``'s task: its options from the flags, sent to the server (which checks them)."""
-    options = option_flags(args, kind.task.Options)
-
-    async def remote(client: AsyncClient, datas: list[bytes]) -> list[R]:
-        return await client.ask(kind, datas, options)
-
-    return Job(kind.action, kind.task, done, table, lambda error: kind.result(error=error), remote)
 
 
 async def run_files(
     files: Sequence[Path],
-    chunk_of: Chunk[R],
+    job: Job[R],
+    client: AsyncClient,
     *,
     chunk_size: int,
     concurrency: int,
     output: Output[R],
     tally: Tally,
     advance: Callable[[int], None],
-    failed: Callable[[str], R],
 ) -> None:
-    """Send ``files`` in chunks, ``concurrency`` chunks at a time, writing each result as it comes; ``failed``: the
-    result of an image that got no answer (its file unreadable, its request refused)."""
+    """Send ``files`` through ``client`` in chunks, ``concurrency`` chunks at a time, writing each result as it comes
+    (an image that got no answer, its file unreadable or its request refused, as a result with its error)."""
     chunks = [list(files[i : i + chunk_size]) for i in range(0, len(files), chunk_size)]
     queue: asyncio.Queue[list[Path]] = asyncio.Queue()
     for chunk in chunks:
@@ -185,26 +172,25 @@ async def run_files(
     async def worker() -> None:
         while not queue.empty():
             chunk = queue.get_nowait()
-            datas, readable = await asyncio.to_thread(_read_all, chunk)
+            datas = await asyncio.to_thread(list, map(_read, chunk))
+            readable = {path: data for path, data in zip(chunk, datas, strict=True) if isinstance(data, bytes)}
             for path, data in zip(chunk, datas, strict=True):
                 if isinstance(data, str):
-                    record(path, failed(data), "unreadable file")
+                    record(path, job.kind.result(error=data), "unreadable file")
             if readable:
                 started = time.perf_counter()
+                reason = None
                 try:
-                    good = [d for d in datas if isinstance(d, bytes)]
-                    results = await chunk_of(good, [p.name for p in readable])
+                    results = await client.ask(job.kind, list(readable.values()), job.options)
                 except ClientError as exc:
                     if exc.status == 404:
                         raise  # an unknown model or version: every request would fail the same way
                     reason = "no answer (connection)" if exc.status is None else f"HTTP {exc.status}"
-                    results = [failed(str(exc)) for _ in readable]
-                    for path, result in zip(readable, results, strict=True):
-                        record(path, result, reason)
+                    results = [job.kind.result(error=str(exc)) for _ in readable]
                 else:
                     tally.latencies_s.append(time.perf_counter() - started)
-                    for path, result in zip(readable, results, strict=True):
-                        record(path, result)
+                for path, result in zip(readable, results, strict=True):
+                    record(path, result, reason)
             output.flush()
             advance(len(chunk))
 
@@ -219,38 +205,32 @@ async def run_files(
         tally.seconds += time.perf_counter() - started
 
 
-def _read_all(paths: list[Path]) -> tuple[list[bytes | str], list[Path]]:
-    """Each file's bytes, or why it could not be read; and the paths that could."""
-    out: list[bytes | str] = []
-    readable: list[Path] = []
-    for path in paths:
-        try:
-            out.append(path.read_bytes())
-            readable.append(path)
-        except OSError as exc:
-            out.append(f"cannot read {path}: {exc.strerror or exc}")
-    return out, readable
+def _read(path: Path) -> bytes | str:
+    """The file's bytes, or why it could not be read."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
 
 
 def run_classify(args: argparse.Namespace) -> int:
-    default: Any = CLASSIFY.task.Options()
-    return _run_command(args, task_job(args, CLASSIFY, "classified", ClassifyTable(args.top_k or default.top_k)))
+    return _run_command(args, CLASSIFY, "classified", ClassifyTable(args.top_k or ClassifyOptions().top_k))
 
 
 def run_detect(args: argparse.Namespace) -> int:
-    default: Any = DETECT.task.Options()
-    return _run_command(args, task_job(args, DETECT, "searched", DetectTable(args.box_format or default.box_format)))
+    return _run_command(args, DETECT, "searched", DetectTable(args.box_format or DetectOptions().box_format))
 
 
 def run_segment(args: argparse.Namespace) -> int:
     if (args.mask_format or "rle") != "rle" and Path(args.out or "").suffix.lower() == ".json":
         raise ConfigError("--out F.json is COCO's results JSON, whose masks are RLE: leave --mask-format out")
-    default: Any = SEGMENT.task.Options()
-    return _run_command(args, task_job(args, SEGMENT, "segmented", SegmentTable(args.box_format or default.box_format)))
+    return _run_command(args, SEGMENT, "segmented", SegmentTable(args.box_format or SegmentOptions().box_format))
 
 
-def _run_command(args: argparse.Namespace, job: Job[Any]) -> int:
+def _run_command(args: argparse.Namespace, kind: Kind[Any], done: str, table: Table[Any]) -> int:
     from rich.console import Console
+
+    job = Job(kind, option_flags(args, kind.task.Options), done, table)
 
     err = Console(stderr=True, soft_wrap=True)  # a summary line stays one line in a log
     files, passed_over = discover(args.paths)
@@ -298,12 +278,11 @@ def in_process(args: argparse.Namespace, job: Job[Any], err: Console) -> Iterato
     from service.core.tasks import task_named
     from service.inprocess import InProcessServer
 
-    repository = Path(args.repository).resolve()
-    entry = ModelRepository(repository).model(args.model, deep=False)
+    entry = ModelRepository(Path(args.repository).resolve()).model(args.model, deep=False)
     served = task_named(entry.version(args.version).spec.task)
-    if served is not job.task:
+    if served is not job.kind.task:
         raise ConfigError(
-            f"model {args.model!r} is a {served.name} model: visionserve {job.command} does not fit it; run "
+            f"model {args.model!r} is a {served.name} model: visionserve {job.kind.action} does not fit it; run "
             f"visionserve {served.name} instead"
         )
     if not args.no_progress:
@@ -321,30 +300,21 @@ async def _run(
 ) -> None:
     from service.client.client import AsyncClient
 
-    progress = progress_bar(job.command, not args.no_progress, err)
-    task = progress.add_task(job.command, total=len(todo))
-
-    def advance(n: int) -> None:
-        progress.advance(task, n)
-
-    policy = RetryPolicy(max_attempts=args.max_attempts, max_total_s=args.max_retry_s)
+    progress = progress_bar(job.kind.action, not args.no_progress, err)
+    task = progress.add_task(job.kind.action, total=len(todo))
     client = AsyncClient(
         url,
         model=args.model,
         version=args.version,
         timeout_s=args.timeout,
-        retry=policy,
+        retry=RetryPolicy(max_attempts=args.max_attempts, max_total_s=args.max_retry_s),
         max_images_per_request=args.images_per_request,
         max_concurrency=args.concurrency,  # sizes its connection pool; each call here is one request
     )
-
-    async def remote(datas: list[bytes], _names: list[str]) -> list[R]:
-        return await job.remote(client, datas)
-
     try:
         with progress:
-            await run_files(todo, remote, chunk_size=args.images_per_request, concurrency=args.concurrency,
-                            output=output, tally=tally, advance=advance, failed=job.failed)  # fmt: skip
+            await run_files(todo, job, client, chunk_size=args.images_per_request, concurrency=args.concurrency,
+                            output=output, tally=tally, advance=partial(progress.advance, task))  # fmt: skip
     finally:
         tally.requests, tally.retries = client.requests_sent, client.retries
         await client.aclose()

@@ -68,11 +68,6 @@ class Table(Protocol[R_contra]):
     def json_done(self, line: str) -> str | None: ...
 
 
-def csv_header(top_k: int) -> list[str]:
-    ranks = [f"{name}_{r}" for r in range(1, top_k + 1) for name in ("label", "score")]
-    return ["path", "model", "version", *ranks, "error"]
-
-
 class _Rows:
     """What every table shares: an image's JSON line is its :attr:`row`, whose fields between ``version`` and
     ``error`` are the result's own (none for a failed image); a CSV row's fourth cell (a label or a size) says the
@@ -104,7 +99,8 @@ class ClassifyTable(_Rows):
         self.top_k = top_k
 
     def header(self) -> list[str]:
-        return csv_header(self.top_k)
+        ranks = [f"{name}_{r}" for r in range(1, self.top_k + 1) for name in ("label", "score")]
+        return ["path", "model", "version", *ranks, "error"]
 
     def mismatch(self) -> str:
         return f"not those of --top-k {self.top_k}: resume with the --top-k it was written with"
@@ -136,17 +132,15 @@ class DetectTable(_Rows):
     def mismatch(self) -> str:
         return f"not those of --box-format {self.box_format}: resume with the --box-format it was written with"
 
-    def csv_rows(self, path: str, result: DetectedImage) -> list[list[object]]:
+    def csv_rows(self, path: str, result: DetectedImage | SegmentedImage) -> list[list[object]]:
         head: list[object] = [path, result.model or "", result.version or ""]
-        if result.error is not None or result.detections is None:
+        boxes = result.detections if isinstance(result, DetectedImage) else result.instances
+        if result.error is not None or boxes is None:
             return [[*head, "", "", "", "", "", *[""] * len(self.box), result.error or "no answer"]]
         size = [result.width, result.height]
-        if not result.detections:
+        if not boxes:
             return [[*head, *size, "", "", "", *[""] * len(self.box), ""]]
-        return [
-            [*head, *size, d.label, d.index, f"{d.score:.6f}", *(f"{v:.6g}" for v in d.box), ""]
-            for d in result.detections
-        ]
+        return [[*head, *size, d.label, d.index, f"{d.score:.6f}", *(f"{v:.6g}" for v in d.box), ""] for d in boxes]
 
 
 class SegmentRow(msgspec.Struct, omit_defaults=False):
@@ -171,17 +165,9 @@ class SegmentTable(DetectTable):
         return [*super().header()[:-1], "area", "error"]
 
     def csv_rows(self, path: str, result: SegmentedImage) -> list[list[object]]:  # type: ignore[override]
-        found = DetectedImage(width=result.width, height=result.height, error=result.error, model=result.model,
-                              version=result.version, detections=_as_detections(result.instances))  # fmt: skip
-        rows = super().csv_rows(path, found)
+        rows = super().csv_rows(path, result)
         areas: list[object] = [i.area for i in result.instances or []] or [""]
         return [[*row[:-1], area, row[-1]] for row, area in zip(rows, areas, strict=False)]
-
-
-def _as_detections(instances: list[Instance] | None) -> list[Detection] | None:
-    if instances is None:
-        return None
-    return [Detection(box=i.box, label=i.label, index=i.index, score=i.score) for i in instances]
 
 
 class CocoResults:
@@ -264,54 +250,42 @@ class Output(Generic[R]):
     ) -> None:
         self.path = Path(path) if path else None
         self.table: Table[R] = table
-        self.format = self._format()
+        found = FORMATS.get(self.path.suffix.lower()) if self.path else "csv"
+        if found is None:
+            raise ConfigError(f"--out {self.path}: the extension must be one of {', '.join(FORMATS)}")
+        self.format = found
         self.done: set[str] = set()
         self.each: Callable[[str, R], None] | None = each  # every result, as written (segment --overlays)
         self.coco = coco if self.format == "coco" else None
+        exists = self.path is not None and self.path.exists() and self.path.stat().st_size > 0
+        kept: list[str] = []
         if self.format == "coco":
             if coco is None:
                 raise ConfigError(f"--out {self.path}: COCO's results JSON is for segmenters (segment --out F.json)")
             if resume:
                 raise ConfigError("--resume goes on from a .csv or .jsonl --out; COCO's JSON is written at the end")
-            assert self.path is not None
-            if self.path.exists() and self.path.stat().st_size > 0 and not overwrite:
+            if exists and not overwrite:
                 raise ConfigError(f"{self.path} exists: pass --overwrite to replace it, or name another file")
             self._file: IO[str] = io.StringIO()
-            self._csv: Any = None
-            return
-        if self.path is None:
+        elif self.path is None:
             if resume:
                 raise ConfigError("--resume needs --out FILE: the results of the earlier run are read from it")
             self._file = sys.stdout
-            self._start_csv(write_header=True)
-            return
-        exists = self.path.exists() and self.path.stat().st_size > 0
-        if exists and not (resume or overwrite):
-            raise ConfigError(
-                f"{self.path} exists: pass --resume to go on from it (images it holds are skipped) or --overwrite "
-                "to start again"
-            )
-        kept: list[str] = self._read_kept() if exists and resume else []
-        if kept:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            os.replace(tmp, self.path)  # a run killed here leaves the old file or the new one, never half of one
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a" if kept else "w", encoding="utf-8", newline="")
-        self._start_csv(write_header=not kept)
-
-    def _format(self) -> str:
-        if self.path is None:
-            return "csv"
-        found = FORMATS.get(self.path.suffix.lower())
-        if found is None:
-            raise ConfigError(f"--out {self.path}: the extension must be one of {', '.join(FORMATS)}")
-        return found
-
-    def _start_csv(self, *, write_header: bool) -> None:
-        self._csv = csv.writer(self._file, lineterminator="\n") if self.format == "csv" else None
-        if self._csv is not None and write_header:
-            self._csv.writerow(self.table.header())
+        else:
+            if exists and not (resume or overwrite):
+                raise ConfigError(
+                    f"{self.path} exists: pass --resume to go on from it (images it holds are skipped) or --overwrite "
+                    "to start again"
+                )
+            kept = self._read_kept() if exists and resume else []
+            if kept:
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(kept), encoding="utf-8")
+                os.replace(tmp, self.path)  # a run killed here leaves the old file or the new one, never half of one
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a" if kept else "w", encoding="utf-8", newline="")
+        if self.format == "csv" and not kept:
+            csv.writer(self._file, lineterminator="\n").writerow(self.table.header())
             self._file.flush()
 
     def _read_kept(self) -> list[str]:
@@ -350,7 +324,7 @@ class Output(Generic[R]):
             self.each(path, result)
         if self.coco is not None:
             self.coco.add(path, result)  # type: ignore[arg-type]
-        elif self._csv is not None:
+        elif self.format == "csv":
             buf = io.StringIO()
             csv.writer(buf, lineterminator="\n").writerows(self.table.csv_rows(path, result))
             self._file.write(buf.getvalue())
