@@ -15,13 +15,14 @@ from service.core.metrics import ScrapeCollector, le_buckets
 
 # A cold start is a load: 10 ms to about 3 minutes.
 COLD_START_BUCKETS = tuple(round(0.01 * 1.5**k, 4) for k in range(25))
-# The counters, by the snapshot's key: loads and evictions by model and reason, hits and misses by model.
+# The counters, by the snapshot's key, with their labels (a snapshot's key per value: a tuple of them, or the model).
 COUNTERS = (
-    ("loads", "visionserve_model_loads", "Model loads, by reason (startup, on_demand, explicit)"),
-    ("evictions", "visionserve_model_evictions", "Models taken out of memory, by reason (lru, unload)"),
-    ("hits", "visionserve_model_residency_hits", "Requests that found their model resident"),
-    ("misses", "visionserve_model_residency_misses", "Requests that waited for their model's load"),
-)
+    ("loads", "visionserve_model_loads", "Model loads, by reason (startup, on_demand, explicit)", ("model", "reason")),
+    ("evictions", "visionserve_model_evictions", "Models taken out of memory, by reason (lru, unload)",
+     ("model", "reason")),
+    ("hits", "visionserve_model_residency_hits", "Requests that found their model resident", ("model",)),
+    ("misses", "visionserve_model_residency_misses", "Requests that waited for their model's load", ("model",)),
+)  # fmt: skip
 
 
 class ResidencyCollector(ScrapeCollector):
@@ -49,12 +50,10 @@ class ResidencyCollector(ScrapeCollector):
             used.add_metric([device], charged)
             budget.add_metric([device], limit)
         yield from (per_model, used, budget)
-        for key, name, text in COUNTERS:
-            counter = CounterMetricFamily(
-                name, text, labels=("model", "reason") if key in ("loads", "evictions") else ("model",)
-            )
-            for labels, value in sorted(snap[key].items()):
-                counter.add_metric(list(labels) if isinstance(labels, tuple) else [labels], value)
+        for key, name, text, labels in COUNTERS:
+            counter = CounterMetricFamily(name, text, labels=labels)
+            for values, value in sorted(snap[key].items()):
+                counter.add_metric(list(values) if isinstance(values, tuple) else [values], value)
             yield counter
         yield cold
 
