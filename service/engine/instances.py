@@ -246,6 +246,7 @@ class InstancePool:
             except Exception:
                 log.exception("%s: the fallback could not start", self.name)
         self._add(replacements)
+        self.changed()  # out of service (the model degraded, maybe served by a fallback)
         try:
             instance.close()
         except Exception:

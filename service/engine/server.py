@@ -180,16 +180,12 @@ class EngineServer:
 
     async def make_engine(self, entry: ModelEntry, number: int, gpus: list[str] | None) -> ModelEngine:
         """Load and warm up one version (off the event loop), observed by the metrics."""
-        observer = hook = None
+        observer = on_fallback = None
         if self.metrics is not None:
             observer = self.metrics.batch_observer(entry.name, number)
-            hook = self.metrics.fallback_hook(entry.name, number, lambda: "cpu")
-
-        def on_fallback(reason: str) -> None:
-            if hook is not None:
-                hook(reason)
-            self.table.changed()  # the model's state changed: front ends re-read the catalog (metrics or none)
-
+            on_fallback = self.metrics.fallback_hook(entry.name, number, lambda: "cpu")
+        # A state the engine changes tells the front ends through on_state_change, metrics or none (a load's own
+        # caller tells them when it ends).
         return await asyncio.to_thread(
             ModelEngine, entry.versions[number], entry.config, available_gpus=gpus, observer=observer,
             on_fallback=on_fallback, on_state_change=self.table.changed,

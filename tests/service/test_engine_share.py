@@ -72,35 +72,3 @@ def test_a_model_pinned_to_the_second_gpu_is_not_served_on_the_cpu_by_the_first_
     asyncio.run(second.load_all())
     assert asked == [("pinned", ["cuda:1"])]  # the CPU model stays in the primary; the pinned one is asked of cuda:1
     asyncio.run(first.table.models["digits"][1].close())
-
-
-def test_a_fallback_moves_the_catalog_on_with_metrics_off(
-    digits_export: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With --no-metrics a version that falls back to the CPU still tells the front ends (its state changed)."""
-    repo = copy_model(digits_export, tmp_path)
-    told: list[int] = []
-
-    class Endpoint:
-        name = "engine"
-        snapshots: ClassVar[dict[bytes, Any]] = {}
-
-        def send(self, peer: bytes, message: Any) -> None: ...
-        def announce(self) -> None:
-            told.append(1)
-
-        def live_peer(self, peer: bytes) -> bool: ...
-        async def flush(self, timeout_s: float = 0.5) -> None: ...
-
-    server = EngineServer(ServerSettings(repository=str(repo), metrics=False), Endpoint(), gpus=[], primary=True)
-    asyncio.run(server.load_all())
-    hooks: list[Any] = []
-    monkeypatch.setattr(engine_server, "ModelEngine", lambda *a, on_fallback=None, **k: hooks.append(on_fallback))
-    asyncio.run(server.make_engine(server.table.configs["digits"], 1, None))
-    version, before = server.table.version, len(told)
-
-    async def fall_back() -> None:  # as the engine's loop hears of it
-        hooks[0]("device_failed")
-
-    asyncio.run(fall_back())
-    assert server.table.version == version + 1 and len(told) == before + 1

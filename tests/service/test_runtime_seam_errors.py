@@ -301,6 +301,7 @@ def test_aoti_device_that_keeps_failing_is_taken_out_of_service_for_the_cpu_fall
     runtime = AotiOnAFakeGpu(SPEC, "model.pt2", device="cuda:0")
     runtime.fits = 0
     fallbacks: list[str] = []
+    heard: list[str] = []  # the engine's state each time it tells of a change (the front ends re-read the catalog)
 
     def factory(device: str) -> Any:
         return runtime if device.startswith("cuda") else FakeRuntime(SPEC)
@@ -309,8 +310,8 @@ def test_aoti_device_that_keeps_failing_is_taken_out_of_service_for_the_cpu_fall
     config = ModelConfig(device="cuda", fallback="cpu", warmup=False, max_batch_size=4)
 
     async def scenario() -> tuple[list[object], str, tuple[str, ...]]:
-        engine = ModelEngine(version, config, factory=factory, available_gpus=["cuda:0"],
-                             on_fallback=fallbacks.append)  # fmt: skip
+        engine = ModelEngine(version, config, factory=factory, available_gpus=["cuda:0"], on_fallback=fallbacks.append,
+                             on_state_change=lambda: heard.append(engine.state().state))  # fmt: skip
         try:
             result = await engine.submit(InferRequest(request_id="x", model="fake", images=images(4)))
             state = engine.state()
@@ -320,7 +321,7 @@ def test_aoti_device_that_keeps_failing_is_taken_out_of_service_for_the_cpu_fall
 
     errors, state, devices = asyncio.run(scenario())
     assert errors == [None] * 4 and state == "DEGRADED" and devices == ("cpu",)
-    assert fallbacks == ["device_failed"]
+    assert fallbacks == ["device_failed"] and heard[-1:] == ["DEGRADED"]  # told, with or without metrics
 
 
 # ---- on a real GPU ---------------------------------------------------------------------------------------------
